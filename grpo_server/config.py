@@ -1,0 +1,222 @@
+"""Typed configuration for the server and its experiments.
+
+Every model is strict (`extra="forbid"`): an unknown key is an error that names the key. Nothing here
+imports an ML package, so the client, the CLI and the front end can validate a config before any
+worker starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment
+# ----------------------------------------------------------------------------------------------
+
+
+class LoraConfig(StrictModel):
+    r: int = Field(16, ge=1, le=256, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+        min_length=1,
+        description="Linear layers that get an adapter (names as in the base model).",
+    )
+
+
+class AlgorithmConfig(StrictModel):
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
+        "grpo",
+        description="grpo: sequence-mean then batch-mean, advantages divided by the group std; "
+        "dr_grpo: no std division, constant normaliser; dapo: token-level mean over the batch; "
+        "gspo: sequence-level importance ratio.",
+    )
+    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate of the adapter.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0 = off).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
+    push_every: int = Field(1, ge=1, description="Optimizer steps between adapter versions.")
+    max_staleness: int = Field(
+        2, ge=0, description="Groups sampled more than this many versions ago are dropped."
+    )
+    skip_zero_variance: bool = Field(True, description="Skip groups whose rewards are all equal.")
+
+
+class SamplingConfig(StrictModel):
+    n: int = Field(8, ge=1, le=256, description="Completions per prompt (the group size).")
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_tokens: int = Field(256, ge=1, description="Most tokens per completion.")
+
+
+class ExperimentConfig(StrictModel):
+    """One experiment (task): its adapter, algorithm and sampling defaults. `{name: x}` is valid."""
+
+    name: str = Field(pattern=r"^[a-z0-9_-]{1,64}$", description="Experiment name, [a-z0-9_-], 1-64 chars.")
+    api_key: SecretStr | None = Field(None, description="A key that grants access to this experiment only.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The config as shown to clients: the key is never echoed."""
+        data = self.model_dump(mode="json", exclude={"api_key"})
+        data["has_api_key"] = self.api_key is not None
+        return data
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers: the front end hands these down; shared fields are set once in ServerConfig.
+# ----------------------------------------------------------------------------------------------
+
+EngineName = Literal["vllm", "transformers", "auto"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class SamplerSettings(StrictModel):
+    """Sampler options as written in the server config."""
+
+    replicas: int = Field(1, ge=1, le=64, description="Sampler processes (one per GPU on a GPU host).")
+    engine: EngineName = Field("auto", description="vllm, transformers, or auto (vllm when importable).")
+    base_port: int = Field(0, ge=0, le=65535, description="Port of replica 0 (0 = pick free ports).")
+    max_loras: int = Field(2, ge=1, description="Most distinct adapters in one engine batch (vLLM).")
+    max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded in the engine's cache.")
+    max_lora_rank: int = Field(16, description="Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ...).")
+    gpu_memory_utilization: float = Field(
+        0.15, gt=0, le=1, description="Share of device memory vLLM reserves (of RAM on CPU)."
+    )
+    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine runs at once.")
+    devices: list[str] = Field(
+        default_factory=list, description="CUDA device ids per replica, e.g. ['0', '1']; empty = inherit."
+    )
+
+
+class LearnerSettings(StrictModel):
+    port: int = Field(0, ge=0, le=65535, description="Learner port (0 = pick a free port).")
+    zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage.")
+    devices: str = Field("", description="CUDA_VISIBLE_DEVICES for the learner; empty = inherit.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+
+
+class SamplerConfig(StrictModel):
+    """What one sampler process reads (written by the front end into the run directory)."""
+
+    model_path: Path
+    run_dir: Path
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    replica: int = 0
+    engine: EngineName = "auto"
+    dtype: DTypeName = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    seed: int = 0
+    max_loras: int = 2
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 16
+    gpu_memory_utilization: float = 0.15
+    kv_cache_gib: float = 2.0
+    max_num_seqs: int = 64
+
+
+class LearnerConfig(StrictModel):
+    """What the learner process reads (written by the front end into the run directory)."""
+
+    model_path: Path
+    run_dir: Path
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    dtype: DTypeName = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    seed: int = 0
+    zero_stage: Literal[0, 1, 2] = 2
+    gradient_checkpointing: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Server
+# ----------------------------------------------------------------------------------------------
+
+
+class ServerConfig(BaseSettings):
+    """The whole server: the front end reads this, and hands the workers their part."""
+
+    model_config = SettingsConfigDict(env_prefix="GRPO_SERVER_", extra="forbid", validate_assignment=True)
+
+    model: str = Field(
+        EMBEDDED_MODEL_NAME, description=f"'{EMBEDDED_MODEL_NAME}' (the embedded model) or a local HF folder."
+    )
+    host: str = Field("127.0.0.1", description="Address the public API listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the public API (0 = pick one).")
+    run_dir: Path = Field(Path("runs/default"), description="Adapters, configs, logs and checkpoints.")
+    api_key: SecretStr | None = Field(
+        None, description="Admin key (env GRPO_SERVER_API_KEY); generated and printed at start if unset."
+    )
+    dtype: DTypeName = Field("auto", description="Model dtype: auto = float32 on CPU, bfloat16 on GPU.")
+    max_model_len: int = Field(2048, ge=16, description="Context length (prompt + completion) in tokens.")
+    seed: int = Field(0, description="Seed of the workers' random generators.")
+    group_ttl_s: float = Field(900.0, gt=0, description="Groups without feedback expire after this long.")
+    worker_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one worker call.")
+    startup_timeout_s: float = Field(900.0, gt=0, description="Longest wait for a worker to become healthy.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    verify_tolerance: float = Field(
+        0.05, gt=0, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
+    )
+    sampler: SamplerSettings = Field(default_factory=SamplerSettings)
+    learner: LearnerSettings = Field(default_factory=LearnerSettings)
+    experiments: list[ExperimentConfig] = Field(
+        default_factory=list, description="Experiments created at start (inline, or YAML file paths)."
+    )
+
+    @field_validator("experiments", mode="before")
+    @classmethod
+    def _load_experiment_files(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [load_yaml(Path(item)) if isinstance(item, str) else item for item in value]
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as handle:
+        data = yaml.safe_load(handle) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_server_config(path: Path | None = None, **overrides: Any) -> ServerConfig:
+    """Server config from an optional YAML file, then the environment, then explicit overrides."""
+    data = load_yaml(path) if path else {}
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    return ServerConfig(**data)
+
+
+def load_experiment_config(path: Path) -> ExperimentConfig:
+    return ExperimentConfig.model_validate(load_yaml(path))
+
+
+def write_resolved(config: BaseModel, path: Path) -> None:
+    """Write a resolved config as YAML, secrets masked, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = config.model_dump(mode="json")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

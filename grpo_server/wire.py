@@ -1,0 +1,172 @@
+"""Internal wire types: the verbs the front end sends to the sampler and the learner.
+
+Bodies travel as msgpack over HTTP on loopback (or the compose network). Both sides validate with these
+models, so a mismatch fails loudly at the boundary. No ML imports here: the workers import this module,
+the front end imports this module, and neither imports the other.
+
+Sampler verbs (POST, msgpack):  /generate  /score  /load_adapter  /unload_adapter ;  GET /health
+Learner verbs (POST, msgpack):  /add_experiment  /train  /save_adapter  /logprobs  /remove_experiment ;
+                                GET /status, GET /health
+Errors: non-2xx with a msgpack body {"error": {"code": str, "message": str}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpo_server.config import AlgorithmConfig, LoraConfig
+
+MSGPACK = "application/msgpack"
+
+
+def pack(obj: Any) -> bytes:
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AdapterRef(WireModel):
+    """One version of one experiment's adapter. The sampler maps it to its own LoRA id."""
+
+    name: str
+    version: int = Field(ge=0)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@v{self.version}"
+
+
+# --- sampler -----------------------------------------------------------------------------------
+
+
+class GenerateRequest(WireModel):
+    prompt_token_ids: list[int] = Field(min_length=1)
+    n: int = Field(1, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] | None = None
+    seed: int | None = None
+    adapter: AdapterRef | None = None
+
+
+class Completion(WireModel):
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # one per token id: log p(token | prefix) under the sampling distribution
+    finish_reason: str  # "stop" | "length"
+
+
+class GenerateResponse(WireModel):
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+
+
+class ScoreRequest(WireModel):
+    """Logprobs of given completions under an adapter, at a temperature (processed logprobs)."""
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+    completions_token_ids: list[list[int]] = Field(min_length=1)
+    temperature: float = 1.0
+    adapter: AdapterRef | None = None
+
+
+class ScoreResponse(WireModel):
+    logprobs: list[list[float]]
+
+
+class LoadAdapterRequest(WireModel):
+    adapter: AdapterRef
+    path: str  # a folder in peft format, new for every version
+
+
+class UnloadAdapterRequest(WireModel):
+    adapter: AdapterRef
+
+
+class SamplerHealth(WireModel):
+    status: Literal["ok"] = "ok"
+    engine: str
+    model: str
+    adapters: list[str]  # AdapterRef.key of every loaded version
+    max_model_len: int
+
+
+# --- learner -----------------------------------------------------------------------------------
+
+
+class AddExperimentRequest(WireModel):
+    name: str
+    lora: LoraConfig
+    algorithm: AlgorithmConfig
+
+
+class AdapterVersion(WireModel):
+    name: str
+    version: int
+    path: str  # a folder that peft and vLLM load as is
+
+
+class TrainSample(WireModel):
+    """One completion with its group-relative advantage."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int] = Field(min_length=1)
+    sampler_logprobs: list[float]  # behaviour logprobs, one per completion token
+    advantage: float
+    reward: float
+    policy_version: int  # the version that sampled it
+
+
+class TrainRequest(WireModel):
+    name: str
+    samples: list[TrainSample] = Field(min_length=1)
+    temperature: float = 1.0  # the sampling temperature the logprobs were taken at
+    num_groups: int = 1
+
+
+class TrainMetrics(WireModel):
+    step: int
+    loss: float
+    reward_mean: float
+    reward_std: float
+    kl: float
+    clipped_fraction: float
+    ratio_mean: float
+    ratio_std: float
+    ratio_min: float
+    ratio_max: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+
+class SaveAdapterRequest(WireModel):
+    name: str
+
+
+class LogprobsRequest(WireModel):
+    name: str
+    prompt_token_ids: list[int]
+    completions_token_ids: list[list[int]] = Field(min_length=1)
+    temperature: float = 1.0
+
+
+class RemoveExperimentRequest(WireModel):
+    name: str
+
+
+class LearnerStatus(WireModel):
+    status: Literal["ok"] = "ok"
+    experiments: dict[str, dict[str, Any]]  # name -> {step, version}
