@@ -133,6 +133,7 @@ class TrainRequest(WireModel):
     name: str
     samples: list[TrainSample] = Field(min_length=1)
     temperature: float = 1.0  # the sampling temperature the logprobs were taken at
+    max_tokens: int = Field(256, ge=1)  # the generation budget: dr_grpo's constant normaliser
     num_groups: int = 1
 
 
@@ -161,6 +162,10 @@ class LogprobsRequest(WireModel):
     prompt_token_ids: list[int]
     completions_token_ids: list[list[int]] = Field(min_length=1)
     temperature: float = 1.0
+
+
+class LogprobsResponse(WireModel):
+    logprobs: list[list[float]]
 
 
 class RemoveExperimentRequest(WireModel):

@@ -1,0 +1,90 @@
+"""The front end's aiohttp application: one route table, one error mapping, workers owned by a cleanup
+context (started before the port opens, stopped when the app stops)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from grpo_server import handlers
+from grpo_server.config import ServerConfig
+from grpo_server.errors import ApiError, PayloadTooLarge
+from grpo_server.http_io import error_response
+from grpo_server.keys import ADMIN_KEY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.worker_set import WorkerSet
+from grpo_server.prompts import PromptBuilder
+from grpo_server.service import Orchestrator
+
+log = logging.getLogger(__name__)
+
+
+def routes() -> list[web.RouteDef]:
+    exp = "/v1/experiments/{name}"
+    return [
+        web.get("/v1/health", handlers.health),
+        web.post("/v1/experiments", handlers.create_experiment),
+        web.get("/v1/experiments", handlers.list_experiments),
+        web.get(exp, handlers.get_experiment),
+        web.delete(exp, handlers.delete_experiment),
+        web.post(exp + "/completions", handlers.completions),
+        web.post(exp + "/feedback", handlers.feedback),
+        web.get(exp + "/adapter", handlers.download_adapter),
+    ]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Domain errors -> their status; aiohttp's own -> JSON; anything else -> 500 without a trace."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(PayloadTooLarge("request body too large"))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(ApiError(exc.reason, code=exc.reason.lower().replace(" ", "_"),
+                                           status=exc.status))
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(ApiError("internal error (logged on the server)", code="internal", status=500))
+
+
+def create_app(config: ServerConfig, admin_key: str) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app.add_routes(routes())
+    app[ADMIN_KEY] = admin_key
+    app[MODEL_NAME] = config.model
+
+    async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
+        workers = WorkerSet(config)
+        session = aiohttp.ClientSession()
+        orchestrator: Orchestrator | None = None
+        try:
+            pool = await workers.start(session, on_sampler_restart=lambda i: orchestrator.resync_sampler(i),
+                                       on_learner_restart=lambda: orchestrator.resync_learner())
+            prompts = PromptBuilder(workers.model_dir, config.max_model_len)
+            orchestrator = Orchestrator(config, pool, prompts)
+            app[ORCHESTRATOR] = orchestrator
+            for experiment in config.experiments:
+                await orchestrator.create(experiment)
+            expiry = asyncio.create_task(orchestrator.expire_groups_forever())
+            log.info("grpo_server ready on http://%s:%s", config.host, config.port)
+            yield
+            expiry.cancel()
+        finally:
+            if orchestrator is not None:
+                await orchestrator.close()
+            await workers.stop()
+            await session.close()
+
+    app.cleanup_ctx.append(workers_and_orchestrator)
+    return app
+

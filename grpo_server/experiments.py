@@ -1,0 +1,65 @@
+"""The live state of one experiment in the front end, and its status as clients see it."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_server.api_models import ExperimentCounters, ExperimentStatus, VerificationResult
+from grpo_server.config import ExperimentConfig
+from grpo_server.groups import Group
+
+RECENT_GROUPS = 32  # the window of "recent reward mean"
+MAX_ERRORS_SHOWN = 20
+
+
+@dataclass
+class Experiment:
+    config: ExperimentConfig
+    serving_version: int = 0  # the version new completions are sampled from
+    learner_version: int = 0  # the newest version the learner has written
+    step: int = 0
+    adapter_paths: dict[int, str] = field(default_factory=dict)  # versions loaded on the samplers
+    inflight: Counter = field(default_factory=Counter)  # requests per version still being sampled
+    counters: ExperimentCounters = field(default_factory=ExperimentCounters)
+    queue: list[Group] = field(default_factory=list)  # groups with feedback, waiting for a batch
+    queue_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    recent_rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUPS))
+    last_metrics: dict[str, Any] | None = None
+    last_push_at: float | None = None
+    last_push_seconds: float | None = None
+    last_verification: VerificationResult | None = None
+    probe: Group | None = None  # a trained group, used to check sampler vs learner after a push
+    errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
+    training_task: asyncio.Task | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def record_error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def status(self, pending_groups: int) -> ExperimentStatus:
+        verification_failed = self.last_verification is not None and not self.last_verification.ok
+        return ExperimentStatus(
+            name=self.name,
+            state="error" if verification_failed else "active",
+            policy_version=self.serving_version,
+            learner_version=self.learner_version,
+            step=self.step,
+            counters=self.counters,
+            queued_groups=len(self.queue),
+            pending_groups=pending_groups,
+            recent_reward_mean=statistics.fmean(self.recent_rewards) if self.recent_rewards else None,
+            kl=self.last_metrics.get("kl") if self.last_metrics else None,
+            last_metrics=self.last_metrics,
+            last_push_at=self.last_push_at,
+            last_push_seconds=self.last_push_seconds,
+            last_verification=self.last_verification,
+            errors=list(self.errors),
+            config=self.config.public_dict(),
+        )

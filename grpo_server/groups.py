@@ -1,0 +1,83 @@
+"""The server-side store of sampled groups, waiting for their feedback.
+
+A group keeps what training needs (prompt and completion token ids, sampler logprobs, the policy version
+that sampled it, the sampling temperature), so clients never send tokens back. A group takes feedback
+once; groups left without feedback expire after a TTL and are counted, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from grpo_server.errors import Conflict, NotFound
+from grpo_server.wire import Completion
+
+
+@dataclass
+class Group:
+    group_id: str
+    experiment: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    policy_version: int
+    temperature: float
+    max_tokens: int
+    created_at: float = field(default_factory=time.monotonic)
+    rewards: list[float] | None = None
+    advantages: list[float] | None = None
+
+
+class GroupStore:
+    """Pending groups per experiment, in creation order (the oldest expire first)."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._pending: OrderedDict[str, Group] = OrderedDict()
+        # Ids that already took feedback, so a repeat is 409 rather than 404; kept as long as a TTL.
+        self._consumed: OrderedDict[str, float] = OrderedDict()
+
+    def new_id(self) -> str:
+        return "grp_" + secrets.token_urlsafe(12)
+
+    def add(self, group: Group) -> None:
+        self._pending[group.group_id] = group
+
+    def peek(self, experiment: str, group_id: str) -> Group:
+        """The pending group: 404 if unknown or expired, 409 if it already took feedback."""
+        group = self._pending.get(group_id)
+        if group is None or group.experiment != experiment:
+            if group_id in self._consumed:
+                raise Conflict(f"group {group_id} already received feedback", code="duplicate_feedback")
+            raise NotFound(f"group {group_id} is unknown or expired", code="group_not_found")
+        return group
+
+    def take(self, experiment: str, group_id: str) -> Group:
+        """Remove and return a group for its feedback (errors as `peek`)."""
+        group = self.peek(experiment, group_id)
+        del self._pending[group_id]
+        self._consumed[group_id] = time.monotonic()
+        return group
+
+    def expire(self, now: float | None = None) -> dict[str, int]:
+        """Drop groups older than the TTL; return how many per experiment."""
+        now = time.monotonic() if now is None else now
+        expired: dict[str, int] = {}
+        while self._pending:
+            group = next(iter(self._pending.values()))
+            if now - group.created_at < self.ttl_s:
+                break
+            self._pending.popitem(last=False)
+            expired[group.experiment] = expired.get(group.experiment, 0) + 1
+        while self._consumed and now - next(iter(self._consumed.values())) >= self.ttl_s:
+            self._consumed.popitem(last=False)
+        return expired
+
+    def drop_experiment(self, experiment: str) -> None:
+        for group_id in [g for g, grp in self._pending.items() if grp.experiment == experiment]:
+            del self._pending[group_id]
+
+    def pending_count(self, experiment: str) -> int:
+        return sum(1 for g in self._pending.values() if g.experiment == experiment)

@@ -1,0 +1,85 @@
+"""Thin HTTP handlers: authorise, parse into a typed model, call the orchestrator, respond."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+from aiohttp import web
+
+from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health
+from grpo_server.auth import ADMIN, principal, require
+from grpo_server.config import ExperimentConfig
+from grpo_server.errors import BadRequest
+from grpo_server.http_io import parse_body, respond
+from grpo_server.keys import ADMIN_KEY, MODEL_NAME, ORCHESTRATOR
+
+
+def _who(request: web.Request) -> str:
+    orchestrator = request.app[ORCHESTRATOR]
+    return principal(request, request.app[ADMIN_KEY], (e.config for e in orchestrator.experiments.values()))
+
+
+async def health(request: web.Request) -> web.Response:
+    states = request.app[ORCHESTRATOR].workers.states()
+    ok = all(state == "ready" for state in states.values())
+    return respond(request, Health(status="ok" if ok else "degraded", workers=states,
+                                   model=request.app[MODEL_NAME]))
+
+
+async def create_experiment(request: web.Request) -> web.Response:
+    require(_who(request), admin_only=True)
+    config = await parse_body(request, ExperimentConfig)
+    status = await request.app[ORCHESTRATOR].create(config)
+    return respond(request, status, status=201)
+
+
+async def list_experiments(request: web.Request) -> web.Response:
+    who = _who(request)
+    orchestrator = request.app[ORCHESTRATOR]
+    names = list(orchestrator.experiments) if who == ADMIN else [who]
+    return respond(request, ExperimentList(experiments=[orchestrator.status(n) for n in names]))
+
+
+async def get_experiment(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(_who(request), name)
+    return respond(request, request.app[ORCHESTRATOR].status(name))
+
+
+async def delete_experiment(request: web.Request) -> web.Response:
+    require(_who(request), admin_only=True)
+    await request.app[ORCHESTRATOR].delete(request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def completions(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(_who(request), name)
+    body = await parse_body(request, CompletionsRequest)
+    return respond(request, await request.app[ORCHESTRATOR].complete(name, body))
+
+
+async def feedback(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(_who(request), name)
+    body = await parse_body(request, FeedbackRequest)
+    return respond(request, request.app[ORCHESTRATOR].feedback(name, body), status=202)
+
+
+async def download_adapter(request: web.Request) -> web.Response:
+    """The adapter version as a .tar.gz of its peft folder (adapter_config.json, adapter_model.safetensors)."""
+    name = request.match_info["name"]
+    require(_who(request), name)
+    raw_version = request.query.get("version")
+    try:
+        version = None if raw_version is None else int(raw_version)
+    except ValueError as exc:
+        raise BadRequest(f"version must be an integer, got {raw_version!r}", code="bad_version") from exc
+    folder = request.app[ORCHESTRATOR].adapter_dir(name, version)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for path in sorted(folder.iterdir()):
+            archive.add(path, arcname=f"{name}-{folder.name}/{path.name}")
+    return web.Response(body=buffer.getvalue(), content_type="application/gzip", headers={
+        "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})

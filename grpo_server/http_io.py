@@ -1,0 +1,61 @@
+"""Public request/response encoding: JSON, or msgpack when the client says so; errors as JSON bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import msgpack
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from grpo_server.errors import ApiError, BadRequest, PayloadTooLarge, Unprocessable
+from grpo_server.wire import MSGPACK
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: web.Request, model: type[M]) -> M:
+    """The body as `model`: 400 for an undecodable body, 413 too large, 422 naming each bad field."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(f"request body over {request.client_max_size} bytes") from exc
+    try:
+        if request.content_type == MSGPACK:
+            data = msgpack.unpackb(raw, raw=False)
+        else:
+            data = json.loads(raw) if raw else {}
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BadRequest(f"body is not valid {'msgpack' if request.content_type == MSGPACK else 'JSON'}: "
+                         f"{exc}", code="malformed_body") from exc
+    if not isinstance(data, dict):
+        raise BadRequest("body must be an object", code="malformed_body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:10]:
+        where = ".".join(str(p) for p in error["loc"]) or "body"
+        parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    return MSGPACK in request.headers.get("Accept", "")
+
+
+def respond(request: web.Request, payload: BaseModel | dict[str, Any], status: int = 200) -> web.Response:
+    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+    if wants_msgpack(request):
+        return web.Response(body=msgpack.packb(data, use_bin_type=True), status=status, content_type=MSGPACK)
+    return web.json_response(data, status=status)
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
+    return web.json_response(error.body(), status=error.status, headers=headers)

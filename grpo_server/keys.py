@@ -1,0 +1,14 @@
+"""Objects shared through the aiohttp application (typed `web.AppKey`s)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from grpo_server.service import Orchestrator
+
+ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
+ADMIN_KEY: web.AppKey[str] = web.AppKey("admin_key", str)
+MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)

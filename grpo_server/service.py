@@ -1,0 +1,185 @@
+"""The orchestrator: experiments, completions and feedback. Handlers call this; it calls the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from grpo_server.advantages import group_advantages, is_zero_variance, scale_by_std_for
+from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, FeedbackRequest,
+                                    FeedbackResponse, ExperimentStatus)
+from grpo_server.config import ExperimentConfig, ServerConfig
+from grpo_server.errors import ApiError, Conflict, NotFound, Unprocessable
+from grpo_server.experiments import Experiment
+from grpo_server.groups import Group, GroupStore
+from grpo_server.prompts import PromptBuilder
+from grpo_server.training import ExperimentTrainer, retire_unused_versions
+from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest, GenerateResponse,
+                              LoadAdapterRequest, RemoveExperimentRequest)
+from grpo_server.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+EXPIRY_INTERVAL_S = 5.0
+
+
+class Orchestrator:
+    def __init__(self, config: ServerConfig, workers: WorkerPool, prompts: PromptBuilder):
+        self.config = config
+        self.workers = workers
+        self.prompts = prompts
+        self.groups = GroupStore(ttl_s=config.group_ttl_s)
+        self.experiments: dict[str, Experiment] = {}
+        self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
+
+    # --- experiments ---------------------------------------------------------------------------
+
+    def get(self, name: str) -> Experiment:
+        experiment = self.experiments.get(name)
+        if experiment is None:
+            raise NotFound(f"experiment {name!r} does not exist", code="experiment_not_found")
+        return experiment
+
+    def status(self, name: str) -> ExperimentStatus:
+        return self.get(name).status(self.groups.pending_count(name))
+
+    async def create(self, config: ExperimentConfig) -> ExperimentStatus:
+        async with self._lock:
+            if config.name in self.experiments:
+                raise Conflict(f"experiment {config.name!r} already exists", code="experiment_exists")
+            exp = Experiment(config=config)
+            # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
+            first: AdapterVersion = await self.workers.learner.call(
+                "add_experiment", AddExperimentRequest(name=config.name, lora=config.lora,
+                                                       algorithm=config.algorithm), AdapterVersion)
+            try:
+                await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path)
+            except ApiError:
+                await self.workers.learner.call("remove_experiment", RemoveExperimentRequest(name=config.name))
+                raise
+            exp.serving_version = exp.learner_version = first.version
+            exp.adapter_paths[first.version] = first.path
+            trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
+                                        self.config.worker_timeout_s)
+            exp.training_task = asyncio.create_task(trainer.run(), name=f"train-{config.name}")
+            self.experiments[config.name] = exp
+            log.info("experiment %s created, serving v%d", config.name, first.version)
+            return self.status(config.name)
+
+    async def delete(self, name: str) -> None:
+        async with self._lock:
+            exp = self.get(name)
+            del self.experiments[name]
+            exp.training_task.cancel()
+            self.groups.drop_experiment(name)
+            for version in list(exp.adapter_paths):
+                await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
+            try:
+                await self.workers.learner.call("remove_experiment", RemoveExperimentRequest(name=name))
+            except ApiError as exc:  # the learner may be restarting; it will not re-add a deleted one
+                log.warning("remove_experiment %s: %s", name, exc.message)
+            log.info("experiment %s deleted (its adapters stay on disk)", name)
+
+    def adapter_dir(self, name: str, version: int | None) -> Path:
+        exp = self.get(name)
+        version = exp.serving_version if version is None else version
+        folder = self.config.run_dir / "adapters" / name / f"v{version:06d}"
+        if not (folder / "adapter_config.json").is_file():
+            raise NotFound(f"experiment {name!r} has no adapter version {version}", code="version_not_found")
+        return folder
+
+    # --- sampling ------------------------------------------------------------------------------
+
+    async def complete(self, name: str, request: CompletionsRequest) -> CompletionsResponse:
+        exp = self.get(name)
+        defaults = exp.config.sampling
+        prompt_ids = self.prompts.token_ids(request)
+        max_tokens = request.max_tokens or defaults.max_tokens
+        self.prompts.check_fits(len(prompt_ids), max_tokens)
+        temperature = defaults.temperature if request.temperature is None else request.temperature
+        version = exp.serving_version
+        exp.inflight[version] += 1  # keeps this version loaded until the request is done
+        try:
+            async with self.workers.sampler() as sampler:
+                result: GenerateResponse = await sampler.call("generate", GenerateRequest(
+                    prompt_token_ids=prompt_ids, n=request.n or defaults.n, temperature=temperature,
+                    top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
+                    seed=request.seed, adapter=AdapterRef(name=name, version=version),
+                ), GenerateResponse)
+        finally:
+            exp.inflight[version] -= 1
+            if version != exp.serving_version:
+                retire_unused_versions(exp, self.workers)
+        group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
+                      completions=result.completions, policy_version=version, temperature=temperature,
+                      max_tokens=max_tokens)
+        self.groups.add(group)
+        exp.counters.groups_sampled += 1
+        exp.counters.completions_sampled += len(result.completions)
+        exp.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
+        return CompletionsResponse(
+            group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
+            completions=[CompletionOut(**c.model_dump()) for c in result.completions],
+        )
+
+    # --- feedback ------------------------------------------------------------------------------
+
+    def feedback(self, name: str, request: FeedbackRequest) -> FeedbackResponse:
+        exp = self.get(name)
+        group = self.groups.peek(name, request.group_id)
+        if len(request.rewards) != len(group.completions):
+            raise Unprocessable(f"group {group.group_id} has {len(group.completions)} completions but "
+                                f"{len(request.rewards)} rewards were sent", code="reward_count_mismatch")
+        self.groups.take(name, request.group_id)
+        exp.counters.groups_received += 1
+        exp.recent_rewards.append(sum(request.rewards) / len(request.rewards))
+        algorithm = exp.config.algorithm
+        if algorithm.skip_zero_variance and is_zero_variance(request.rewards):
+            exp.counters.groups_zero_variance += 1
+            return FeedbackResponse(group_id=group.group_id, skipped="zero_variance")
+        group.rewards = list(request.rewards)
+        group.advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        exp.queue.append(group)
+        exp.queue_changed.set()
+        return FeedbackResponse(group_id=group.group_id)
+
+    # --- background upkeep ---------------------------------------------------------------------
+
+    async def expire_groups_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_INTERVAL_S)
+            for name, count in self.groups.expire().items():
+                if name in self.experiments:
+                    self.experiments[name].counters.groups_expired += count
+
+    async def resync_sampler(self, sampler_index: int) -> None:
+        """After a sampler restart: load every live version again."""
+        sampler = self.workers.samplers[sampler_index]
+        for exp in list(self.experiments.values()):
+            for version, path in list(exp.adapter_paths.items()):
+                await sampler.call("load_adapter", LoadAdapterRequest(
+                    adapter=AdapterRef(name=exp.name, version=version), path=path))
+        log.info("%s re-loaded %d experiments' adapters", sampler.name, len(self.experiments))
+
+    async def resync_learner(self) -> None:
+        """After a learner restart: add every experiment again; the learner resumes the newest version
+        on disk (optimizer state starts fresh)."""
+        async with self._lock:
+            for exp in list(self.experiments.values()):
+                resumed: AdapterVersion = await self.workers.learner.call(
+                    "add_experiment", AddExperimentRequest(name=exp.name, lora=exp.config.lora,
+                                                           algorithm=exp.config.algorithm), AdapterVersion)
+                exp.learner_version = resumed.version
+                exp.record_error(f"learner restarted; resumed at v{resumed.version}, optimizer state reset")
+                if resumed.version != exp.serving_version:
+                    await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
+                                                       resumed.path)
+                    exp.adapter_paths[resumed.version] = resumed.path
+                    exp.serving_version = resumed.version
+                    retire_unused_versions(exp, self.workers)
+
+    async def close(self) -> None:
+        for exp in self.experiments.values():
+            if exp.training_task is not None:
+                exp.training_task.cancel()

@@ -1,0 +1,164 @@
+"""Worker processes (sampler replicas, learner): start, wait healthy, watch, restart, stop.
+
+Each worker runs in its own process group, so stopping it also stops what it spawned (vLLM's engine
+core). PR_SET_PDEATHSIG makes a worker die with the front end even when the front end is killed -9,
+so Ctrl-C or a crash leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+MAX_CRASHES = 5  # within CRASH_WINDOW_S, then the worker is marked failed and not restarted
+CRASH_WINDOW_S = 600.0
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+STOP_GRACE_S = 15.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class WorkerProcess:
+    """One supervised worker. `state` is starting | ready | restarting | failed | stopped."""
+
+    def __init__(self, name: str, argv: list[str], url: str, log_path: Path, *,
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 900.0,
+                 on_restart: Callable[[], Awaitable[None]] | None = None):
+        self.name = name
+        self.argv = argv
+        self.url = url
+        self.log_path = log_path
+        self.env = env
+        self.startup_timeout_s = startup_timeout_s
+        self.on_restart = on_restart
+        self.state = "stopped"
+        self.last_error: str | None = None
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._crashes: deque[float] = deque()
+        self._watcher: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def start(self) -> None:
+        self._stopping = False
+        await self._spawn_and_wait()
+        self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.name}")
+
+    async def _spawn_and_wait(self) -> None:
+        self.state = "starting"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self._proc = subprocess.Popen(
+                self.argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent,
+            )
+        log.info("%s: started pid %s, log %s", self.name, self._proc.pid, self.log_path)
+        await self._wait_healthy()
+        self.state = "ready"
+        log.info("%s: ready at %s", self.name, self.url)
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with code {self._proc.returncode} during start-up; "
+                        f"last log lines:\n{self.tail_log()}"
+                    )
+                try:
+                    async with session.get(self.url + "/health") as response:
+                        if response.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                await asyncio.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {self.startup_timeout_s:.0f} s; log {self.log_path}")
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            code = await asyncio.to_thread(self._proc.wait)
+            if self._stopping:
+                return
+            self.last_error = f"exited with code {code}"
+            log.error("%s: %s; last log lines:\n%s", self.name, self.last_error, self.tail_log())
+            now = time.monotonic()
+            self._crashes.append(now)
+            while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
+                self._crashes.popleft()
+            if len(self._crashes) > MAX_CRASHES:
+                self.state = "failed"
+                log.error("%s: crashed %d times in %.0f s, not restarting", self.name,
+                          len(self._crashes), CRASH_WINDOW_S)
+                return
+            self.state = "restarting"
+            await asyncio.sleep(BACKOFF_S[min(len(self._crashes) - 1, len(BACKOFF_S) - 1)])
+            try:
+                await self._spawn_and_wait()
+                self.restarts += 1
+                if self.on_restart is not None:
+                    await self.on_restart()
+            except Exception as exc:  # reported in state and log; the loop tries again
+                self.last_error = f"restart failed: {exc}"
+                log.error("%s: %s", self.name, self.last_error)
+                self._kill_group(signal.SIGKILL)
+
+    def tail_log(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _kill_group(self, sig: int) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._proc is not None and self._proc.poll() is None:
+            self._kill_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                self._kill_group(signal.SIGKILL)
+                await asyncio.to_thread(self._proc.wait)
+        # Children of the worker (vLLM's engine core) share its process group.
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self.state = "stopped"

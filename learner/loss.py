@@ -1,0 +1,170 @@
+"""GRPO-family policy losses as pure torch functions.
+
+Shapes ride in the names: B sequences, T completion positions, V vocabulary. Every loss is scaled by
+*whole optimizer-batch* sizes (`BatchNormalizer`), so the loss of a micro-batch is its exact share of
+the batch loss: summing micro-batch losses (gradient accumulation) gives the batch loss and gradient,
+with no bias from how the batch was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
+
+# Log-ratios beyond this are a broken batch, not a signal; clamping keeps exp() finite so one bad
+# token cannot turn the whole step into inf/NaN (exp(20) ~ 5e8 is far outside any clip range).
+_MAX_LOG_RATIO = 20.0
+
+
+def token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) gathered at token_ids; float32.
+
+    logits[:, t] is the distribution of token_ids[:, t] (the caller shifts). The temperature must be
+    the sampler's, or the learner's logprobs would not match the behaviour policy's.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    logits = logits_B_T_V.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_B_T_V = torch.log_softmax(logits, dim=-1)
+    return logp_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    loss_type: str  # "grpo" | "dr_grpo" | "dapo" | "gspo"
+    clip_low: float  # ratio lower bound is 1 - clip_low
+    clip_high: float  # ratio upper bound is 1 + clip_high (clip-higher, DAPO)
+    beta: float = 0.0  # KL-to-base weight
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0 or self.beta < 0.0:
+            raise ValueError(f"need 0 <= clip_low < 1, clip_high >= 0, beta >= 0: {self}")
+
+
+@dataclass(frozen=True)
+class BatchNormalizer:
+    """Whole optimizer-batch sizes, so a micro-batch's loss is its exact share of the batch loss and
+    micro-batch losses SUM to the batch loss (gradient accumulation without bias)."""
+
+    num_sequences: int  # sequences in the whole batch
+    num_tokens: int  # completion tokens (mask sum) in the whole batch
+    max_tokens: int  # dr_grpo's constant normaliser (the generation budget)
+
+    def __post_init__(self) -> None:
+        if self.num_sequences < 1 or self.num_tokens < 0 or self.max_tokens < 1:
+            raise ValueError(f"need num_sequences >= 1, num_tokens >= 0, max_tokens >= 1: {self}")
+
+
+def _masked_log_diff(a_B_T: Tensor, b_B_T: Tensor, valid_B_T: Tensor) -> Tensor:
+    """a - b on valid positions, exactly 0 on padding.
+
+    torch.where (not a multiply) so padding gets a zero gradient even when a or b is huge there:
+    a multiply would give 0 * inf = NaN through exp's backward.
+    """
+    diff = torch.where(valid_B_T, a_B_T - b_B_T, torch.zeros_like(a_B_T))
+    return diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _aggregate(tok_B_T: Tensor, mask_B_T: Tensor, loss_type: str, norm: BatchNormalizer) -> Tensor:
+    """Reduce a per-token quantity (already 0 on padding) to this micro-batch's share of the batch."""
+    if loss_type in ("grpo", "gspo"):
+        # Each sequence weighs the same regardless of length; an empty sequence contributes 0.
+        lengths_B = mask_B_T.sum(-1).clamp(min=1.0)
+        return (tok_B_T.sum(-1) / lengths_B).sum() / norm.num_sequences
+    if loss_type == "dr_grpo":
+        # Constant normaliser: no length bias (Dr. GRPO).
+        return tok_B_T.sum() / (norm.num_sequences * norm.max_tokens)
+    # dapo: every token of the batch weighs the same.
+    return tok_B_T.sum() / max(norm.num_tokens, 1)
+
+
+def _clipped_objective(
+    ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO surrogate min(r*A, clip(r)*A) and where the clipped branch is the active (smaller) one."""
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    objective = torch.minimum(ratio * adv, clipped_ratio * adv)
+    # Only the bound that the sign of A makes binding matters: above for A > 0, below for A < 0.
+    is_clipped = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
+    return objective, is_clipped
+
+
+def policy_loss(
+    logp_B_T: Tensor,
+    old_logp_B_T: Tensor,
+    advantages_B: Tensor,
+    mask_B_T: Tensor,
+    settings: LossSettings,
+    norm: BatchNormalizer,
+    ref_logp_B_T: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the batch loss, and detached stats (sums and extremes).
+
+    old_logp are the sampler's (behaviour) logprobs; the ratio against them is the off-policy
+    correction. ref_logp are the base model's, used for the KL penalty when beta > 0. Stats:
+    token_count, seq_count, clipped_count, ratio_sum, ratio_sq_sum, ratio_min, ratio_max (+inf / -inf
+    when no valid token, the identities of min / max), kl_sum (computed whenever ref is given, for
+    monitoring, even when beta = 0).
+    """
+    if settings.beta > 0 and ref_logp_B_T is None:
+        raise ValueError("beta > 0 needs ref_logp_B_T (the base model's logprobs)")
+    valid_B_T = mask_B_T.bool()
+    mask_B_T = valid_B_T.float()
+    logp_B_T = logp_B_T.float()
+    old_logp_B_T = old_logp_B_T.detach().float()
+    adv_B = advantages_B.detach().float()
+    lengths_B = mask_B_T.sum(-1)
+
+    log_ratio_B_T = _masked_log_diff(logp_B_T, old_logp_B_T, valid_B_T)
+
+    if settings.loss_type == "gspo":
+        # One ratio per sequence: the geometric mean of its token ratios (GSPO); gradient flows
+        # through the mean into every token.
+        seq_log_ratio_B = log_ratio_B_T.sum(-1) / lengths_B.clamp(min=1.0)
+        seq_ratio_B = seq_log_ratio_B.exp()
+        objective_B, clipped_B = _clipped_objective(seq_ratio_B, adv_B, settings.clip_low, settings.clip_high)
+        has_tokens_B = lengths_B > 0
+        # An empty sequence has no tokens to learn from: it must not add -A to the loss either.
+        loss = -(objective_B * has_tokens_B).sum() / norm.num_sequences
+        ratio_B_T = seq_ratio_B.unsqueeze(-1).expand_as(mask_B_T)
+        clipped_B_T = clipped_B.unsqueeze(-1).expand_as(valid_B_T) & valid_B_T
+    else:
+        ratio_B_T = log_ratio_B_T.exp()  # 1 on padding
+        objective_B_T, clipped_B_T = _clipped_objective(
+            ratio_B_T, adv_B.unsqueeze(-1), settings.clip_low, settings.clip_high
+        )
+        clipped_B_T = clipped_B_T & valid_B_T
+        loss = _aggregate(-objective_B_T * mask_B_T, mask_B_T, settings.loss_type, norm)
+
+    kl_sum = torch.zeros((), device=logp_B_T.device)
+    if ref_logp_B_T is not None:
+        # k3 estimator (Schulman): unbiased for KL(pi || ref) under pi's samples, always >= 0.
+        ref_diff_B_T = _masked_log_diff(ref_logp_B_T.detach().float(), logp_B_T, valid_B_T)
+        kl_B_T = (ref_diff_B_T.exp() - ref_diff_B_T - 1.0) * mask_B_T
+        kl_sum = kl_B_T.detach().sum()
+        if settings.beta > 0:
+            kl_loss_type = "grpo" if settings.loss_type == "gspo" else settings.loss_type
+            loss = loss + settings.beta * _aggregate(kl_B_T, mask_B_T, kl_loss_type, norm)
+
+    with torch.no_grad():
+        ratio_B_T = ratio_B_T.detach()
+        inf = torch.tensor(float("inf"), device=ratio_B_T.device)
+        stats = {
+            "token_count": mask_B_T.sum(),
+            "seq_count": torch.tensor(float(mask_B_T.shape[0]), device=mask_B_T.device),
+            "clipped_count": clipped_B_T.float().sum(),
+            "ratio_sum": (ratio_B_T * mask_B_T).sum(),
+            "ratio_sq_sum": (ratio_B_T.square() * mask_B_T).sum(),
+            "ratio_min": torch.where(valid_B_T, ratio_B_T, inf).min() if ratio_B_T.numel() else inf,
+            "ratio_max": torch.where(valid_B_T, ratio_B_T, -inf).max() if ratio_B_T.numel() else -inf,
+            "kl_sum": kl_sum,
+        }
+    return loss, stats
