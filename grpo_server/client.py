@@ -1,0 +1,165 @@
+"""Python client for grpo_server: `AsyncClient` (aiohttp) and `Client` (the same calls, blocking).
+
+    from grpo_server.client import Client
+    with Client("http://127.0.0.1:8000", api_key) as client:
+        client.create_experiment({"name": "alphabetize"})
+        group = client.complete("alphabetize", messages=[{"role": "user", "content": "Sort: b a"}], n=8)
+        client.feedback("alphabetize", group.group_id, [score(c.text) for c in group.completions])
+
+Errors from the server raise `GrpoServerError` with its status, code and message. Needs only aiohttp and
+pydantic (no torch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, Coroutine, TypeVar
+
+import aiohttp
+
+from grpo_server.api_models import CompletionsResponse, ExperimentList, ExperimentStatus, FeedbackResponse, Health
+from grpo_server.config import ExperimentConfig
+
+T = TypeVar("T")
+
+
+class GrpoServerError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None):
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+
+class AsyncClient:
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        return self._session
+
+    async def _request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+        async with self._http().request(method, self.base_url + path, json=json, params=params) as response:
+            if response.status >= 400:
+                try:
+                    error = (await response.json()).get("error", {})
+                except (aiohttp.ContentTypeError, ValueError):
+                    error = {"message": await response.text()}
+                retry = response.headers.get("Retry-After")
+                raise GrpoServerError(response.status, error.get("code", "error"), error.get("message", ""),
+                                      float(retry) if retry else None)
+            if response.content_type == "application/json":
+                return await response.json()
+            return await response.read()
+
+    async def health(self) -> Health:
+        return Health.model_validate(await self._request("GET", "/v1/health"))
+
+    async def create_experiment(self, config: ExperimentConfig | dict) -> ExperimentStatus:
+        body = config if isinstance(config, dict) else _config_body(config)
+        return ExperimentStatus.model_validate(await self._request("POST", "/v1/experiments", json=body))
+
+    async def list_experiments(self) -> list[ExperimentStatus]:
+        return ExperimentList.model_validate(await self._request("GET", "/v1/experiments")).experiments
+
+    async def status(self, experiment: str) -> ExperimentStatus:
+        return ExperimentStatus.model_validate(await self._request("GET", f"/v1/experiments/{experiment}"))
+
+    async def delete_experiment(self, experiment: str) -> None:
+        await self._request("DELETE", f"/v1/experiments/{experiment}")
+
+    async def complete(self, experiment: str, prompt: str | None = None, *,
+                       messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
+                       **sampling: Any) -> CompletionsResponse:
+        """n completions of one prompt (give exactly one of prompt / messages / prompt_token_ids);
+        sampling: n, temperature, top_p, max_tokens, stop, seed."""
+        body = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids, **sampling}
+        body = {k: v for k, v in body.items() if v is not None}
+        return CompletionsResponse.model_validate(
+            await self._request("POST", f"/v1/experiments/{experiment}/completions", json=body))
+
+    async def feedback(self, experiment: str, group_id: str, rewards: list[float]) -> FeedbackResponse:
+        return FeedbackResponse.model_validate(await self._request(
+            "POST", f"/v1/experiments/{experiment}/feedback", json={"group_id": group_id, "rewards": rewards}))
+
+    async def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
+        """Save the adapter archive (.tar.gz of a peft folder) to `dest`; returns the file's path."""
+        params = None if version is None else {"version": str(version)}
+        data = await self._request("GET", f"/v1/experiments/{experiment}/adapter", params=params)
+        dest = Path(dest)
+        dest.write_bytes(data)
+        return dest
+
+
+def _config_body(config: ExperimentConfig) -> dict:
+    body = config.model_dump(mode="json")
+    body["api_key"] = config.api_key.get_secret_value() if config.api_key else None
+    return body
+
+
+class Client:
+    """The blocking twin of AsyncClient: one event loop on a private thread runs its calls."""
+
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="grpo-client")
+        self._thread.start()
+        self._async = AsyncClient(base_url, api_key, timeout_s)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def health(self) -> Health:
+        return self._run(self._async.health())
+
+    def create_experiment(self, config: ExperimentConfig | dict) -> ExperimentStatus:
+        return self._run(self._async.create_experiment(config))
+
+    def list_experiments(self) -> list[ExperimentStatus]:
+        return self._run(self._async.list_experiments())
+
+    def status(self, experiment: str) -> ExperimentStatus:
+        return self._run(self._async.status(experiment))
+
+    def delete_experiment(self, experiment: str) -> None:
+        return self._run(self._async.delete_experiment(experiment))
+
+    def complete(self, experiment: str, prompt: str | None = None, **kwargs: Any) -> CompletionsResponse:
+        return self._run(self._async.complete(experiment, prompt, **kwargs))
+
+    def feedback(self, experiment: str, group_id: str, rewards: list[float]) -> FeedbackResponse:
+        return self._run(self._async.feedback(experiment, group_id, rewards))
+
+    def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
+        return self._run(self._async.download_adapter(experiment, dest, version))

@@ -1,0 +1,96 @@
+"""Adapter versions on disk: `run_dir/adapters/{name}/v{version:06d}/`.
+
+Each version folder holds `adapter_config.json` and `adapter_model.safetensors` at its top level, in
+the plain peft format that `PeftModel.from_pretrained(base, folder)` and vLLM's `LoRARequest` load as
+is: keys like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, no adapter name in
+the keys, no embedding weights. A folder is written under a temporary name and renamed into place,
+so a reader (the sampler, a restarted learner) never sees half a version: every `v*` folder is whole.
+
+The training step count rides in the safetensors metadata (readers ignore it), so a restarted learner
+continues its step numbering without an extra file in the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+STEP_KEY = "grpo_server_step"
+_VERSION_RE = re.compile(r"^v(\d{6,})$")
+
+
+def adapter_root(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / "adapters" / name
+
+
+def version_dir(run_dir: Path, name: str, version: int) -> Path:
+    return adapter_root(run_dir, name) / f"v{version:06d}"
+
+
+def list_versions(run_dir: Path, name: str) -> list[int]:
+    """Complete versions on disk, oldest first (temporary folders of an interrupted write are skipped)."""
+    root = adapter_root(run_dir, name)
+    if not root.is_dir():
+        return []
+    versions = []
+    for child in root.iterdir():
+        match = _VERSION_RE.match(child.name)
+        if match and (child / CONFIG_FILE).is_file() and (child / WEIGHTS_FILE).is_file():
+            versions.append(int(match.group(1)))
+    return sorted(versions)
+
+
+def latest_version(run_dir: Path, name: str) -> int | None:
+    versions = list_versions(run_dir, name)
+    return versions[-1] if versions else None
+
+
+def _json_default(value: Any) -> Any:
+    # peft configs hold sets (target_modules) and enums; JSON wants lists and strings.
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
+def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> Path:
+    """Write one version atomically: a temporary sibling folder, then a rename onto `folder`."""
+    folder = Path(folder)
+    if folder.exists():
+        raise FileExistsError(f"adapter version folder already exists: {folder}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        # Clone: the live parameters are views into DeepSpeed's flat buffers, and safetensors refuses
+        # tensors that share storage.
+        cpu_tensors = {key: value.detach().to("cpu").clone().contiguous() for key, value in tensors.items()}
+        save_file(cpu_tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", STEP_KEY: str(step)})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def read_version(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
+    """(adapter config, tensors on CPU, training step) of one version folder."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        for key in handle.keys():
+            tensors[key] = handle.get_tensor(key)
+    return config, tensors, int(metadata.get(STEP_KEY, 0))

@@ -1,0 +1,122 @@
+"""Samples -> right-padded micro-batches with the indices that pick out completion logprobs.
+
+A sequence is prompt + completion. Only completion tokens are scored: completion token j of sequence b
+sits at position P_b + j and is predicted by the logits at position P_b + j - 1. Sequences are sorted
+by length before they are cut into micro-batches, so each micro-batch pads to a similar length.
+
+The LM head only runs over the last K positions of a micro-batch (`logits_to_keep=K`), from the
+earliest position that predicts a completion token; with vocabularies of ~50k, the logits of the
+prompt would otherwise dominate the memory of a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner.errors import bad_request
+
+
+@dataclass(frozen=True)
+class Sequence:
+    prompt: list[int]
+    completion: list[int]
+    old_logp: list[float]  # behaviour (sampler) logprobs, one per completion token
+    advantage: float = 0.0
+
+
+@dataclass
+class MicroBatch:
+    indices: list[int]  # where these sequences sit in the request
+    input_ids_B_L: Tensor  # right-padded prompt + completion
+    attention_mask_B_L: Tensor  # 1 on real tokens, 0 on padding
+    logits_to_keep: int  # K: the model returns logits of the last K positions only
+    targets_B_K: Tensor  # the token each kept logit position predicts (0 past the end)
+    gather_B_C: Tensor  # index into K of the logit that predicts completion token j (0 on padding)
+    mask_B_C: Tensor  # True on real completion tokens
+    old_logp_B_C: Tensor
+    advantages_B: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask_B_C.sum())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        moved = {key: (value.to(device) if isinstance(value, Tensor) else value) for key, value in vars(self).items()}
+        return MicroBatch(**moved)
+
+
+def check_sequence(seq: Sequence, vocab_size: int, max_model_len: int, where: str) -> None:
+    """Reject what would crash the model or silently train on garbage, with a message naming it."""
+    if not seq.prompt:
+        # The first completion token needs a position before it that predicts it.
+        raise bad_request(f"{where}: prompt_token_ids is empty (at least one prompt token is needed)")
+    if not seq.completion:
+        raise bad_request(f"{where}: the completion is empty")
+    total = len(seq.prompt) + len(seq.completion)
+    if total > max_model_len:
+        raise bad_request(f"{where}: prompt + completion is {total} tokens, over max_model_len {max_model_len}")
+    for label, ids in (("prompt", seq.prompt), ("completion", seq.completion)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"{where}: {label} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(seq.old_logp) != len(seq.completion):
+        raise bad_request(
+            f"{where}: {len(seq.old_logp)} sampler_logprobs for {len(seq.completion)} completion tokens"
+        )
+    if not all(math.isfinite(x) and x <= 0.0 for x in seq.old_logp):
+        raise bad_request(f"{where}: sampler_logprobs must be finite and <= 0")
+    if not math.isfinite(seq.advantage):
+        raise bad_request(f"{where}: advantage is not finite")
+
+
+def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatch:
+    prompt_lens = [len(s.prompt) for s in seqs]
+    completion_lens = [len(s.completion) for s in seqs]
+    B = len(seqs)
+    L = max(p + c for p, c in zip(prompt_lens, completion_lens))
+    C = max(completion_lens)
+    first = min(prompt_lens) - 1  # earliest position whose logits predict a completion token
+    K = L - first
+
+    input_ids_B_L = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask_B_L = torch.zeros((B, L), dtype=torch.long)
+    gather_B_C = torch.zeros((B, C), dtype=torch.long)
+    mask_B_C = torch.zeros((B, C), dtype=torch.bool)
+    old_logp_B_C = torch.zeros((B, C), dtype=torch.float32)
+    for b, seq in enumerate(seqs):
+        P, n = prompt_lens[b], completion_lens[b]
+        input_ids_B_L[b, : P + n] = torch.tensor(seq.prompt + seq.completion, dtype=torch.long)
+        attention_mask_B_L[b, : P + n] = 1
+        gather_B_C[b, :n] = torch.arange(n) + (P - 1 - first)
+        mask_B_C[b, :n] = True
+        old_logp_B_C[b, :n] = torch.tensor(seq.old_logp, dtype=torch.float32)
+
+    # Kept position k is full position first + k and predicts the token at first + k + 1; the last
+    # position predicts nothing (target 0, never gathered).
+    targets_B_K = torch.zeros((B, K), dtype=torch.long)
+    targets_B_K[:, : K - 1] = input_ids_B_L[:, first + 1 :]
+    advantages_B = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+    return MicroBatch(indices, input_ids_B_L, attention_mask_B_L, K, targets_B_K, gather_B_C, mask_B_C,
+                      old_logp_B_C, advantages_B)
+
+
+def make_micro_batches(seqs: list[Sequence], micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
+    """Cut sequences into micro-batches of at most `micro_batch_size`, longest first."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt) + len(seqs[i].completion), reverse=True)
+    batches = []
+    for start in range(0, len(order), micro_batch_size):
+        chunk = order[start : start + micro_batch_size]
+        batches.append(_collate([seqs[i] for i in chunk], chunk, pad_id))
+    return batches
+
+
+def gather_completion_logp(logp_B_K: Tensor, batch: MicroBatch) -> Tensor:
+    """Per-completion-token logprobs [B, C] from per-kept-position logprobs [B, K]; 0 on padding."""
+    logp_B_C = logp_B_K.gather(1, batch.gather_B_C)
+    return torch.where(batch.mask_B_C, logp_B_C, torch.zeros_like(logp_B_C))

@@ -1,0 +1,111 @@
+"""Start the real `grpo-server serve` (front end + sampler + learner processes) for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+ADMIN_KEY = "test-admin-key"
+STARTUP_TIMEOUT_S = 600
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    api_key: str
+    run_dir: Path
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the front end's worker processes (children of the server process)."""
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrides) -> ServerHandle:
+    port = free_port()
+    config = {
+        "model": str(model_dir),
+        "port": port,
+        "run_dir": str(run_dir),
+        "api_key": ADMIN_KEY,
+        "max_model_len": 512,
+        "group_ttl_s": 300,
+        "startup_timeout_s": STARTUP_TIMEOUT_S,
+        "worker_timeout_s": 120,
+        "verify_tolerance": 0.01,  # float32 on both sides: they should agree to ~1e-5
+        "sampler": {"engine": engine, "kv_cache_gib": 0.5, "max_num_seqs": 32, "max_lora_rank": 16},
+        "learner": {"zero_stage": 2},
+        **overrides,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "server.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = run_dir / "server.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "grpo_server.cli", "serve", "--config", str(config_path)],
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    handle = ServerHandle(f"http://127.0.0.1:{port}", ADMIN_KEY, run_dir, process, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{handle.log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return handle
+        except OSError:
+            time.sleep(1)
+    stop_server(handle)
+    raise TimeoutError(f"server not up after {STARTUP_TIMEOUT_S} s:\n{handle.log_tail()}")
+
+
+def stop_server(handle: ServerHandle) -> int:
+    handle.process.send_signal(signal.SIGINT)
+    try:
+        return handle.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        handle.process.kill()
+        return handle.process.wait()
+
+
+async def wait_for(predicate, timeout_s: float, interval_s: float = 0.5):
+    """Poll an async predicate until it returns a truthy value (returned) or the time runs out."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    raise TimeoutError(f"condition not met within {timeout_s} s")
+
+
+def headers(key: str = ADMIN_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body, key: str = ADMIN_KEY):
+    async with session.post(url, json=body, headers=headers(key)) as response:
+        return response.status, await response.json()

@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from grpo_server.config import ExperimentConfig, ServerConfig, load_experiment_config, load_server_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_name_alone_is_a_valid_experiment():
+    config = ExperimentConfig(name="x")
+    assert config.lora.r == 16 and config.lora.alpha == 32
+    assert config.algorithm.loss == "grpo" and config.algorithm.clip_high == 0.28
+    assert config.sampling.n == 8
+    assert "gate_proj" in config.lora.target_modules
+
+
+@pytest.mark.parametrize("data, where", [
+    ({"name": "x", "bogus": 1}, "bogus"),
+    ({"name": "x", "lora": {"rank": 4}}, "lora.rank"),
+    ({"name": "x", "algorithm": {"loss": "ppo"}}, "algorithm.loss"),
+    ({"name": "Upper"}, "name"),
+    ({"name": "x" * 65}, "name"),
+    ({"name": "x", "sampling": {"n": 0}}, "sampling.n"),
+])
+def test_experiment_config_is_strict_and_names_the_key(data, where):
+    with pytest.raises(ValidationError) as info:
+        ExperimentConfig.model_validate(data)
+    locations = {".".join(str(p) for p in e["loc"]) for e in info.value.errors()}
+    assert where in locations
+
+
+def test_api_key_is_never_shown():
+    config = ExperimentConfig(name="x", api_key="secret-value")
+    assert "secret-value" not in str(config.public_dict())
+    assert config.public_dict()["has_api_key"] is True
+
+
+def test_shipped_configs_validate():
+    for path in CONFIGS.glob("*.yaml"):
+        if path.name == "server.yaml":
+            load_server_config(path)
+        else:
+            load_experiment_config(path)
+
+
+def test_server_config_strict_and_env(monkeypatch, tmp_path):
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump({"port": 9, "sampler": {"replicas": 2, "typo": 1}}))
+    with pytest.raises(ValidationError, match="sampler.typo"):
+        load_server_config(path)
+    monkeypatch.setenv("GRPO_SERVER_API_KEY", "from-env")
+    assert ServerConfig().api_key.get_secret_value() == "from-env"
+
+
+def test_server_config_loads_experiment_files(tmp_path):
+    config = load_server_config(None, experiments=[str(CONFIGS / "alphabetize.yaml")])
+    assert config.experiments[0].name == "alphabetize"
