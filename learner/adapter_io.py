@@ -77,6 +77,9 @@ def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch
         cpu_tensors = {key: value.detach().to("cpu").clone().contiguous() for key, value in tensors.items()}
         save_file(cpu_tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", STEP_KEY: str(step)})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
+        # safetensors creates its file 0600; a sampler running as another user (compose) must read it.
+        for path in (tmp, tmp / WEIGHTS_FILE, tmp / CONFIG_FILE):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         os.rename(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

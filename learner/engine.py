@@ -1,0 +1,91 @@
+"""One DeepSpeed engine per experiment, all over the same peft model.
+
+Each engine is given only its adapter's parameters and its own torch AdamW (a DeepSpeed optimizer
+config would JIT-build the CPU fused Adam, ~90 s; a torch optimizer needs no build). ZeRO flattens just
+those parameters, so stepping one engine cannot move another experiment's adapter.
+
+Gradient accumulation is owned by the trainer, not by DeepSpeed's micro-step counter, because the number
+of micro-batches changes from batch to batch:
+  * `gradient_accumulation_steps` is 1 and `backward(loss, scale_wrt_gas=False)`: DeepSpeed never
+    divides the loss; each micro-batch loss is already its exact share of the batch loss (loss.py's
+    BatchNormalizer), so the accumulated gradient is the whole-batch gradient.
+  * `set_gradient_accumulation_boundary(False)` before every micro-batch but the last, `True` before the
+    last, then one `step()`: ZeRO keeps adding gradients into its partition until the boundary, then
+    clips the *summed* gradient by its global norm (`gradient_clipping`) and takes one AdamW step.
+tests/test_learner.py checks the result against a plain torch loop and against one big micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from grpo_server.config import AlgorithmConfig
+
+log = logging.getLogger(__name__)
+
+
+def ds_config(algorithm: AlgorithmConfig, zero_stage: int, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": algorithm.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": algorithm.max_grad_norm,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        # DeepSpeed's own progress lines every N steps would interleave with ours; we log each step.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(model: torch.nn.Module, params: list[torch.nn.Parameter], algorithm: AlgorithmConfig,
+                zero_stage: int, dtype: torch.dtype) -> Any:
+    import deepspeed
+
+    # ZeRO keeps only parameters that require grad at initialize time.
+    for param in params:
+        param.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=algorithm.learning_rate, weight_decay=algorithm.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=params, optimizer=optimizer,
+        config=ds_config(algorithm, zero_stage, dtype),
+    )
+    return engine
+
+
+def release_engine(engine: Any) -> None:
+    """Drop an engine without touching the shared model's other adapters.
+
+    `destroy()` removes ZeRO's gradient hooks but not the forward hooks the engine put on the shared
+    module; left there, they would keep the dead engine (and its optimizer state) alive and run on
+    every later forward of the other experiments.
+    """
+    try:
+        engine.destroy()
+    finally:
+        for attr in ("module_forward_pre_hook", "module_forward_post_hook"):
+            handle = getattr(engine, attr, None)
+            if handle is not None:
+                handle.remove()
+                setattr(engine, attr, None)
+
+
+def optimizer_step(engine: Any, params: list[torch.nn.Parameter]) -> float:
+    """The optimizer step at the accumulation boundary; returns the summed gradient's global norm
+    (before clipping).
+
+    ZeRO computes that norm itself. At stage 0 the torch optimizer runs alone and DeepSpeed keeps no
+    norm, so it is taken here from the gradients, which the boundary backward has already all-reduced.
+    """
+    own_norm = None
+    if not engine.zero_optimization():
+        norms = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
+        own_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    engine.step()
+    value = engine.get_global_grad_norm()
+    if value is not None:
+        return float(value)
+    return own_norm if own_norm is not None else float("nan")

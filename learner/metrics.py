@@ -1,0 +1,55 @@
+"""Aggregate the loss function's per-micro-batch stats into one step's TrainMetrics.
+
+`policy_loss` returns sums and extremes (not means) precisely so that they add up across micro-batches:
+means are taken once here, over the whole batch, so they do not depend on how it was split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo_server.wire import TrainMetrics
+
+_SUM_KEYS = ("token_count", "seq_count", "clipped_count", "ratio_sum", "ratio_sq_sum", "kl_sum")
+
+
+class StepStats:
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        self.ratio_min = math.inf
+        self.ratio_max = -math.inf
+
+    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+        # Micro-batch losses are shares of the batch loss (BatchNormalizer), so they sum to it.
+        self.loss += float(loss.detach())
+        for key in _SUM_KEYS:
+            self.sums[key] += float(stats[key])
+        self.ratio_min = min(self.ratio_min, float(stats["ratio_min"]))
+        self.ratio_max = max(self.ratio_max, float(stats["ratio_max"]))
+
+    def metrics(self, step: int, rewards: list[float], grad_norm: float, seconds: float) -> TrainMetrics:
+        tokens = self.sums["token_count"]
+        n = max(tokens, 1.0)
+        ratio_mean = self.sums["ratio_sum"] / n
+        # E[r^2] - E[r]^2 can dip below 0 by rounding when all ratios are equal.
+        ratio_var = max(self.sums["ratio_sq_sum"] / n - ratio_mean**2, 0.0)
+        reward_mean = sum(rewards) / len(rewards)
+        reward_var = sum((r - reward_mean) ** 2 for r in rewards) / len(rewards)
+        return TrainMetrics(
+            step=step,
+            loss=self.loss,
+            reward_mean=reward_mean,
+            reward_std=math.sqrt(reward_var),
+            kl=self.sums["kl_sum"] / n,
+            clipped_fraction=self.sums["clipped_count"] / n,
+            ratio_mean=ratio_mean,
+            ratio_std=math.sqrt(ratio_var),
+            ratio_min=self.ratio_min if tokens else 1.0,
+            ratio_max=self.ratio_max if tokens else 1.0,
+            grad_norm=grad_norm,
+            tokens=int(tokens),
+            seconds=seconds,
+        )

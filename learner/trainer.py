@@ -1,0 +1,289 @@
+"""The learner's model: one base model, one LoRA adapter + DeepSpeed engine + optimizer per experiment.
+
+The base model is loaded once. The first experiment wraps it with `get_peft_model`, later ones
+`add_adapter` into the same PeftModel. peft's `set_adapter` flips `requires_grad`, and every engine
+shares the module, so the active adapter and the trainable flags are set again before every use.
+
+Adapter versions live on disk (learner/adapter_io.py). Adding an experiment whose folder already has
+versions (a restarted learner, a re-created experiment) loads the newest version's weights and step and
+continues its numbering; the optimizer (AdamW moments) starts fresh, as no optimizer state is saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
+from grpo_server.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
+from learner import adapter_io
+from learner.batching import MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches
+from learner.engine import make_engine, optimizer_step, release_engine
+from learner.errors import LearnerError, bad_request, not_found
+from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
+from learner.metrics import StepStats
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
+
+
+@dataclass
+class Experiment:
+    name: str
+    adapter: str  # peft adapter name: "exp_" + name, never a substring of peft's "lora_" key prefix
+    algorithm: AlgorithmConfig
+    params: list[torch.nn.Parameter]
+    engine: Any
+    step: int
+    version: int
+
+
+def resolve_dtype(name: str, cuda: bool) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if cuda else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class MultiAdapterTrainer:
+    def __init__(self, config: LearnerConfig):
+        import deepspeed
+
+        self.config = config
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        self.dtype = resolve_dtype(config.dtype, cuda)
+        # Here, not at the first add_experiment: the first call JIT-builds DeepSpeed's shm comm op
+        # (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
+        deepspeed.init_distributed(dist_backend=None)
+        base = AutoModelForCausalLM.from_pretrained(str(config.model_path), dtype=self.dtype).to(self.device)
+        base.config.use_cache = False
+        if config.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.base = base
+        self.vocab_size = base.get_input_embeddings().num_embeddings
+        # Recorded before peft wraps the layers: the names LoRA may target.
+        self.linear_names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.model: Any = None  # the PeftModel, once the first adapter exists
+        self.experiments: dict[str, Experiment] = {}
+        log.info("base model %s on %s in %s, vocabulary %d, ZeRO stage %d", config.model_path, self.device,
+                 self.dtype, self.vocab_size, config.zero_stage)
+
+    # --- verbs -------------------------------------------------------------------------------------
+
+    def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig) -> AdapterVersion:
+        if not _NAME_RE.match(name):
+            raise bad_request(f"experiment name {name!r} must match {_NAME_RE.pattern}")
+        if name in self.experiments:
+            raise LearnerError("exists", f"experiment {name!r} is already loaded in the learner", 409)
+        missing = sorted(set(lora.target_modules) - self.linear_names)
+        if missing:
+            raise bad_request(f"target_modules {missing} are not linear layers of the model "
+                              f"(it has {sorted(self.linear_names)})")
+        peft_config = self._peft_config(lora)
+        latest = adapter_io.latest_version(self.config.run_dir, name)
+        saved = None
+        if latest is not None:  # read and check before touching the model, so a bad folder fails cleanly
+            saved = adapter_io.read_version(adapter_io.version_dir(self.config.run_dir, name, latest))
+            _check_compatible(saved[0], peft_config, name, latest)
+        adapter = f"exp_{name}"
+        # LoRA A's init draws from the global generator: seed it per experiment, so an experiment's v0
+        # depends on (seed, name), not on which experiments were created before it.
+        torch.manual_seed(self.config.seed * 1_000_003 + zlib.crc32(name.encode()))
+        self._add_peft_adapter(adapter, peft_config)
+        try:
+            params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+            self._activate(adapter)
+            if saved is None:
+                step, version = 0, 0
+                self._write_version(adapter, name, version, step)  # peft init: B = 0, the base model
+            else:
+                step, version = saved[2], latest
+                self._load_weights(adapter, saved[1], name, latest)
+            engine = make_engine(self.model, params, algorithm, self.config.zero_stage, self.dtype)
+        except BaseException:
+            self.model.delete_adapter(adapter)
+            raise
+        self.experiments[name] = Experiment(name, adapter, algorithm, params, engine, step, version)
+        log.info("experiment %s: adapter r=%d on %s, %s at v%d (step %d)", name, lora.r, lora.target_modules,
+                 "fresh" if saved is None else "resumed", version, step)
+        return self._version_ref(name, version)
+
+    def train(self, request: TrainRequest) -> TrainMetrics:
+        started = time.perf_counter()
+        exp = self._get(request.name)
+        _check_temperature(request.temperature)
+        seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage)
+                for s in request.samples]
+        for i, seq in enumerate(seqs):
+            check_sequence(seq, self.vocab_size, self.config.max_model_len, f"samples[{i}]")
+        algo = exp.algorithm
+        settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
+        norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(len(s.completion) for s in seqs),
+                               max_tokens=request.max_tokens)
+        batches = make_micro_batches(seqs, algo.micro_batch_size)
+        try:
+            stats, norm_before_clip = self._accumulate_and_step(exp, batches, settings, norm, request.temperature)
+        except BaseException:
+            # A failure mid-batch (out of memory, say) leaves partial gradients inside ZeRO that the
+            # next step would silently add in. The weights have not moved: rebuild the engine from them.
+            log.exception("%s: train step failed; resetting its optimizer (AdamW state lost)", exp.name)
+            self._reset_engine(exp)
+            raise
+        exp.step += 1
+        metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
+                                time.perf_counter() - started)
+        log.info("%s: step %d, %d sequences in %d micro-batches, loss %.4f, grad norm %.4f, %.2f s", exp.name,
+                 exp.step, len(seqs), len(batches), metrics.loss, metrics.grad_norm, metrics.seconds)
+        return metrics
+
+    def save_adapter(self, name: str) -> AdapterVersion:
+        exp = self._get(name)
+        self._write_version(exp.adapter, name, exp.version + 1, exp.step)
+        exp.version += 1
+        return self._version_ref(name, exp.version)
+
+    def logprobs(self, request: LogprobsRequest) -> list[list[float]]:
+        """Per-token logprobs of each completion under the experiment's current adapter, eval mode."""
+        exp = self._get(request.name)
+        _check_temperature(request.temperature)
+        seqs = [Sequence(request.prompt_token_ids, c, [0.0] * len(c)) for c in request.completions_token_ids]
+        for i, seq in enumerate(seqs):
+            check_sequence(seq, self.vocab_size, self.config.max_model_len, f"completions_token_ids[{i}]")
+        self._activate(exp.adapter)
+        self.model.eval()
+        out: list[list[float]] = [[] for _ in seqs]
+        with torch.no_grad():
+            for batch in make_micro_batches(seqs, exp.algorithm.micro_batch_size):
+                logp_B_C = self._completion_logp(self.model, batch.to(self.device), request.temperature)
+                for row, index in enumerate(batch.indices):
+                    out[index] = logp_B_C[row, : len(seqs[index].completion)].tolist()
+        return out
+
+    def remove_experiment(self, name: str) -> None:
+        """Forget the adapter, its engine and optimizer; its versions stay on disk."""
+        exp = self._get(name)
+        del self.experiments[name]
+        release_engine(exp.engine)
+        with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(exp.adapter)
+        log.info("experiment %s removed (adapters stay in %s)", name, adapter_io.adapter_root(self.config.run_dir, name))
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        return {name: {"step": e.step, "version": e.version,
+                       "path": str(adapter_io.version_dir(self.config.run_dir, name, e.version))}
+                for name, e in list(self.experiments.items())}
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _get(self, name: str) -> Experiment:
+        exp = self.experiments.get(name)
+        if exp is None:
+            raise not_found(name)
+        return exp
+
+    def _version_ref(self, name: str, version: int) -> AdapterVersion:
+        path = adapter_io.version_dir(self.config.run_dir, name, version)
+        return AdapterVersion(name=name, version=version, path=str(path.resolve()))
+
+    def _peft_config(self, lora: LoraConfig) -> Any:
+        from peft import LoraConfig as PeftLoraConfig
+
+        alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+        return PeftLoraConfig(r=lora.r, lora_alpha=alpha, lora_dropout=lora.dropout,
+                              target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM",
+                              base_model_name_or_path=str(self.config.model_path))
+
+    def _add_peft_adapter(self, adapter: str, peft_config: Any) -> None:
+        from peft import get_peft_model
+
+        if self.model is None:
+            self.model = get_peft_model(self.base, peft_config, adapter_name=adapter)
+        else:
+            self.model.add_adapter(adapter, peft_config)
+
+    def _activate(self, adapter: str) -> None:
+        """Route forwards through `adapter` and make only its weights trainable."""
+        self.model.set_adapter(adapter)
+        for n, p in self.model.named_parameters():
+            p.requires_grad_("lora_" in n and f".{adapter}." in n)
+
+    def _load_weights(self, adapter: str, tensors: dict[str, torch.Tensor], name: str, version: int) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.model, tensors, adapter_name=adapter)
+        missing = [k for k in result.missing_keys if f".{adapter}." in k]
+        if missing or result.unexpected_keys:
+            raise LearnerError("adapter_mismatch", f"{name} v{version} on disk does not fit the adapter: "
+                               f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}", 409)
+
+    def _write_version(self, adapter: str, name: str, version: int, step: int) -> None:
+        from peft import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(self.model, adapter_name=adapter, save_embedding_layers=False)
+        config = self.model.peft_config[adapter].to_dict()
+        config["inference_mode"] = True  # as peft's save_pretrained writes it
+        adapter_io.write_version(adapter_io.version_dir(self.config.run_dir, name, version), config, tensors, step)
+
+    def _accumulate_and_step(self, exp: Experiment, batches: list[MicroBatch], settings: LossSettings,
+                             norm: BatchNormalizer, temperature: float) -> tuple[StepStats, float]:
+        self._activate(exp.adapter)
+        self.model.train()
+        stats = StepStats()
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device)
+            # Accumulate locally until the last micro-batch, then one step on the summed gradient
+            # (learner/engine.py explains why this equals one step on the whole batch).
+            exp.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            ref_logp_B_C = self._reference_logp(batch, temperature) if settings.beta > 0 else None
+            logp_B_C = self._completion_logp(exp.engine, batch, temperature)
+            loss, micro_stats = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C,
+                                            settings, norm, ref_logp_B_C)
+            exp.engine.backward(loss, scale_wrt_gas=False)
+            stats.add(loss, micro_stats)
+        return stats, optimizer_step(exp.engine, exp.params)
+
+    def _reset_engine(self, exp: Experiment) -> None:
+        release_engine(exp.engine)
+        for param in exp.params:
+            param.grad = None
+            if hasattr(param, "grad_accum"):
+                param.grad_accum = None
+        self._activate(exp.adapter)
+        exp.engine = make_engine(self.model, exp.params, exp.algorithm, self.config.zero_stage, self.dtype)
+
+    def _completion_logp(self, forward: Any, batch: MicroBatch, temperature: float) -> torch.Tensor:
+        """Completion-token logprobs [B, C] under `forward` (the DeepSpeed engine or the peft model)."""
+        logits_B_K_V = forward(input_ids=batch.input_ids_B_L, attention_mask=batch.attention_mask_B_L,
+                               logits_to_keep=batch.logits_to_keep, use_cache=False).logits
+        return gather_completion_logp(token_logprobs(logits_B_K_V, batch.targets_B_K, temperature), batch)
+
+    def _reference_logp(self, batch: MicroBatch, temperature: float) -> torch.Tensor:
+        """The base model's logprobs (adapter switched off, no second model), for the KL penalty."""
+        with torch.no_grad(), self.model.disable_adapter():
+            return self._completion_logp(self.model, batch, temperature)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise bad_request(f"temperature must be > 0 to score tokens, got {temperature}")
+
+
+def _check_compatible(saved_config: dict[str, Any], peft_config: Any, name: str, version: int) -> None:
+    """The newest version on disk must have the shape and scaling of the adapter asked for."""
+    want = {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha,
+            "target_modules": sorted(peft_config.target_modules)}
+    have = {"r": saved_config.get("r"), "lora_alpha": saved_config.get("lora_alpha"),
+            "target_modules": sorted(saved_config.get("target_modules") or [])}
+    if want != have:
+        raise LearnerError("adapter_mismatch", f"experiment {name!r} has v{version} on disk with {have}, but the "
+                           f"request asks for {want}; use another name or remove the old adapters", 409)
