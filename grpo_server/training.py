@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from grpo_server.api_models import VerificationResult
@@ -51,19 +52,20 @@ class ExperimentTrainer:
         exp = self.exp
         batch_groups = exp.config.algorithm.batch_groups
         while True:
-            while len(exp.queue) < batch_groups:
+            # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
+            while self._drop_stale() < batch_groups:
                 exp.queue_changed.clear()
                 await exp.queue_changed.wait()
             batch, exp.queue[:batch_groups] = exp.queue[:batch_groups], []
-            fresh = self._drop_stale(batch)
-            if fresh:
-                await self.train(fresh)
+            await self.train(batch)
 
-    def _drop_stale(self, batch: list[Group]) -> list[Group]:
-        limit = self.exp.config.algorithm.max_staleness
-        fresh = [g for g in batch if self.exp.learner_version - g.policy_version <= limit]
-        self.exp.counters.groups_dropped_stale += len(batch) - len(fresh)
-        return fresh
+    def _drop_stale(self) -> int:
+        """Drop queued groups sampled more than max_staleness versions ago; return how many remain."""
+        exp, limit = self.exp, self.exp.config.algorithm.max_staleness
+        fresh = [g for g in exp.queue if exp.learner_version - g.policy_version <= limit]
+        exp.counters.groups_dropped_stale += len(exp.queue) - len(fresh)
+        exp.queue[:] = fresh
+        return len(fresh)
 
     async def train(self, groups: list[Group]) -> None:
         exp = self.exp
@@ -84,7 +86,9 @@ class ExperimentTrainer:
             return
         exp.step = metrics.step
         exp.counters.groups_trained += len(groups)
-        exp.last_metrics = metrics.model_dump()
+        # JSON has no inf/NaN: a non-finite metric (say, an empty ratio range) is shown as null.
+        exp.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                            for k, v in metrics.model_dump().items()}
         exp.probe = groups[-1]
         log.info("%s: step %d loss %.4f reward %.3f kl %.4f clipped %.3f", exp.name, metrics.step,
                  metrics.loss, metrics.reward_mean, metrics.kl, metrics.clipped_fraction)

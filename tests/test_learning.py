@@ -60,7 +60,7 @@ async def test_two_experiments_learn_opposite_targets(client):
         assert version >= 8
         assert end >= start + 0.25, f"{name}: target share {start:.2f} -> {end:.2f}"
         status = await client.status(name)
-        assert status.step >= 8 and status.counters.groups_trained >= 16
+        assert status.step >= 8 and status.counters.groups_trained >= 2 * status.step
         assert status.errors == [], status.errors
         # After every push the sampler's logprobs of a stored completion match the learner's.
         assert status.last_verification is not None and status.last_verification.ok
