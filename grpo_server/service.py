@@ -159,7 +159,7 @@ class Orchestrator:
         for exp in list(self.experiments.values()):
             for version, path in list(exp.adapter_paths.items()):
                 await sampler.call("load_adapter", LoadAdapterRequest(
-                    adapter=AdapterRef(name=exp.name, version=version), path=path))
+                    adapter=AdapterRef(name=exp.name, version=version), path=path), syncing_ok=True)
         log.info("%s re-loaded %d experiments' adapters", sampler.name, len(self.experiments))
 
     async def resync_learner(self) -> None:
@@ -169,7 +169,8 @@ class Orchestrator:
             for exp in list(self.experiments.values()):
                 resumed: AdapterVersion = await self.workers.learner.call(
                     "add_experiment", AddExperimentRequest(name=exp.name, lora=exp.config.lora,
-                                                           algorithm=exp.config.algorithm), AdapterVersion)
+                                                           algorithm=exp.config.algorithm), AdapterVersion,
+                    syncing_ok=True)
                 exp.learner_version = resumed.version
                 exp.record_error(f"learner restarted; resumed at v{resumed.version}, optimizer state reset")
                 if resumed.version != exp.serving_version:

@@ -38,7 +38,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class WorkerProcess:
-    """One supervised worker. `state` is starting | ready | restarting | failed | stopped."""
+    """One supervised worker. `state` is starting | ready | restarting | syncing | failed | stopped."""
 
     def __init__(self, name: str, argv: list[str], url: str, log_path: Path, *,
                  env: dict[str, str] | None = None, startup_timeout_s: float = 900.0,
@@ -69,6 +69,7 @@ class WorkerProcess:
     async def start(self) -> None:
         self._stopping = False
         await self._spawn_and_wait()
+        self.state = "ready"
         self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.name}")
 
     async def _spawn_and_wait(self) -> None:
@@ -81,8 +82,7 @@ class WorkerProcess:
             )
         log.info("%s: started pid %s, log %s", self.name, self._proc.pid, self.log_path)
         await self._wait_healthy()
-        self.state = "ready"
-        log.info("%s: ready at %s", self.name, self.url)
+        log.info("%s: healthy at %s", self.name, self.url)
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -107,6 +107,7 @@ class WorkerProcess:
             code = await asyncio.to_thread(self._proc.wait)
             if self._stopping:
                 return
+            self._kill_leftovers()  # what the dead worker spawned (vLLM's engine core) goes with it
             self.last_error = f"exited with code {code}"
             log.error("%s: %s; last log lines:\n%s", self.name, self.last_error, self.tail_log())
             now = time.monotonic()
@@ -123,8 +124,11 @@ class WorkerProcess:
             try:
                 await self._spawn_and_wait()
                 self.restarts += 1
+                # "syncing": only the front end's re-sync calls (syncing_ok) reach it; clients wait.
+                self.state = "syncing"
                 if self.on_restart is not None:
                     await self.on_restart()
+                self.state = "ready"
             except Exception as exc:  # reported in state and log; the loop tries again
                 self.last_error = f"restart failed: {exc}"
                 log.error("%s: %s", self.name, self.last_error)
@@ -144,6 +148,15 @@ class WorkerProcess:
         except ProcessLookupError:
             pass
 
+    def _kill_leftovers(self) -> None:
+        """Children of the worker share its process group (setsid at spawn): kill the whole group."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     async def stop(self) -> None:
         self._stopping = True
         if self._proc is not None and self._proc.poll() is None:
@@ -153,12 +166,7 @@ class WorkerProcess:
             except asyncio.TimeoutError:
                 self._kill_group(signal.SIGKILL)
                 await asyncio.to_thread(self._proc.wait)
-        # Children of the worker (vLLM's engine core) share its process group.
-        if self._proc is not None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        self._kill_leftovers()
         if self._watcher is not None:
             self._watcher.cancel()
         self.state = "stopped"

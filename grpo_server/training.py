@@ -77,6 +77,7 @@ class ExperimentTrainer:
             max_tokens=max(g.max_tokens for g in groups), num_groups=len(groups),
         )
         try:
+            await self.workers.wait_learner_ready(self.train_timeout_s)
             metrics: TrainMetrics = await self.workers.learner.call(
                 "train", request, TrainMetrics, timeout_s=self.train_timeout_s)
         except ApiError as exc:

@@ -29,14 +29,15 @@ class WorkerClient:
     def name(self) -> str:
         return self.process.name
 
-    def _check_up(self) -> None:
-        if not self.process.ready:
+    def _check_up(self, syncing_ok: bool = False) -> None:
+        if not (self.process.ready or (syncing_ok and self.process.state == "syncing")):
             raise Unavailable(f"{self.name} is {self.process.state}", retry_after=5.0,
                               code="worker_unavailable")
 
     async def call(self, verb: str, body: BaseModel | dict, response_model: type[T] | None = None,
-                   timeout_s: float | None = None) -> Any:
-        self._check_up()
+                   timeout_s: float | None = None, syncing_ok: bool = False) -> Any:
+        """One verb. `syncing_ok`: the call re-syncs a restarted worker, so it may reach it before clients do."""
+        self._check_up(syncing_ok)
         try:
             async with self.session.post(
                 f"{self.process.url}/{verb}", data=pack(body), headers={"Content-Type": MSGPACK},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import AsyncIterator
 
 from grpo_server.errors import Unavailable
@@ -39,15 +40,23 @@ class WorkerPool:
             self._outstanding[id(chosen)] -= 1
 
     async def load_everywhere(self, adapter: AdapterRef, path: str) -> None:
-        """Load a version on every replica; raises if any ready replica fails."""
+        """Load a version on every replica; raises if any ready replica fails. A replica that is
+        re-syncing after a restart gets it too (its re-sync may have listed versions before this one)."""
         request = LoadAdapterRequest(adapter=adapter, path=path)
-        await asyncio.gather(*(s.call("load_adapter", request) for s in self.ready_samplers()))
+        targets = [s for s in self.samplers if s.process.state in ("ready", "syncing")]
+        await asyncio.gather(*(s.call("load_adapter", request, syncing_ok=True) for s in targets))
 
     async def unload_everywhere(self, adapter: AdapterRef) -> None:
         request = UnloadAdapterRequest(adapter=adapter)
         # A replica that already lost it (restart) is fine: unloading is best effort.
         await asyncio.gather(*(s.call("unload_adapter", request) for s in self.ready_samplers()),
                              return_exceptions=True)
+
+    async def wait_learner_ready(self, timeout_s: float) -> None:
+        """Let a restarting learner come back before a batch is sent (rather than losing the batch)."""
+        deadline = time.monotonic() + timeout_s
+        while self.learner.process.state in ("starting", "restarting", "syncing") and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
 
     def states(self) -> dict[str, str]:
         return {w.name: w.process.state for w in [*self.samplers, self.learner]}

