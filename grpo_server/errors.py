@@ -51,6 +51,15 @@ class Unprocessable(ApiError):
     status, code = 422, "unprocessable"
 
 
+class TooManyRequests(ApiError):
+    """Back-pressure: the learner lags behind the feedback; retry after a while."""
+
+    status, code = 429, "too_many_requests"
+
+    def __init__(self, message: str, retry_after: float = 5.0, **kwargs):
+        super().__init__(message, retry_after=retry_after, **kwargs)
+
+
 class Unavailable(ApiError):
     """A worker is down or restarting: the client should retry."""
 

@@ -10,7 +10,7 @@ from grpo_server.advantages import group_advantages, is_zero_variance, scale_by_
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, FeedbackRequest,
                                     FeedbackResponse, ExperimentStatus)
 from grpo_server.config import ExperimentConfig, ServerConfig
-from grpo_server.errors import ApiError, Conflict, NotFound, Unprocessable
+from grpo_server.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.experiments import Experiment
 from grpo_server.groups import Group, GroupStore
 from grpo_server.prompts import PromptBuilder
@@ -93,6 +93,10 @@ class Orchestrator:
 
     async def complete(self, name: str, request: CompletionsRequest) -> CompletionsResponse:
         exp = self.get(name)
+        backlog = self.config.max_queued_batches * exp.config.algorithm.batch_groups
+        if len(exp.queue) >= backlog:
+            raise TooManyRequests(f"{len(exp.queue)} groups of {name!r} wait for the learner; retry shortly",
+                                  code="learner_behind", retry_after=2.0)
         defaults = exp.config.sampling
         prompt_ids = self.prompts.token_ids(request)
         max_tokens = request.max_tokens or defaults.max_tokens

@@ -109,3 +109,20 @@ def headers(key: str = ADMIN_KEY) -> dict[str, str]:
 async def post_json(session: aiohttp.ClientSession, url: str, body, key: str = ADMIN_KEY):
     async with session.post(url, json=body, headers=headers(key)) as response:
         return response.status, await response.json()
+
+
+async def complete_when_admitted(client, name: str, **kwargs):
+    """`client.complete`, waiting out 429s (the server's back-pressure while the learner catches up)."""
+    import asyncio
+
+    from grpo_server.client import GrpoServerError
+
+    for _ in range(600):
+        try:
+            return await client.complete(name, **kwargs)
+        except GrpoServerError as exc:
+            if exc.status != 429:
+                raise
+            assert exc.retry_after and exc.retry_after > 0
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{name}: completions refused with 429 for too long")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from grpo_server.client import GrpoServerError
-from tests.serving import wait_for
+from tests.serving import complete_when_admitted, wait_for
 
 
 def worker_pid(server, module: str) -> int:
@@ -59,7 +59,7 @@ async def test_learner_crash_is_reported_and_training_resumes(server, client):
 
     async def train_until(version: int):
         async def step():
-            group = await client.complete(name, prompt="Pick a number")
+            group = await complete_when_admitted(client, name, prompt="Pick a number")
             await client.feedback(name, group.group_id, [float(i % 2) for i in range(4)])
             status = await client.status(name)
             return status if status.policy_version >= version else None

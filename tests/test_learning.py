@@ -7,7 +7,7 @@ import asyncio
 from collections import Counter
 
 from grpo_server.client import AsyncClient
-from tests.serving import wait_for
+from tests.serving import complete_when_admitted, wait_for
 
 PROMPT = [{"role": "user", "content": "Pick a word."}]
 PROBE_N = 48
@@ -30,7 +30,7 @@ async def first_token_counts(client: AsyncClient, name: str, seed: int) -> tuple
 async def train_towards(client: AsyncClient, name: str, target: int, versions: int) -> None:
     """Reward 1 for completions whose first token is `target`, until `versions` pushes happened."""
     async def one_group():
-        group = await client.complete(name, messages=PROMPT)
+        group = await complete_when_admitted(client, name, messages=PROMPT)
         rewards = [1.0 if c.token_ids[0] == target else 0.0 for c in group.completions]
         await client.feedback(name, group.group_id, rewards)
 
