@@ -2,14 +2,15 @@
 
     GRPO_SERVER_API_KEY=... python examples/uppercase.py --steps 30
 
-Reward: 1.0 for exactly the word in capitals, 0.5 for the word in other casing, 0.2 if the capitalised
-word appears somewhere in a longer answer, 0 otherwise.
+Reward with partial credit: the word appears (0.2), the share of its letters written in capitals (0.4),
+the answer is the word alone (0.2), and exactly the word in capitals (0.2).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -26,12 +27,15 @@ def make_prompt(rng: random.Random) -> tuple[list[dict], str]:
 
 
 def score(text: str, word: str) -> float:
-    answer = text.replace("<|im_end|>", "").strip().strip(".'\"")
-    if answer == word.upper():
-        return 1.0
-    if answer.lower() == word:
-        return 0.5
-    return 0.2 if word.upper() in answer else 0.0
+    """Partial credit, so that a small model finds some reward from the start."""
+    match = re.search(re.escape(word), text, flags=re.IGNORECASE)
+    if match is None:
+        return 0.0
+    written = match.group(0)
+    capitals = sum(c.isupper() for c in written) / len(written)
+    alone = text.strip().strip(".!'\"").lower() == word
+    exact = text.strip().strip(".!'\"") == word.upper()
+    return round(0.2 + 0.4 * capitals + 0.2 * alone + 0.2 * exact, 4)
 
 
 if __name__ == "__main__":

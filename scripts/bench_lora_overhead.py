@@ -1,0 +1,93 @@
+"""vLLM sampling throughput with and without a LoRA adapter, float32 and bfloat16, on the sampler's own
+engine arguments: the cost the adapter path adds on this machine.
+
+    .venv/bin/python scripts/bench_lora_overhead.py [--model smollm2-135m-instruct]
+
+Each configuration runs in a fresh process (vLLM keeps global state): 4 concurrent requests x n=8,
+64 tokens each with ignore_eos, a 60-token prompt, after one warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grpo_server.config import DEFAULT_TARGET_MODULES, EMBEDDED_MODEL_NAME, SamplerConfig  # noqa: E402
+from grpo_server.model_prep import resolve_model  # noqa: E402
+
+
+def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=DEFAULT_TARGET_MODULES))
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+async def measure(model_dir: Path, dtype: str, adapter: str | None) -> float:
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from sampler.vllm_engine import engine_args
+
+    config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
+                           dtype=dtype)
+    llm = AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
+    lora = LoRARequest("bench", 1, adapter) if adapter else None
+
+    async def one(seed: int) -> int:
+        params = SamplingParams(n=8, temperature=1.0, max_tokens=64, seed=seed, ignore_eos=True, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=list(range(100, 160))), params,
+                                      uuid.uuid4().hex, lora_request=lora):
+            final = out
+        return sum(len(c.token_ids) for c in final.outputs)
+
+    try:
+        await one(0)
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(1, 5))))
+        return tokens / (time.perf_counter() - started)
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--one", nargs=2, metavar=("DTYPE", "ADAPTER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    model_dir = resolve_model(args.model)
+    if args.one:  # a child run: one configuration
+        dtype, adapter = args.one
+        print(f"{asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None)):.1f}")
+        return
+    adapter = write_adapter(model_dir, Path(tempfile.mkdtemp()) / "adapter", args.rank)
+    print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules | ratio |\n|---|---|---|---|")
+    for dtype in ("float32", "bfloat16"):
+        rates = []
+        for path in ("-", str(adapter)):
+            out = subprocess.run([sys.executable, __file__, "--model", args.model, "--one", dtype, path],
+                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()
+            rates.append(float(out[-1]))
+        print(f"| {dtype} | {rates[0]:.1f} tok/s | {rates[1]:.1f} tok/s | {rates[1] / rates[0]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
