@@ -28,7 +28,8 @@ async def first_token_counts(client: AsyncClient, name: str, seed: int) -> tuple
 
 
 async def train_towards(client: AsyncClient, name: str, target: int, versions: int) -> None:
-    """Reward 1 for completions whose first token is `target`, until `versions` pushes happened."""
+    """Reward 1 for completions whose first token is `target`, until `versions` pushes happened, or
+    until the target is (nearly) always sampled: then every group has zero variance and nothing trains."""
     async def one_group():
         group = await complete_when_admitted(client, name, messages=PROMPT)
         rewards = [1.0 if c.token_ids[0] == target else 0.0 for c in group.completions]
@@ -36,7 +37,9 @@ async def train_towards(client: AsyncClient, name: str, target: int, versions: i
 
     for _ in range(200):
         await asyncio.gather(*(one_group() for _ in range(2)))
-        if (await client.status(name)).policy_version >= versions:
+        status = await client.status(name)
+        mastered = status.policy_version >= 3 and (status.recent_reward_mean or 0) >= 0.9
+        if status.policy_version >= versions or mastered:
             return
     raise AssertionError(f"{name} did not reach version {versions}: {await client.status(name)}")
 
@@ -57,10 +60,10 @@ async def test_two_experiments_learn_opposite_targets(client):
         after, version = await first_token_counts(client, name, seed=2)
         start = before[targets[name]] / PROBE_N
         end = after[targets[name]] / PROBE_N
-        assert version >= 10
+        assert version >= 3
         assert end >= start + 0.25, f"{name}: target share {start:.2f} -> {end:.2f}"
         status = await client.status(name)
-        assert status.step >= 10 and status.counters.groups_trained >= 2 * status.step
+        assert status.step == version and status.counters.groups_trained >= 2 * status.step
         assert status.errors == [], status.errors
         # After every push the sampler's logprobs of a stored completion match the learner's.
         assert status.last_verification is not None and status.last_verification.ok
