@@ -52,15 +52,10 @@ class WorkerProcess:
         self.on_restart = on_restart
         self.state = "stopped"
         self.last_error: str | None = None
-        self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._crashes: deque[float] = deque()
         self._watcher: asyncio.Task | None = None
         self._stopping = False
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
 
     @property
     def ready(self) -> bool:
@@ -123,7 +118,6 @@ class WorkerProcess:
             await asyncio.sleep(BACKOFF_S[min(len(self._crashes) - 1, len(BACKOFF_S) - 1)])
             try:
                 await self._spawn_and_wait()
-                self.restarts += 1
                 # "syncing": only the front end's re-sync calls (syncing_ok) reach it; clients wait.
                 self.state = "syncing"
                 if self.on_restart is not None:

@@ -57,12 +57,3 @@ class WorkerClient:
                 raise WorkerFailed(message)
             raise ApiError(message, code=error.get("code", "bad_request"), status=status)
         return response_model.model_validate(payload) if response_model else payload
-
-    async def get(self, path: str) -> Any:
-        self._check_up()
-        try:
-            async with self.session.get(f"{self.process.url}/{path}",
-                                        timeout=aiohttp.ClientTimeout(total=10)) as response:
-                return unpack(await response.read())
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise Unavailable(f"{self.name} is unreachable: {exc}", code="worker_unavailable") from exc
