@@ -20,6 +20,11 @@ def worker_pid(server, module: str) -> int:
     raise LookupError(f"no {module} worker among {server.worker_pids()}")
 
 
+def adapter_files(server, name: str, version: int) -> dict[str, bytes]:
+    folder = server.run_dir / "adapters" / name / f"v{version:06d}"
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())} if folder.is_dir() else {}
+
+
 async def all_ready(client):
     health = await client.health()
     return health if health.status == "ok" else None
@@ -79,6 +84,11 @@ async def test_learner_crash_is_reported_and_training_resumes(server, client):
     status = await client.status(name)
     assert status.learner_version == status.policy_version  # resumed from the newest version on disk
     resumed_at = status.policy_version
+    resumed_files = adapter_files(server, name, resumed_at)
+    assert resumed_files  # the version the learner resumed from is on disk
     status = await train_until(resumed_at + 1)
-    assert status.policy_version == resumed_at + 1  # numbering continues, no version is reused
+    # Numbering continues past the resumed version (several may land between polls), and the resumed
+    # version's folder is left as it was: no version number is written twice.
+    assert status.policy_version > resumed_at
+    assert adapter_files(server, name, resumed_at) == resumed_files
     await client.delete_experiment(name)
