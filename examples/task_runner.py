@@ -1,7 +1,10 @@
 """The client side of a task, shared by the examples: make prompts, get completions, score them, post
-rewards, with several groups in flight, a progress bar of the running reward, and a reward curve.
+rewards, with several episodes in flight, a progress bar of the running reward, and a reward curve.
 
-A task is two functions: `make_prompt(rng) -> (messages, state)` and `score(text, state) -> float`.
+A single-turn task is two functions: `make_prompt(rng) -> (messages, state)` and
+`score(text, state) -> float` (`run_task`). A multi-step task is an `Episode`: an async function that
+talks to the server (completions and feedback for each of its steps) and returns one row per step it
+rated (`run_episodes`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import yaml
 from tqdm import tqdm
@@ -23,13 +26,27 @@ from grpo_server.client import AsyncClient, GrpoServerError
 
 MakePrompt = Callable[[random.Random], tuple[list[dict], Any]]
 Score = Callable[[str, Any], float]
+StepRow = dict  # {"turn": int, "policy_version": int, "reward": mean reward of the step's group}
+Episode = Callable[[AsyncClient, str, random.Random], Awaitable[list[StepRow]]]
+T = TypeVar("T")
+
+
+def default_api_key(run_dir: str | Path = "runs/demo") -> str | None:
+    """GRPO_SERVER_API_KEY, else the admin key a server generated into `<run_dir>/admin_key`, else None."""
+    key = os.environ.get("GRPO_SERVER_API_KEY")
+    if key:
+        return key
+    path = Path(run_dir) / "admin_key"
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
 
 
 def parse_args(description: str, default_config: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--url", default=os.environ.get("GRPO_SERVER_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--api-key", default=os.environ.get("GRPO_SERVER_API_KEY"),
-                        help="admin key (env GRPO_SERVER_API_KEY)")
+    parser.add_argument("--api-key", default=default_api_key(),
+                        help="admin key (env GRPO_SERVER_API_KEY, else runs/demo/admin_key)")
     parser.add_argument("--config", default=default_config, help="experiment YAML")
     parser.add_argument("--steps", type=int, default=30, help="stop after this many policy versions")
     parser.add_argument("--concurrency", type=int, default=4, help="groups in flight at once")
@@ -49,13 +66,38 @@ async def ensure_experiment(client: AsyncClient, config: dict) -> None:
             raise  # 409: it exists already (a re-run continues it)
 
 
+async def retrying(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, waited out while the server pushes back (429) or a worker restarts (503)."""
+    while True:
+        try:
+            return await call()
+        except GrpoServerError as exc:
+            if exc.status not in (429, 503):
+                raise
+            await asyncio.sleep(exc.retry_after or 2.0)
+
+
+def single_turn(make_prompt: MakePrompt, score: Score) -> Episode:
+    async def episode(client: AsyncClient, name: str, rng: random.Random) -> list[StepRow]:
+        messages, state = make_prompt(rng)
+        group = await retrying(lambda: client.complete(name, messages=messages))
+        rewards = [score(c.text, state) for c in group.completions]
+        await retrying(lambda: client.feedback(name, group.group_id, rewards))
+        return [{"turn": 1, "policy_version": group.policy_version, "reward": statistics.fmean(rewards)}]
+    return episode
+
+
 async def run_task(args: argparse.Namespace, make_prompt: MakePrompt, score: Score) -> dict:
+    return await run_episodes(args, single_turn(make_prompt, score))
+
+
+async def run_episodes(args: argparse.Namespace, episode: Episode) -> dict:
     config = yaml.safe_load(Path(args.config).read_text())
     name = config["name"]
     out = Path(args.out or f"runs/{name}-reward.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    rows: list[dict] = []  # one per group: time, policy version, mean reward
+    rows: list[dict] = []  # one per rated group: time, turn, policy version, mean reward
     started = time.monotonic()
 
     async with AsyncClient(args.url, args.api_key) as client:
@@ -67,22 +109,13 @@ async def run_task(args: argparse.Namespace, make_prompt: MakePrompt, score: Sco
 
         async def worker() -> None:
             while not done.is_set():
-                messages, state = make_prompt(rng)
-                try:
-                    group = await client.complete(name, messages=messages)
-                    rewards = [score(c.text, state) for c in group.completions]
-                    await client.feedback(name, group.group_id, rewards)
-                except GrpoServerError as exc:
-                    if exc.status in (429, 503):  # back-pressure or a worker restarting: retry
-                        await asyncio.sleep(exc.retry_after or 2.0)
-                        continue
-                    raise
-                rows.append({"seconds": round(time.monotonic() - started, 2),
-                             "policy_version": group.policy_version, "reward": statistics.fmean(rewards)})
+                steps = await episode(client, name, rng)
+                rows.extend({"seconds": round(time.monotonic() - started, 2), **step} for step in steps)
                 recent = [r["reward"] for r in rows[-32:]]
-                bar.n = min(group.policy_version - start_version, args.steps)
+                version = max(step["policy_version"] for step in steps)
+                bar.n = min(version - start_version, args.steps)
                 bar.set_postfix(reward=f"{statistics.fmean(recent):.3f}", groups=len(rows))
-                if group.policy_version >= goal:
+                if version >= goal:
                     done.set()
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -90,20 +123,19 @@ async def run_task(args: argparse.Namespace, make_prompt: MakePrompt, score: Sco
         status = await client.status(name)
 
     with open(out, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["seconds", "policy_version", "reward"])
+        writer = csv.DictWriter(handle, fieldnames=["seconds", "turn", "policy_version", "reward"])
         writer.writeheader()
         writer.writerows(rows)
-    window = max(1, min(32, len(rows) // 4))
-    summary = {
-        "experiment": name,
-        "groups": len(rows),
-        "policy_version": status.policy_version,
-        "reward_first": statistics.fmean(r["reward"] for r in rows[:window]),
-        "reward_last": statistics.fmean(r["reward"] for r in rows[-window:]),
-        "wall_s": round(time.monotonic() - started, 1),
-        "curve": str(out),
-    }
-    print(f"\n{name}: reward {summary['reward_first']:.3f} (first {window} groups) -> "
-          f"{summary['reward_last']:.3f} (last {window}) over {summary['policy_version']} versions, "
-          f"{len(rows)} groups, {summary['wall_s']} s; reward curve: {out}")
+    summary = {"experiment": name, "groups": len(rows), "policy_version": status.policy_version,
+               "wall_s": round(time.monotonic() - started, 1), "curve": str(out)}
+    for turn in sorted({r["turn"] for r in rows}):
+        rewards = [r["reward"] for r in rows if r["turn"] == turn]
+        window = max(1, min(32, len(rewards) // 4))
+        first, last = statistics.fmean(rewards[:window]), statistics.fmean(rewards[-window:])
+        summary.update({f"reward_first_turn{turn}": first, f"reward_last_turn{turn}": last})
+        if turn == 1:
+            summary.update(reward_first=first, reward_last=last)
+        print(f"\n{name} turn {turn}: reward {first:.3f} (first {window} groups) -> {last:.3f} (last {window})")
+    print(f"{name}: {summary['policy_version']} versions, {len(rows)} groups, {summary['wall_s']} s; "
+          f"reward curve: {out}")
     return summary

@@ -21,22 +21,23 @@ class ChatMessage(ApiModel):
 
 
 class PromptFields(ApiModel):
-    """Exactly one of: `prompt` (text, tokenized as is), `messages` (chat, the model's template with the
+    """At most one of: `prompt` (text, tokenized as is), `messages` (chat, the model's template with the
     generation prompt), `prompt_token_ids` (used as is; the way to send multi-turn prompts without drift)."""
 
     prompt: str | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     prompt_token_ids: list[int] | None = Field(None, min_length=1)
 
-    @model_validator(mode="after")
-    def _exactly_one_prompt(self) -> "PromptFields":
-        given = [k for k in ("prompt", "messages", "prompt_token_ids") if getattr(self, k) is not None]
+    def prompt_fields_given(self) -> list[str]:
+        return [k for k in ("prompt", "messages", "prompt_token_ids") if getattr(self, k) is not None]
+
+    def require_one_prompt(self) -> None:
+        given = self.prompt_fields_given()
         if len(given) != 1:
             raise ValueError(
                 "give exactly one of 'prompt', 'messages', 'prompt_token_ids' "
                 f"(got {', '.join(given) if given else 'none'})"
             )
-        return self
 
 
 class CompletionsRequest(PromptFields):
@@ -46,6 +47,11 @@ class CompletionsRequest(PromptFields):
     max_tokens: int | None = Field(None, ge=1)
     stop: list[str] | None = Field(None, max_length=16)
     seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> "CompletionsRequest":
+        self.require_one_prompt()
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -67,23 +73,91 @@ class CompletionsResponse(ApiModel):
     completions: list[CompletionOut]
 
 
-class FeedbackRequest(ApiModel):
-    group_id: str = Field(min_length=1, max_length=128)
-    rewards: list[float] = Field(min_length=1)
+class ExternalCompletion(ApiModel):
+    """A completion the model did not sample (a teacher's answer, a human fix): text or token ids."""
 
-    @field_validator("rewards")
-    @classmethod
-    def _finite(cls, rewards: list[float]) -> list[float]:
-        bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
-        if bad:
-            raise ValueError(f"rewards must be finite numbers (not at index {bad[:5]})")
-        return rewards
+    text: str | None = Field(None, min_length=1)
+    token_ids: list[int] | None = Field(None, min_length=1)
+    append_eos: bool = Field(True, description="With `text`: end it with the end-of-turn token, so the "
+                                               "model learns to stop there. Token ids are used as given.")
+
+    @model_validator(mode="after")
+    def _text_or_tokens(self) -> "ExternalCompletion":
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("give exactly one of 'text', 'token_ids'")
+        return self
+
+
+def _check_finite(rewards: list[float]) -> list[float]:
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise ValueError(f"rewards must be finite numbers (not at index {bad[:5]})")
+    return rewards
+
+
+class FeedbackRequest(PromptFields):
+    """Rewards for a sampled group (`group_id`, optionally with `extra_completions` appended to it), or for
+    external completions of a prompt (`prompt`/`messages`/`prompt_token_ids` + `completions`, no group)."""
+
+    group_id: str | None = Field(None, min_length=1, max_length=128)
+    rewards: list[float] = Field(min_length=1, max_length=512)
+    extra_completions: list[ExternalCompletion] | None = Field(None, min_length=1, max_length=256)
+    completions: list[ExternalCompletion] | None = Field(None, min_length=2, max_length=256, description=(
+        "At least two: advantages are relative within the group, so a lone completion teaches nothing."))
+
+    _check_rewards = field_validator("rewards")(_check_finite)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "FeedbackRequest":
+        if self.group_id is not None:
+            if self.completions is not None or self.prompt_fields_given():
+                raise ValueError("with 'group_id', send 'rewards' (and optionally 'extra_completions'); "
+                                 "'completions' and a prompt are for feedback without a group")
+        else:
+            if self.completions is None:
+                raise ValueError("give 'group_id', or a prompt with 'completions'")
+            if self.extra_completions is not None:
+                raise ValueError("'extra_completions' extends a sampled group: it needs 'group_id'")
+            self.require_one_prompt()
+            if len(self.rewards) != len(self.completions):
+                raise ValueError(f"{len(self.completions)} completions but {len(self.rewards)} rewards")
+        return self
 
 
 class FeedbackResponse(ApiModel):
     group_id: str
     accepted: bool = True
     skipped: str | None = Field(None, description="Why the group will not be trained on, if so.")
+    scored_version: int | None = Field(None, description=(
+        "The policy version that scored the external completions (their behaviour logprobs)."))
+    external_logprobs: list[list[float]] | None = Field(None, description=(
+        "Per external completion, the logprob of each of its tokens under `scored_version`."))
+
+
+class TokenizeRequest(PromptFields):
+    """`prompt` or `messages` to token ids, exactly as completions would build them.
+
+    With `continue_from` (the token ids of the conversation so far: a prompt plus the model's completion),
+    `messages` are only the new turns, and the answer is `continue_from` + the end of the model's turn +
+    the new turns, without re-rendering (and so re-tokenizing) anything earlier."""
+
+    add_generation_prompt: bool = True
+    continue_from: list[int] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _text_or_messages(self) -> "TokenizeRequest":
+        self.require_one_prompt()
+        if self.prompt_token_ids is not None:
+            raise ValueError("'prompt_token_ids' are already tokens: send 'prompt' or 'messages'")
+        if self.continue_from is not None and self.messages is None:
+            raise ValueError("'continue_from' needs 'messages' (the new turns)")
+        return self
+
+
+class TokenizeResponse(ApiModel):
+    token_ids: list[int]
+    count: int
+    max_model_len: int
 
 
 class ExperimentCounters(ApiModel):
@@ -94,6 +168,7 @@ class ExperimentCounters(ApiModel):
     groups_zero_variance: int = 0
     groups_expired: int = 0
     completions_sampled: int = 0
+    completions_external: int = 0
     tokens_sampled: int = 0
 
 

@@ -26,6 +26,7 @@ def routes() -> list[web.RouteDef]:
     exp = "/v1/experiments/{name}"
     return [
         web.get("/v1/health", handlers.health),
+        web.post("/v1/tokenize", handlers.tokenize),
         web.post("/v1/experiments", handlers.create_experiment),
         web.get("/v1/experiments", handlers.list_experiments),
         web.get(exp, handlers.get_experiment),

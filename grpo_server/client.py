@@ -6,6 +6,18 @@
         group = client.complete("alphabetize", messages=[{"role": "user", "content": "Sort: b a"}], n=8)
         client.feedback("alphabetize", group.group_id, [score(c.text) for c in group.completions])
 
+Multi-turn (agents): send turn t+1 as token ids built from turn t's, so nothing the model wrote is
+re-tokenized (`next_turn_prompt`); the prompt tokens, earlier model turns included, are never trained on.
+
+        group = client.complete("agent", messages=[{"role": "user", "content": "3+4?"}], n=4)
+        for completion in group.completions:
+            prompt_ids = client.next_turn_prompt(group, completion, [{"role": "user", "content": "Times 2?"}])
+            turn2 = client.complete("agent", prompt_token_ids=prompt_ids, n=1)
+
+External completions (a teacher's answer, a human fix): `feedback_external` for a prompt and completions
+the model did not sample, or `feedback(..., extra_completions=[...])` to add them to a sampled group.
+A completion is text (`"..."`), token ids (`[1, 2, 3]`) or a dict `{"text": ..., "append_eos": False}`.
+
 Errors from the server raise `GrpoServerError` with its status, code and message. Needs only aiohttp and
 pydantic (no torch).
 """
@@ -15,14 +27,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Coroutine, Sequence, TypeVar
 
 import aiohttp
 
-from grpo_server.api_models import CompletionsResponse, ExperimentList, ExperimentStatus, FeedbackResponse, Health
+from grpo_server.api_models import (CompletionOut, CompletionsResponse, ExperimentList, ExperimentStatus,
+                                    FeedbackResponse, Health, TokenizeResponse)
 from grpo_server.config import ExperimentConfig
 
 T = TypeVar("T")
+ExternalCompletionLike = str | Sequence[int] | dict  # text, token ids, or the API's {"text"|"token_ids", ...}
 
 
 class GrpoServerError(Exception):
@@ -97,9 +111,46 @@ class AsyncClient:
         return CompletionsResponse.model_validate(
             await self._request("POST", f"/v1/experiments/{experiment}/completions", json=body))
 
-    async def feedback(self, experiment: str, group_id: str, rewards: list[float]) -> FeedbackResponse:
+    async def feedback(self, experiment: str, group_id: str, rewards: list[float],
+                       extra_completions: Sequence[ExternalCompletionLike] | None = None) -> FeedbackResponse:
+        """Rewards for a sampled group, in its completions' order; with `extra_completions`, rewards for
+        those follow."""
+        body: dict[str, Any] = {"group_id": group_id, "rewards": rewards}
+        if extra_completions:
+            body["extra_completions"] = [_external(c) for c in extra_completions]
+        return FeedbackResponse.model_validate(
+            await self._request("POST", f"/v1/experiments/{experiment}/feedback", json=body))
+
+    async def feedback_external(self, experiment: str, completions: Sequence[ExternalCompletionLike],
+                                rewards: list[float], prompt: str | None = None, *,
+                                messages: list[dict] | None = None,
+                                prompt_token_ids: list[int] | None = None) -> FeedbackResponse:
+        """Train on completions the model did not sample (at least two, with their rewards). The server
+        scores them under the serving version; the answer carries those logprobs."""
+        body = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids,
+                "completions": [_external(c) for c in completions], "rewards": rewards}
         return FeedbackResponse.model_validate(await self._request(
-            "POST", f"/v1/experiments/{experiment}/feedback", json={"group_id": group_id, "rewards": rewards}))
+            "POST", f"/v1/experiments/{experiment}/feedback", json={k: v for k, v in body.items() if v is not None}))
+
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       add_generation_prompt: bool = True,
+                       continue_from: list[int] | None = None) -> TokenizeResponse:
+        """Token ids exactly as the server builds a prompt. With `continue_from` (a conversation's token
+        ids so far), `messages` are only the new turns and are appended after the model's turn ends."""
+        body = {"prompt": prompt, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "continue_from": continue_from}
+        return TokenizeResponse.model_validate(
+            await self._request("POST", "/v1/tokenize", json={k: v for k, v in body.items() if v is not None}))
+
+    async def next_turn_prompt(self, group: CompletionsResponse, completion: CompletionOut | int,
+                               new_turns: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt token ids of the next turn: this group's prompt + one of its completions (the
+        object or its index) + `new_turns` (say, the user's or a tool's reply), without re-rendering the
+        earlier turns. Pass the result as `prompt_token_ids` to `complete`."""
+        chosen = group.completions[completion] if isinstance(completion, int) else completion
+        answer = await self.tokenize(messages=new_turns, add_generation_prompt=add_generation_prompt,
+                                     continue_from=group.prompt_token_ids + chosen.token_ids)
+        return answer.token_ids
 
     async def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
         """Save the adapter archive (.tar.gz of a peft folder) to `dest`; returns the file's path."""
@@ -108,6 +159,15 @@ class AsyncClient:
         dest = Path(dest)
         dest.write_bytes(data)
         return dest
+
+
+def _external(completion: ExternalCompletionLike) -> dict:
+    """An external completion's wire form: text, token ids, or a dict as the API takes it."""
+    if isinstance(completion, str):
+        return {"text": completion}
+    if isinstance(completion, dict):
+        return completion
+    return {"token_ids": list(completion)}
 
 
 def _config_body(config: ExperimentConfig) -> dict:
@@ -158,8 +218,20 @@ class Client:
     def complete(self, experiment: str, prompt: str | None = None, **kwargs: Any) -> CompletionsResponse:
         return self._run(self._async.complete(experiment, prompt, **kwargs))
 
-    def feedback(self, experiment: str, group_id: str, rewards: list[float]) -> FeedbackResponse:
-        return self._run(self._async.feedback(experiment, group_id, rewards))
+    def feedback(self, experiment: str, group_id: str, rewards: list[float],
+                 extra_completions: Sequence[ExternalCompletionLike] | None = None) -> FeedbackResponse:
+        return self._run(self._async.feedback(experiment, group_id, rewards, extra_completions))
+
+    def feedback_external(self, experiment: str, completions: Sequence[ExternalCompletionLike],
+                          rewards: list[float], prompt: str | None = None, **kwargs: Any) -> FeedbackResponse:
+        return self._run(self._async.feedback_external(experiment, completions, rewards, prompt, **kwargs))
+
+    def tokenize(self, prompt: str | None = None, **kwargs: Any) -> TokenizeResponse:
+        return self._run(self._async.tokenize(prompt, **kwargs))
+
+    def next_turn_prompt(self, group: CompletionsResponse, completion: CompletionOut | int,
+                         new_turns: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self._run(self._async.next_turn_prompt(group, completion, new_turns, add_generation_prompt))
 
     def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
         return self._run(self._async.download_adapter(experiment, dest, version))

@@ -7,7 +7,7 @@ import tarfile
 
 from aiohttp import web
 
-from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health
+from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health, TokenizeRequest
 from grpo_server.auth import ADMIN, principal, require
 from grpo_server.config import ExperimentConfig
 from grpo_server.errors import BadRequest
@@ -64,7 +64,14 @@ async def feedback(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require(_who(request), name)
     body = await parse_body(request, FeedbackRequest)
-    return respond(request, request.app[ORCHESTRATOR].feedback(name, body), status=202)
+    return respond(request, await request.app[ORCHESTRATOR].feedback(name, body), status=202)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """Any valid key may tokenize: the template and the vocabulary are the same for every experiment."""
+    _who(request)
+    body = await parse_body(request, TokenizeRequest)
+    return respond(request, request.app[ORCHESTRATOR].tokenize(body))
 
 
 async def download_adapter(request: web.Request) -> web.Response:

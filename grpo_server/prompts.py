@@ -10,8 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from grpo_server.api_models import ChatMessage, PromptFields
+from grpo_server.api_models import ChatMessage, ExternalCompletion, PromptFields
 from grpo_server.errors import BadRequest
+
+# Stand-ins for an earlier exchange when rendering only the turns that follow it.
+_EARLIER_USER = "\x00earlier user turn\x00"
+_EARLIER_ANSWER = "\x00earlier model turn\x00"
 
 
 class PromptBuilder:
@@ -28,7 +32,7 @@ class PromptBuilder:
         elif fields.messages is not None:
             ids = self.render_messages(fields.messages)
         else:
-            ids = self.tokenizer.encode(fields.prompt, add_special_tokens=False)
+            ids = self.encode(fields.prompt)
             if not ids:
                 raise BadRequest("the prompt tokenizes to no tokens", code="empty_prompt")
         self.check_ids(ids, "prompt_token_ids")
@@ -43,16 +47,52 @@ class PromptBuilder:
         # transformers 5 returns a BatchEncoding here; older versions a plain list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
+    def continue_conversation(self, conversation_ids: Sequence[int], new_turns: Sequence[ChatMessage],
+                              add_generation_prompt: bool = True) -> list[int]:
+        """`conversation_ids` (ending in the model's turn) + the end of that turn + `new_turns`, rendered by
+        the chat template as they would follow an assistant message. Earlier tokens are kept as they are:
+        re-rendering and re-tokenizing the model's own text can give other ids than it sampled."""
+        self.check_ids(conversation_ids, "continue_from")
+        earlier = [{"role": "user", "content": _EARLIER_USER}, {"role": "assistant", "content": _EARLIER_ANSWER}]
+        if self.tokenizer.chat_template is None:
+            raise BadRequest("this model has no chat template: build the next prompt's token ids yourself")
+        base = self.tokenizer.apply_chat_template(earlier, tokenize=False)
+        full = self.tokenizer.apply_chat_template(earlier + [m.model_dump() for m in new_turns], tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        if not full.startswith(base) or _EARLIER_ANSWER not in base:
+            raise BadRequest("this model's chat template does not render turn by turn: send the whole "
+                             "conversation as 'messages'", code="template_not_incremental")
+        turn_end = self.encode(base[base.index(_EARLIER_ANSWER) + len(_EARLIER_ANSWER):])
+        # A completion that stopped on end-of-turn already holds the start of `turn_end`: do not repeat it.
+        overlap = next((k for k in range(len(turn_end), 0, -1)
+                        if list(conversation_ids[-k:]) == turn_end[:k]), 0)
+        return list(conversation_ids) + turn_end[overlap:] + self.encode(full[len(base):])
+
+    def external_completion_ids(self, completion: ExternalCompletion, field: str) -> list[int]:
+        if completion.token_ids is not None:
+            ids = list(completion.token_ids)
+        else:
+            ids = self.encode(completion.text)
+            if completion.append_eos and self.tokenizer.eos_token_id is not None:
+                ids.append(self.tokenizer.eos_token_id)
+            if not ids:
+                raise BadRequest(f"{field}: the text tokenizes to no tokens", code="empty_completion")
+        self.check_ids(ids, field)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequest(f"{field}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
                              code="bad_token_ids")
 
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        if prompt_len + max_tokens > self.max_model_len:
+    def check_fits(self, prompt_len: int, completion_len: int, what: str = "max_tokens") -> None:
+        if prompt_len + completion_len > self.max_model_len:
             raise BadRequest(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                f"prompt ({prompt_len} tokens) + {what} ({completion_len}) exceeds the model's context "
                 f"of {self.max_model_len} tokens", code="prompt_too_long")
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
+from typing import Iterator
 
 from grpo_server.advantages import group_advantages, is_zero_variance, scale_by_std_for
-from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, FeedbackRequest,
-                                    FeedbackResponse, ExperimentStatus)
+from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentStatus,
+                                    ExternalCompletion, FeedbackRequest, FeedbackResponse, TokenizeRequest,
+                                    TokenizeResponse)
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.experiments import Experiment
 from grpo_server.groups import Group, GroupStore
 from grpo_server.prompts import PromptBuilder
 from grpo_server.training import ExperimentTrainer, retire_unused_versions
-from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest, GenerateResponse,
-                              LoadAdapterRequest, RemoveExperimentRequest)
+from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, Completion, GenerateRequest,
+                              GenerateResponse, LoadAdapterRequest, RemoveExperimentRequest, ScoreRequest,
+                              ScoreResponse)
 from grpo_server.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,19 @@ class Orchestrator:
             raise NotFound(f"experiment {name!r} has no adapter version {version}", code="version_not_found")
         return folder
 
+    @contextlib.contextmanager
+    def pinned_serving_version(self, exp: Experiment) -> Iterator[int]:
+        """The serving version, kept loaded on the samplers until the block ends even if a push
+        replaces it meanwhile."""
+        version = exp.serving_version
+        exp.inflight[version] += 1
+        try:
+            yield version
+        finally:
+            exp.inflight[version] -= 1
+            if version != exp.serving_version:
+                retire_unused_versions(exp, self.workers)
+
     # --- sampling ------------------------------------------------------------------------------
 
     async def complete(self, name: str, request: CompletionsRequest) -> CompletionsResponse:
@@ -102,19 +119,13 @@ class Orchestrator:
         max_tokens = request.max_tokens or defaults.max_tokens
         self.prompts.check_fits(len(prompt_ids), max_tokens)
         temperature = defaults.temperature if request.temperature is None else request.temperature
-        version = exp.serving_version
-        exp.inflight[version] += 1  # keeps this version loaded until the request is done
-        try:
+        with self.pinned_serving_version(exp) as version:
             async with self.workers.sampler() as sampler:
                 result: GenerateResponse = await sampler.call("generate", GenerateRequest(
                     prompt_token_ids=prompt_ids, n=request.n or defaults.n, temperature=temperature,
                     top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
                     seed=request.seed, adapter=AdapterRef(name=name, version=version),
                 ), GenerateResponse)
-        finally:
-            exp.inflight[version] -= 1
-            if version != exp.serving_version:
-                retire_unused_versions(exp, self.workers)
         group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
@@ -127,26 +138,78 @@ class Orchestrator:
             completions=[CompletionOut(**c.model_dump()) for c in result.completions],
         )
 
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        if request.continue_from is not None:
+            ids = self.prompts.continue_conversation(request.continue_from, request.messages,
+                                                     request.add_generation_prompt)
+        elif request.messages is not None:
+            ids = self.prompts.render_messages(request.messages, request.add_generation_prompt)
+        else:
+            ids = self.prompts.token_ids(request)
+        return TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.prompts.max_model_len)
+
     # --- feedback ------------------------------------------------------------------------------
 
-    def feedback(self, name: str, request: FeedbackRequest) -> FeedbackResponse:
+    async def feedback(self, name: str, request: FeedbackRequest) -> FeedbackResponse:
+        """Rewards for a sampled group, possibly with external completions added to it, or for a group of
+        external completions only. Everything is checked before the group is taken, so a 4xx loses nothing."""
         exp = self.get(name)
-        group = self.groups.peek(name, request.group_id)
-        if len(request.rewards) != len(group.completions):
-            raise Unprocessable(f"group {group.group_id} has {len(group.completions)} completions but "
-                                f"{len(request.rewards)} rewards were sent", code="reward_count_mismatch")
-        self.groups.take(name, request.group_id)
+        if request.group_id is None:
+            prompt_ids = self.prompts.token_ids(request)
+            group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
+                          completions=[], policy_version=exp.serving_version,
+                          temperature=exp.config.sampling.temperature, max_tokens=exp.config.sampling.max_tokens)
+            external = request.completions
+        else:
+            group = self.groups.peek(name, request.group_id)
+            external = request.extra_completions or []
+            if len(request.rewards) != len(group.completions) + len(external):
+                raise Unprocessable(
+                    f"group {group.group_id} has {len(group.completions)} completions"
+                    + (f" + {len(external)} extra" if external else "")
+                    + f" but {len(request.rewards)} rewards were sent", code="reward_count_mismatch")
+        scored_version, external_logprobs = None, None
+        if external:
+            scored_version, added = await self._score_external(exp, group, external)
+            external_logprobs = [c.logprobs for c in added]
+        if request.group_id is not None:
+            self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
+        if external:
+            group.completions = group.completions + added
+            group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
+            exp.counters.completions_external += len(added)
+        response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
+                                    external_logprobs=external_logprobs)
         exp.counters.groups_received += 1
         exp.recent_rewards.append(sum(request.rewards) / len(request.rewards))
         algorithm = exp.config.algorithm
         if algorithm.skip_zero_variance and is_zero_variance(request.rewards):
             exp.counters.groups_zero_variance += 1
-            return FeedbackResponse(group_id=group.group_id, skipped="zero_variance")
+            return response.model_copy(update={"skipped": "zero_variance"})
         group.rewards = list(request.rewards)
         group.advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
         exp.queue.append(group)
         exp.queue_changed.set()
-        return FeedbackResponse(group_id=group.group_id)
+        return response
+
+    async def _score_external(self, exp: Experiment, group: Group,
+                              external: list[ExternalCompletion]) -> tuple[int, list[Completion]]:
+        """Tokenize completions the model did not sample and score them under the serving version: those
+        logprobs are their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
+        token_ids = []
+        for i, completion in enumerate(external):
+            ids = self.prompts.external_completion_ids(completion, f"completions[{i}]")
+            self.prompts.check_fits(len(group.prompt_token_ids), len(ids), f"completions[{i}]")
+            token_ids.append(ids)
+        with self.pinned_serving_version(exp) as version:
+            async with self.workers.sampler() as sampler:
+                scored: ScoreResponse = await sampler.call("score", ScoreRequest(
+                    prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
+                    temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
+                ), ScoreResponse)
+        return version, [Completion(text=self.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
+                                    finish_reason="external")
+                         for ids, logprobs in zip(token_ids, scored.logprobs)]
 
     # --- background upkeep ---------------------------------------------------------------------
 
