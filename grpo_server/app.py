@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from grpo_server import handlers
+from grpo_server import openai_handlers
 from grpo_server.config import ServerConfig
 from grpo_server.errors import ApiError, PayloadTooLarge
 from grpo_server.http_io import error_response
@@ -34,6 +35,8 @@ def routes() -> list[web.RouteDef]:
         web.post(exp + "/completions", handlers.completions),
         web.post(exp + "/feedback", handlers.feedback),
         web.get(exp + "/adapter", handlers.download_adapter),
+        web.post("/v1/chat/completions", openai_handlers.chat_completions),
+        web.post("/v1/completions", openai_handlers.completions),
     ]
 
 

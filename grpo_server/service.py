@@ -168,6 +168,9 @@ class Orchestrator:
                     f"group {group.group_id} has {len(group.completions)} completions"
                     + (f" + {len(external)} extra" if external else "")
                     + f" but {len(request.rewards)} rewards were sent", code="reward_count_mismatch")
+        if group.temperature == 0:
+            raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
+                                "sample with temperature > 0 to give feedback", code="greedy_group")
         scored_version, external_logprobs = None, None
         if external:
             scored_version, added = await self._score_external(exp, group, external)

@@ -31,6 +31,7 @@ def train_samples(groups: list[Group]) -> list[TrainSample]:
             advantage=advantage,
             reward=reward,
             policy_version=group.policy_version,
+            temperature=group.temperature,
         )
         for group in groups
         for completion, advantage, reward in zip(group.completions, group.advantages, group.rewards)
@@ -73,8 +74,7 @@ class ExperimentTrainer:
         if not samples:
             return
         request = TrainRequest(
-            name=exp.name, samples=samples, temperature=groups[0].temperature,
-            max_tokens=max(g.max_tokens for g in groups), num_groups=len(groups),
+            name=exp.name, samples=samples, max_tokens=max(g.max_tokens for g in groups), num_groups=len(groups),
         )
         try:
             await self.workers.wait_learner_ready(self.train_timeout_s)

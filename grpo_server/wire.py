@@ -127,12 +127,12 @@ class TrainSample(WireModel):
     advantage: float
     reward: float
     policy_version: int  # the version that sampled it
+    temperature: float = 1.0  # the sampling temperature its logprobs were taken at (> 0)
 
 
 class TrainRequest(WireModel):
     name: str
     samples: list[TrainSample] = Field(min_length=1)
-    temperature: float = 1.0  # the sampling temperature the logprobs were taken at
     max_tokens: int = Field(256, ge=1)  # the generation budget: dr_grpo's constant normaliser
     num_groups: int = 1
 

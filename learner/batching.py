@@ -26,6 +26,7 @@ class Sequence:
     completion: list[int]
     old_logp: list[float]  # behaviour (sampler) logprobs, one per completion token
     advantage: float = 0.0
+    temperature: float = 1.0  # the one old_logp was sampled at; the learner's logprobs must use it too
 
 
 @dataclass
@@ -39,6 +40,7 @@ class MicroBatch:
     mask_B_C: Tensor  # True on real completion tokens
     old_logp_B_C: Tensor
     advantages_B: Tensor
+    temperature: float  # shared by every sequence of the micro-batch
 
     @property
     def num_tokens(self) -> int:
@@ -101,18 +103,21 @@ def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatc
     targets_B_K[:, : K - 1] = input_ids_B_L[:, first + 1 :]
     advantages_B = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
     return MicroBatch(indices, input_ids_B_L, attention_mask_B_L, K, targets_B_K, gather_B_C, mask_B_C,
-                      old_logp_B_C, advantages_B)
+                      old_logp_B_C, advantages_B, seqs[0].temperature)
 
 
 def make_micro_batches(seqs: list[Sequence], micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
-    """Cut sequences into micro-batches of at most `micro_batch_size`, longest first."""
+    """Cut sequences into micro-batches of at most `micro_batch_size`, one sampling temperature each,
+    longest first."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt) + len(seqs[i].completion), reverse=True)
     batches = []
-    for start in range(0, len(order), micro_batch_size):
-        chunk = order[start : start + micro_batch_size]
-        batches.append(_collate([seqs[i] for i in chunk], chunk, pad_id))
+    for temperature in sorted({s.temperature for s in seqs}):
+        same = [i for i, s in enumerate(seqs) if s.temperature == temperature]
+        order = sorted(same, key=lambda i: len(seqs[i].prompt) + len(seqs[i].completion), reverse=True)
+        for start in range(0, len(order), micro_batch_size):
+            chunk = order[start : start + micro_batch_size]
+            batches.append(_collate([seqs[i] for i in chunk], chunk, pad_id))
     return batches
 
 

@@ -120,10 +120,10 @@ class MultiAdapterTrainer:
     def train(self, request: TrainRequest) -> TrainMetrics:
         started = time.perf_counter()
         exp = self._get(request.name)
-        _check_temperature(request.temperature)
-        seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage)
+        seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature)
                 for s in request.samples]
         for i, seq in enumerate(seqs):
+            _check_temperature(seq.temperature)
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"samples[{i}]")
         algo = exp.algorithm
         settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
@@ -131,7 +131,7 @@ class MultiAdapterTrainer:
                                max_tokens=request.max_tokens)
         batches = make_micro_batches(seqs, algo.micro_batch_size)
         try:
-            stats, norm_before_clip = self._accumulate_and_step(exp, batches, settings, norm, request.temperature)
+            stats, norm_before_clip = self._accumulate_and_step(exp, batches, settings, norm)
         except BaseException:
             # A failure mid-batch (out of memory, say) leaves partial gradients inside ZeRO that the
             # next step would silently add in. The weights have not moved: rebuild the engine from them.
@@ -235,7 +235,7 @@ class MultiAdapterTrainer:
         adapter_io.write_version(adapter_io.version_dir(self.config.run_dir, name, version), config, tensors, step)
 
     def _accumulate_and_step(self, exp: Experiment, batches: list[MicroBatch], settings: LossSettings,
-                             norm: BatchNormalizer, temperature: float) -> tuple[StepStats, float]:
+                             norm: BatchNormalizer) -> tuple[StepStats, float]:
         self._activate(exp.adapter)
         self.model.train()
         stats = StepStats()
@@ -244,8 +244,8 @@ class MultiAdapterTrainer:
             # Accumulate locally until the last micro-batch, then one step on the summed gradient
             # (learner/engine.py explains why this equals one step on the whole batch).
             exp.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            ref_logp_B_C = self._reference_logp(batch, temperature) if settings.beta > 0 else None
-            logp_B_C = self._completion_logp(exp.engine, batch, temperature)
+            ref_logp_B_C = self._reference_logp(batch, batch.temperature) if settings.beta > 0 else None
+            logp_B_C = self._completion_logp(exp.engine, batch, batch.temperature)
             loss, micro_stats = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C,
                                             settings, norm, ref_logp_B_C)
             exp.engine.backward(loss, scale_wrt_gas=False)

@@ -145,3 +145,11 @@ async def test_bad_tokenize_requests_are_4xx(server, body, status, code):
         assert (got, data["error"]["code"]) == (status, code), data
         got, _ = await post_json(session, f"{server.url}/v1/tokenize", {"prompt": "x"}, key="wrong-key")
         assert got == 401
+
+
+async def test_feedback_on_a_greedy_group_is_422_and_the_group_survives(client, experiment):
+    group = await client.complete(experiment, prompt="Count: 1, 2,", temperature=0.0)
+    with pytest.raises(GrpoServerError) as greedy:
+        await client.feedback(experiment, group.group_id, [1.0, 0.0])
+    assert (greedy.value.status, greedy.value.code) == (422, "greedy_group")
+    assert (await client.status(experiment)).pending_groups == 1  # still there, nothing trained

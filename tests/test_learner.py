@@ -68,9 +68,9 @@ def _logprobs_unpadded(model, prompt: list[int], completion: list[int], temperat
     return token_logprobs(logits_1_L_V[:, P - 1 : P + C - 1], ids_1_L[:, P:], temperature)[0]
 
 
-def _sample(prompt, completion, logprobs, advantage, reward=0.0) -> TrainSample:
+def _sample(prompt, completion, logprobs, advantage, reward=0.0, temperature=1.0) -> TrainSample:
     return TrainSample(prompt_token_ids=prompt, completion_token_ids=completion, sampler_logprobs=logprobs,
-                       advantage=advantage, reward=reward, policy_version=0)
+                       advantage=advantage, reward=reward, policy_version=0, temperature=temperature)
 
 
 def _adapter_weights(trainer, name: str) -> dict[str, torch.Tensor]:
@@ -140,16 +140,19 @@ def test_stepping_one_experiment_leaves_the_other_exactly_unchanged(trainer):
 
 
 def _mixed_batch(trainer, name: str) -> TrainRequest:
-    """Five samples of different prompt and completion lengths, off-policy (ratios spread, some clipped)."""
+    """Five samples of different prompt and completion lengths, off-policy (ratios spread, some clipped),
+    sampled at two temperatures (groups of one batch may differ)."""
     g = torch.Generator().manual_seed(7)
     samples = []
     for i, (p, c, adv) in enumerate([(3, 4, 1.2), (7, 1, -0.5), (2, 6, 0.3), (5, 3, -1.0), (9, 2, 0.7)]):
         prompt = torch.randint(3, 4000, (p,), generator=g).tolist()
         completion = torch.randint(3, 4000, (c,), generator=g).tolist()
-        current = _lp(trainer, name, prompt, [completion], temperature=0.8)[0]
+        temperature = 0.8 if i % 2 == 0 else 1.0
+        current = _lp(trainer, name, prompt, [completion], temperature=temperature)[0]
         noise = (0.3 * torch.randn(c, generator=g)).tolist()
-        samples.append(_sample(prompt, completion, [min(x + n, 0.0) for x, n in zip(current, noise)], adv, float(i)))
-    return TrainRequest(name=name, samples=samples, temperature=0.8, max_tokens=8)
+        samples.append(_sample(prompt, completion, [min(x + n, 0.0) for x, n in zip(current, noise)], adv, float(i),
+                               temperature))
+    return TrainRequest(name=name, samples=samples, max_tokens=8)
 
 
 def _assert_same_adam_update(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
@@ -182,7 +185,8 @@ def test_micro_batched_step_equals_whole_batch_step_and_plain_torch(trainer, tin
     request = _mixed_batch(trainer, whole)
     settings = LossSettings(loss, 0.2, 0.28, beta)
     norm = BatchNormalizer(len(request.samples), sum(len(s.completion_token_ids) for s in request.samples), 8)
-    initial = [_lp(trainer, whole, s.prompt_token_ids, [s.completion_token_ids], 0.8)[0] for s in request.samples]
+    initial = [_lp(trainer, whole, s.prompt_token_ids, [s.completion_token_ids], s.temperature)[0]
+               for s in request.samples]
     moved: list[float] = []
 
     for step in (1, 2):  # the second step moves lora_A too (B != 0 after the first)
@@ -191,11 +195,12 @@ def test_micro_batched_step_equals_whole_batch_step_and_plain_torch(trainer, tin
         optimizer.zero_grad()
         total = 0.0
         for s in request.samples:
-            logp_C = _logprobs_unpadded(reference, s.prompt_token_ids, s.completion_token_ids, 0.8)
+            logp_C = _logprobs_unpadded(reference, s.prompt_token_ids, s.completion_token_ids, s.temperature)
             ref_logp_C = None
             if beta > 0:
                 with torch.no_grad(), reference.disable_adapter():
-                    ref_logp_C = _logprobs_unpadded(reference, s.prompt_token_ids, s.completion_token_ids, 0.8)
+                    ref_logp_C = _logprobs_unpadded(reference, s.prompt_token_ids, s.completion_token_ids,
+                                                    s.temperature)
             loss_value, _ = policy_loss(logp_C[None], torch.tensor([s.sampler_logprobs]), torch.tensor([s.advantage]),
                                         torch.ones(1, len(logp_C)), settings, norm,
                                         None if ref_logp_C is None else ref_logp_C[None])
@@ -222,9 +227,9 @@ def test_micro_batched_step_equals_whole_batch_step_and_plain_torch(trainer, tin
     reference.eval()
     for s, before in zip(request.samples, initial):
         with torch.no_grad():
-            ref_lp = _logprobs_unpadded(reference, s.prompt_token_ids, s.completion_token_ids, 0.8)
+            ref_lp = _logprobs_unpadded(reference, s.prompt_token_ids, s.completion_token_ids, s.temperature)
         for name in (whole, micro):
-            got = torch.tensor(_lp(trainer, name, s.prompt_token_ids, [s.completion_token_ids], 0.8)[0])
+            got = torch.tensor(_lp(trainer, name, s.prompt_token_ids, [s.completion_token_ids], s.temperature)[0])
             assert torch.allclose(got, ref_lp, atol=1e-4), (name, got, ref_lp)
         moved.append(float((ref_lp - torch.tensor(before)).abs().max()))
     assert max(moved) > 1e-2, moved
@@ -337,8 +342,8 @@ def test_bad_requests_get_the_right_error_codes(trainer):
         assert code_of(trainer.train, TrainRequest(name="bad", samples=[sample])) == ("bad_request", 400), label
     assert code_of(trainer.logprobs, LogprobsRequest(name="bad", prompt_token_ids=PROMPT,
                                                      completions_token_ids=[[vocab + 3]])) == ("bad_request", 400)
-    assert code_of(trainer.train, TrainRequest(name="bad", temperature=0.0,
-                                               samples=[_sample(PROMPT, COMPLETION, ok, 1.0)])) == ("bad_request", 400)
+    assert code_of(trainer.train, TrainRequest(name="bad", samples=[
+        _sample(PROMPT, COMPLETION, ok, 1.0, temperature=0.0)])) == ("bad_request", 400)
     after = _adapter_weights(trainer, "bad")
     assert all(torch.equal(before[k], after[k]) for k in before)  # rejected before any step
     assert trainer.train(TrainRequest(name="bad", samples=[_sample(PROMPT, COMPLETION, ok, 1.0)])).step == 1

@@ -1,0 +1,324 @@
+"""OpenAI-compatible bodies for `POST /v1/chat/completions` and `POST /v1/completions`, and the pure
+conversions between them and our own API models (`openai_handlers.py` wires them to HTTP).
+
+The OpenAI `model` field names the experiment. One request is one group: it becomes one
+`CompletionsRequest`, the orchestrator samples and stores the group, and the answer carries the usual
+OpenAI fields plus `group_id`, `policy_version`, `prompt_token_ids` and, per choice, `token_ids`, so the
+client can post `{group_id, rewards}` to `/v1/experiments/{model}/feedback` as with the native API.
+
+Parameters:
+- honoured: `n`, `temperature`, `top_p`, `max_tokens` (chat: `max_completion_tokens` wins over it),
+  `stop` (a string or a list), `seed`, `logprobs`; unset ones take the experiment's `sampling` defaults
+  (so an absent `n` is the experiment's group size, not OpenAI's 1).
+- rejected with 400 when set to anything but their neutral value, because ignoring them would silently
+  change what the caller gets: `stream: true`, `frequency_penalty`/`presence_penalty` other than 0,
+  a non-empty `logit_bias`, `tools`/`functions` (non-empty), `tool_choice`/`function_call` other than
+  "none"/"auto", tool calls in messages, non-text content parts, `response_format` other than
+  `{"type": "text"}`, `modalities` other than ["text"], `audio`; chat `top_logprobs` > 0 (only the
+  sampled token's logprob exists); legacy `logprobs` > 1, `echo: true`, a non-empty `suffix`, `best_of`
+  other than 1 or `n`, more than one prompt.
+- accepted and ignored: every other field, known (`user`, `metadata`, `store`, `stream_options`,
+  `service_tier`, `parallel_tool_calls`, `prompt_cache_key`, `safety_identifier`, `reasoning_effort`,
+  `verbosity`, `prediction`, ...) or not (frameworks add their own).
+
+No ML imports: the handler passes token strings in (it owns the tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from grpo_server.api_models import ChatMessage, CompletionOut, CompletionsRequest, CompletionsResponse
+from grpo_server.errors import BadRequest, Unprocessable
+from grpo_server.http_io import describe_validation_error
+
+STREAMING_UNSUPPORTED = "streaming is not supported: send 'stream': false (or leave it out)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
+# ------------------------------------------------------------------------------------------------
+
+
+class OpenAIBody(BaseModel):
+    """Unknown fields are dropped: OpenAI keeps adding some, and frameworks send their own."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequest(OpenAIBody):
+    model: str = Field(min_length=1, description="The experiment's name.")
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    # Rejected unless neutral (see the module docstring).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+
+class OpenAIChatMessage(OpenAIBody):
+    """`name`, `tool_call_id`, `refusal` and the like are ignored; `developer` is rendered as `system`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[OpenAIChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+
+
+class CompletionRequest(OpenAIRequest):
+    """Legacy completions. `prompt`: a string, or token ids; a list of one of either is accepted too."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses
+# ------------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)  # always empty: see top_logprobs
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str
+    logprobs: ChatChoiceLogprobs | None
+    token_ids: list[int]  # extra: the completion's token ids (multi-turn prompts without re-tokenizing)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    # extra: what feedback and exact multi-turn prompts need
+    group_id: str
+    policy_version: int
+    prompt_token_ids: list[int]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # per token: {sampled token: its logprob}
+    text_offset: list[int]  # character offsets into the completion's text (no echo)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None
+    token_ids: list[int]
+
+
+class TextCompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    group_id: str
+    policy_version: int
+    prompt_token_ids: list[int]
+
+
+# ------------------------------------------------------------------------------------------------
+# OpenAI request -> CompletionsRequest
+# ------------------------------------------------------------------------------------------------
+
+
+def _reject_common(body: OpenAIRequest) -> None:
+    if body.stream:
+        raise BadRequest(STREAMING_UNSUPPORTED, code="stream_unsupported")
+    for field in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, field):
+            raise BadRequest(f"{field} is not supported (only 0): the sampler applies no penalties",
+                             code="unsupported_parameter")
+    if body.logit_bias:
+        raise BadRequest("logit_bias is not supported (only an empty one)", code="unsupported_parameter")
+
+
+def _reject_chat(body: ChatCompletionRequest) -> None:
+    if body.tools or body.functions:
+        raise BadRequest("tools are not supported: send no 'tools' / 'functions'", code="tools_unsupported")
+    for field in ("tool_choice", "function_call"):
+        value = getattr(body, field)
+        if value is not None and value not in ("none", "auto"):
+            raise BadRequest(f"tools are not supported: '{field}' may only be \"none\" or \"auto\"",
+                             code="tools_unsupported")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise BadRequest("response_format is not supported (only {\"type\": \"text\"}): output is not "
+                         "constrained", code="unsupported_parameter")
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise BadRequest("only the text modality is supported", code="unsupported_parameter")
+    if body.audio is not None:
+        raise BadRequest("audio output is not supported", code="unsupported_parameter")
+    if body.top_logprobs:
+        raise BadRequest("top_logprobs must be 0 or absent: only the sampled token's logprob is available "
+                         "(set logprobs: true)", code="unsupported_parameter")
+
+
+def _request(**fields: Any) -> CompletionsRequest:
+    """Our request from OpenAI's fields; our bounds (n >= 1, temperature >= 0, ...) answer 422."""
+    try:
+        return CompletionsRequest(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
+
+
+def _message_text(index: int, message: OpenAIChatMessage) -> str:
+    if message.tool_calls:
+        raise BadRequest(f"messages.{index}: tool calls are not supported", code="tools_unsupported")
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages.{index}.content.{j}: only text parts ({{\"type\": \"text\", \"text\": "
+                             f"...}}) are supported, not {part.get('type')!r}", code="unsupported_content")
+        texts.append(part["text"])
+    return "\n".join(texts)  # as vLLM joins text parts
+
+
+def chat_messages(messages: list[OpenAIChatMessage]) -> list[ChatMessage]:
+    return [ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m))
+            for i, m in enumerate(messages)]
+
+
+def chat_to_request(body: ChatCompletionRequest) -> CompletionsRequest:
+    _reject_common(body)
+    _reject_chat(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _request(messages=chat_messages(body.messages), n=body.n, temperature=body.temperature,
+                    top_p=body.top_p, max_tokens=max_tokens, stop=body.stop, seed=body.seed)
+
+
+def completion_to_request(body: CompletionRequest) -> CompletionsRequest:
+    _reject_common(body)
+    if body.echo:
+        raise BadRequest("echo is not supported", code="unsupported_parameter")
+    if body.suffix:
+        raise BadRequest("suffix is not supported", code="unsupported_parameter")
+    if body.best_of is not None and body.best_of not in (1, body.n):
+        raise BadRequest("best_of is not supported (only 1 or equal to n): every sample is returned",
+                         code="unsupported_parameter")
+    if body.logprobs is not None and body.logprobs > 1:
+        raise BadRequest("logprobs must be 0 or 1: only the sampled token's logprob is available",
+                         code="unsupported_parameter")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise BadRequest(f"one prompt per request (one group): got {len(prompt)}", code="multiple_prompts")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        fields: dict[str, Any] = {"prompt": prompt}
+    elif prompt:
+        fields = {"prompt_token_ids": prompt}
+    else:
+        raise BadRequest("prompt is empty", code="empty_prompt")
+    return _request(**fields, n=body.n, temperature=body.temperature, top_p=body.top_p,
+                    max_tokens=body.max_tokens, stop=body.stop, seed=body.seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# CompletionsResponse -> OpenAI response
+# ------------------------------------------------------------------------------------------------
+
+
+def _usage(result: CompletionsResponse) -> Usage:
+    completion_tokens = sum(len(c.token_ids) for c in result.completions)
+    prompt_tokens = len(result.prompt_token_ids)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def _chat_logprobs(completion: CompletionOut, token_text: Mapping[int, str]) -> ChatChoiceLogprobs:
+    return ChatChoiceLogprobs(content=[
+        ChatTokenLogprob(token=token_text[t], logprob=lp, bytes=list(token_text[t].encode()))
+        for t, lp in zip(completion.token_ids, completion.logprobs)])
+
+
+def chat_response(model: str, result: CompletionsResponse, created: int,
+                  token_text: Mapping[int, str] | None = None) -> ChatCompletionResponse:
+    """`token_text` (token id -> its decoded string) is given when logprobs were asked for."""
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{result.group_id}", created=created, model=model, usage=_usage(result),
+        group_id=result.group_id, policy_version=result.policy_version,
+        prompt_token_ids=result.prompt_token_ids,
+        choices=[ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                            logprobs=None if token_text is None else _chat_logprobs(c, token_text),
+                            token_ids=c.token_ids)
+                 for i, c in enumerate(result.completions)])
+
+
+def _completion_logprobs(completion: CompletionOut, token_text: Mapping[int, str]) -> CompletionLogprobs:
+    tokens = [token_text[t] for t in completion.token_ids]
+    offsets, offset = [], 0
+    for token in tokens:  # as vLLM: offsets from the token strings' lengths
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(completion.logprobs),
+                              top_logprobs=[{tok: lp} for tok, lp in zip(tokens, completion.logprobs)],
+                              text_offset=offsets)
+
+
+def completion_response(model: str, result: CompletionsResponse, created: int,
+                        token_text: Mapping[int, str] | None = None) -> TextCompletionResponse:
+    return TextCompletionResponse(
+        id=f"cmpl-{result.group_id}", created=created, model=model, usage=_usage(result),
+        group_id=result.group_id, policy_version=result.policy_version,
+        prompt_token_ids=result.prompt_token_ids,
+        choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids,
+                                  logprobs=None if token_text is None else _completion_logprobs(c, token_text))
+                 for i, c in enumerate(result.completions)])

@@ -1,0 +1,49 @@
+"""OpenAI-compatible `POST /v1/chat/completions` and `POST /v1/completions`: authorise (the admin key or the
+experiment's own key; the experiment is the `model` field), convert, sample one group, convert back.
+The bodies and conversions live in `openai_api.py`."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from aiohttp import web
+
+from grpo_server.api_models import CompletionsRequest, CompletionsResponse
+from grpo_server.auth import require
+from grpo_server.handlers import _who
+from grpo_server.http_io import parse_body, respond
+from grpo_server.keys import ORCHESTRATOR
+from grpo_server.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, chat_response,
+                                    chat_to_request, completion_response, completion_to_request)
+
+
+async def _sample(request: web.Request, who: str, body: OpenAIRequest,
+                  convert: Callable[..., CompletionsRequest]) -> CompletionsResponse:
+    require(who, body.model)
+    orchestrator = request.app[ORCHESTRATOR]
+    orchestrator.get(body.model)  # 404 experiment_not_found before anything else about the body
+    return await orchestrator.complete(body.model, convert(body))
+
+
+def _token_text(request: web.Request, result: CompletionsResponse) -> dict[int, str]:
+    """Each sampled token id's own decoded string (for logprobs)."""
+    tokenizer = request.app[ORCHESTRATOR].prompts.tokenizer
+    ids = {t for c in result.completions for t in c.token_ids}
+    return {t: tokenizer.decode([t], skip_special_tokens=False) for t in ids}
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    who = _who(request)  # 401 before the body is looked at
+    body = await parse_body(request, ChatCompletionRequest)
+    result = await _sample(request, who, body, chat_to_request)
+    token_text = _token_text(request, result) if body.logprobs else None
+    return respond(request, chat_response(body.model, result, int(time.time()), token_text))
+
+
+async def completions(request: web.Request) -> web.Response:
+    who = _who(request)
+    body = await parse_body(request, CompletionRequest)
+    result = await _sample(request, who, body, completion_to_request)
+    token_text = _token_text(request, result) if body.logprobs is not None else None
+    return respond(request, completion_response(body.model, result, int(time.time()), token_text))
