@@ -10,7 +10,10 @@ to the previous answer and is rated against the number the model actually gave i
 sum when it gave none). Each step's group gets its own feedback; the learner trains each on its own
 completions only (the conversation before them is prompt, masked out of the loss).
 
-Reward per answer: 0.3 for a bare number, 0.7 more when it is the right one.
+Reward per answer, with partial credit so that SmolLM2-135M finds some from the start (it names the
+right sum somewhere in about a fifth of its answers, and rarely answers with the number alone): 0.5 when
+the right number appears, 0.3 more when it is the first number, 0.2 more when the answer is that number
+and nothing else.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ def first_number(text: str) -> int | None:
 
 
 def score(text: str, expected: int) -> float:
-    answer = text.strip().rstrip(".")
-    bare = NUMBER.fullmatch(answer) is not None
-    return round(0.3 * bare + 0.7 * (first_number(text) == expected), 4)
+    numbers = [int(n) for n in NUMBER.findall(text)]
+    if expected not in numbers:
+        return 0.0
+    leads = numbers[0] == expected
+    alone = text.strip().rstrip(".") == str(expected)
+    return round(0.5 + 0.3 * leads + 0.2 * alone, 4)
 
 
 def question(a: int, b: int) -> list[dict]:

@@ -88,10 +88,13 @@ class ExternalCompletion(ApiModel):
         return self
 
 
+MAX_ABS_REWARD = 1e9  # larger ones overflow the group's mean and std (1e308 + 1e308 = inf)
+
+
 def _check_finite(rewards: list[float]) -> list[float]:
-    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    bad = [i for i, r in enumerate(rewards) if not (math.isfinite(r) and abs(r) <= MAX_ABS_REWARD)]
     if bad:
-        raise ValueError(f"rewards must be finite numbers (not at index {bad[:5]})")
+        raise ValueError(f"rewards must be finite numbers within +-{MAX_ABS_REWARD:g} (not at index {bad[:5]})")
     return rewards
 
 

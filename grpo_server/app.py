@@ -74,10 +74,14 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
         try:
             pool = await workers.start(session, on_sampler_restart=lambda i: orchestrator.resync_sampler(i),
                                        on_learner_restart=lambda: orchestrator.resync_learner())
-            prompts = PromptBuilder(workers.model_dir, config.max_model_len)
+            prompts = PromptBuilder(workers.model_dir, config.max_model_len, config.max_prompt_tokens)
             orchestrator = Orchestrator(config, pool, prompts)
             app[ORCHESTRATOR] = orchestrator
-            for experiment in config.experiments:
+            # Experiments of an earlier run in this run directory resume first; the config's own are
+            # created if they are not among them.
+            resumed = orchestrator.registry.load_all()
+            names = {e.name for e in resumed}
+            for experiment in resumed + [e for e in config.experiments if e.name not in names]:
                 await orchestrator.create(experiment)
             expiry = asyncio.create_task(orchestrator.expire_groups_forever())
             log.info("grpo_server ready on http://%s:%s", config.host, config.port)

@@ -25,6 +25,7 @@ pydantic (no torch).
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from pathlib import Path
 from typing import Any, Coroutine, Sequence, TypeVar
@@ -49,10 +50,14 @@ class GrpoServerError(Exception):
 
 
 class AsyncClient:
-    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0,
+                 ssl_context: ssl.SSLContext | None = None):
+        """`ssl_context`: for an https server whose certificate the system does not trust, e.g.
+        `ssl.create_default_context(cafile="server.pem")`."""
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "AsyncClient":
@@ -68,7 +73,8 @@ class AsyncClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+            connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout, connector=connector)
         return self._session
 
     async def _request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
@@ -179,11 +185,12 @@ def _config_body(config: ExperimentConfig) -> dict:
 class Client:
     """The blocking twin of AsyncClient: one event loop on a private thread runs its calls."""
 
-    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0,
+                 ssl_context: ssl.SSLContext | None = None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="grpo-client")
         self._thread.start()
-        self._async = AsyncClient(base_url, api_key, timeout_s)
+        self._async = AsyncClient(base_url, api_key, timeout_s, ssl_context)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

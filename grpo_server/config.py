@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
@@ -54,6 +54,9 @@ class AlgorithmConfig(StrictModel):
     batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
     push_every: int = Field(1, ge=1, description="Optimizer steps between adapter versions.")
+    checkpoint_every: int = Field(1, ge=1, description=(
+        "Optimizer steps between checkpoints (weights, optimizer state, RNG, journal position); the learner "
+        "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
     max_staleness: int = Field(
         2, ge=0, description="Groups sampled more than this many versions ago are dropped."
     )
@@ -180,14 +183,34 @@ class ServerConfig(BaseSettings):
     worker_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one worker call.")
     startup_timeout_s: float = Field(900.0, gt=0, description="Longest wait for a worker to become healthy.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    max_experiments: int = Field(64, ge=1, description="Most experiments at once (each holds an adapter and "
+                                 "its optimizer in the learner).")
+    max_n: int = Field(64, ge=1, le=256, description="Largest group (n) one request may ask for.")
+    max_tokens: int = Field(4096, ge=1, description="Largest max_tokens one request may ask for.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens (None = whatever "
+                                          "fits the context with max_tokens).")
+    max_pending_groups: int = Field(
+        1024, ge=1, description="Groups of one experiment that may await feedback at once; completions get "
+        "429 beyond it until feedback arrives or groups expire (group_ttl_s).")
+    max_loaded_versions: int = Field(
+        4, ge=2, description="Adapter versions of one experiment loaded on the samplers at once (the served "
+        "one plus older ones that requests still use); a push waits for a slot.")
     verify_tolerance: float = Field(
         0.05, gt=0, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )
+    tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
+    tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     experiments: list[ExperimentConfig] = Field(
         default_factory=list, description="Experiments created at start (inline, or YAML file paths)."
     )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "ServerConfig":
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("give both tls_certfile and tls_keyfile, or neither")
+        return self
 
     @field_validator("experiments", mode="before")
     @classmethod

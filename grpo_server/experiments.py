@@ -11,6 +11,7 @@ from typing import Any
 from grpo_server.api_models import ExperimentCounters, ExperimentStatus, VerificationResult
 from grpo_server.config import ExperimentConfig
 from grpo_server.groups import Group
+from grpo_server.journal import FeedbackJournal
 
 RECENT_GROUPS = 32  # the window of "recent reward mean"
 MAX_ERRORS_SHOWN = 20
@@ -26,6 +27,10 @@ class Experiment:
     inflight: Counter = field(default_factory=Counter)  # requests per version still being sampled
     counters: ExperimentCounters = field(default_factory=ExperimentCounters)
     queue: list[Group] = field(default_factory=list)  # groups with feedback, waiting for a batch
+    # Bumped when the queue is rebuilt from the journal (a learner restart): a batch taken before
+    # that is in the new queue again and must not be sent as well.
+    queue_generation: int = 0
+    journal: FeedbackJournal | None = None
     queue_changed: asyncio.Event = field(default_factory=asyncio.Event)
     recent_rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUPS))
     last_metrics: dict[str, Any] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from grpo_server.errors import Conflict, NotFound
@@ -28,6 +28,7 @@ class Group:
     created_at: float = field(default_factory=time.monotonic)
     rewards: list[float] | None = None
     advantages: list[float] | None = None
+    journal_seq: int = 0  # its number in the feedback journal, once accepted for training
 
 
 class GroupStore:
@@ -38,12 +39,14 @@ class GroupStore:
         self._pending: OrderedDict[str, Group] = OrderedDict()
         # Ids that already took feedback, so a repeat is 409 rather than 404; kept as long as a TTL.
         self._consumed: OrderedDict[str, float] = OrderedDict()
+        self._pending_per_experiment: Counter[str] = Counter()
 
     def new_id(self) -> str:
         return "grp_" + secrets.token_urlsafe(12)
 
     def add(self, group: Group) -> None:
         self._pending[group.group_id] = group
+        self._pending_per_experiment[group.experiment] += 1
 
     def peek(self, experiment: str, group_id: str) -> Group:
         """The pending group: 404 if unknown or expired, 409 if it already took feedback."""
@@ -58,6 +61,7 @@ class GroupStore:
         """Remove and return a group for its feedback (errors as `peek`)."""
         group = self.peek(experiment, group_id)
         del self._pending[group_id]
+        self._pending_per_experiment[experiment] -= 1
         self._consumed[group_id] = time.monotonic()
         return group
 
@@ -70,6 +74,7 @@ class GroupStore:
             if now - group.created_at < self.ttl_s:
                 break
             self._pending.popitem(last=False)
+            self._pending_per_experiment[group.experiment] -= 1
             expired[group.experiment] = expired.get(group.experiment, 0) + 1
         while self._consumed and now - next(iter(self._consumed.values())) >= self.ttl_s:
             self._consumed.popitem(last=False)
@@ -78,6 +83,7 @@ class GroupStore:
     def drop_experiment(self, experiment: str) -> None:
         for group_id in [g for g, grp in self._pending.items() if grp.experiment == experiment]:
             del self._pending[group_id]
+        self._pending_per_experiment.pop(experiment, None)
 
     def pending_count(self, experiment: str) -> int:
-        return sum(1 for g in self._pending.values() if g.experiment == experiment)
+        return self._pending_per_experiment[experiment]

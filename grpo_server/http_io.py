@@ -26,7 +26,10 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
             data = msgpack.unpackb(raw, raw=False)
         else:
             data = json.loads(raw) if raw else {}
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            if _has_lone_surrogate(data):
+                raise ValueError("a string holds a lone UTF-16 surrogate (e.g. \\ud800): not Unicode text")
+    except (ValueError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        # RecursionError: JSON nested deeper than Python's parser goes.
         raise BadRequest(f"body is not valid {'msgpack' if request.content_type == MSGPACK else 'JSON'}: "
                          f"{exc}", code="malformed_body") from exc
     if not isinstance(data, dict):
@@ -35,6 +38,28 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """JSON can hold a lone surrogate (escaped as \\ud800, or raw: the parser decodes bytes with
+    'surrogatepass'), which no UTF-8 text holds: such a string passes pydantic's `str` and then fails deep
+    inside (the tokenizer, msgpack to the workers, comparing keys). Iterative: the data may be nested up to
+    the JSON parser's limit."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def describe_validation_error(exc: ValidationError) -> str:

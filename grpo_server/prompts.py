@@ -19,12 +19,13 @@ _EARLIER_ANSWER = "\x00earlier model turn\x00"
 
 
 class PromptBuilder:
-    def __init__(self, model_dir: Path, max_model_len: int):
+    def __init__(self, model_dir: Path, max_model_len: int, max_prompt_tokens: int | None = None):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.vocab_size = len(self.tokenizer)
         self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens  # a server limit below the context, if configured
 
     def token_ids(self, fields: PromptFields) -> list[int]:
         if fields.prompt_token_ids is not None:
@@ -90,6 +91,9 @@ class PromptBuilder:
                              code="bad_token_ids")
 
     def check_fits(self, prompt_len: int, completion_len: int, what: str = "max_tokens") -> None:
+        if self.max_prompt_tokens is not None and prompt_len > self.max_prompt_tokens:
+            raise BadRequest(f"prompt ({prompt_len} tokens) is over the server's max_prompt_tokens "
+                             f"({self.max_prompt_tokens})", code="prompt_too_long")
         if prompt_len + completion_len > self.max_model_len:
             raise BadRequest(
                 f"prompt ({prompt_len} tokens) + {what} ({completion_len}) exceeds the model's context "

@@ -16,6 +16,7 @@ from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.experiments import Experiment
 from grpo_server.groups import Group, GroupStore
+from grpo_server.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.prompts import PromptBuilder
 from grpo_server.training import ExperimentTrainer, retire_unused_versions
 from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, Completion, GenerateRequest,
@@ -35,6 +36,7 @@ class Orchestrator:
         self.prompts = prompts
         self.groups = GroupStore(ttl_s=config.group_ttl_s)
         self.experiments: dict[str, Experiment] = {}
+        self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
 
     # --- experiments ---------------------------------------------------------------------------
@@ -52,6 +54,12 @@ class Orchestrator:
         async with self._lock:
             if config.name in self.experiments:
                 raise Conflict(f"experiment {config.name!r} already exists", code="experiment_exists")
+            if len(self.experiments) >= self.config.max_experiments:
+                raise Unprocessable(f"the server holds its limit of {self.config.max_experiments} experiments "
+                                    "(max_experiments); delete one first", code="over_limit")
+            if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
+                raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
+                                    f"max_tokens {self.config.max_tokens})", code="over_limit")
             exp = Experiment(config=config)
             # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
             first: AdapterVersion = await self.workers.learner.call(
@@ -64,17 +72,23 @@ class Orchestrator:
                 raise
             exp.serving_version = exp.learner_version = first.version
             exp.adapter_paths[first.version] = first.path
+            exp.journal = FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl")
+            self._resume_from_learner(exp, first)
+            self.registry.save(config)
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
-                                        self.config.worker_timeout_s)
+                                        self.config.worker_timeout_s, self.config.max_loaded_versions)
             exp.training_task = asyncio.create_task(trainer.run(), name=f"train-{config.name}")
             self.experiments[config.name] = exp
-            log.info("experiment %s created, serving v%d", config.name, first.version)
+            log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train",
+                     config.name, first.version, first.step, len(exp.queue))
             return self.status(config.name)
 
     async def delete(self, name: str) -> None:
         async with self._lock:
             exp = self.get(name)
             del self.experiments[name]
+            self.registry.remove(name)
+            exp.journal.close()
             exp.training_task.cancel()
             self.groups.drop_experiment(name)
             for version in list(exp.adapter_paths):
@@ -114,15 +128,22 @@ class Orchestrator:
         if len(exp.queue) >= backlog:
             raise TooManyRequests(f"{len(exp.queue)} groups of {name!r} wait for the learner; retry shortly",
                                   code="learner_behind", retry_after=2.0)
+        if self.groups.pending_count(name) >= self.config.max_pending_groups:
+            raise TooManyRequests(f"{self.config.max_pending_groups} groups of {name!r} await feedback "
+                                  "(max_pending_groups); post feedback or let them expire",
+                                  code="too_many_pending_groups", retry_after=5.0)
         defaults = exp.config.sampling
+        n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
+        if n > self.config.max_n or max_tokens > self.config.max_tokens:
+            raise Unprocessable(f"n {n} / max_tokens {max_tokens} exceed the server's limits (max_n "
+                                f"{self.config.max_n}, max_tokens {self.config.max_tokens})", code="over_limit")
         prompt_ids = self.prompts.token_ids(request)
-        max_tokens = request.max_tokens or defaults.max_tokens
         self.prompts.check_fits(len(prompt_ids), max_tokens)
         temperature = defaults.temperature if request.temperature is None else request.temperature
         with self.pinned_serving_version(exp) as version:
             async with self.workers.sampler() as sampler:
                 result: GenerateResponse = await sampler.call("generate", GenerateRequest(
-                    prompt_token_ids=prompt_ids, n=request.n or defaults.n, temperature=temperature,
+                    prompt_token_ids=prompt_ids, n=n, temperature=temperature,
                     top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
                     seed=request.seed, adapter=AdapterRef(name=name, version=version),
                 ), GenerateResponse)
@@ -191,6 +212,7 @@ class Orchestrator:
             return response.model_copy(update={"skipped": "zero_variance"})
         group.rewards = list(request.rewards)
         group.advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        exp.journal.append(group)  # durable before the 202
         exp.queue.append(group)
         exp.queue_changed.set()
         return response
@@ -242,7 +264,9 @@ class Orchestrator:
                                                            algorithm=exp.config.algorithm), AdapterVersion,
                     syncing_ok=True)
                 exp.learner_version = resumed.version
-                exp.record_error(f"learner restarted; resumed at v{resumed.version}, optimizer state reset")
+                self._resume_from_learner(exp, resumed)
+                exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
+                                 f"{len(exp.queue)} journalled groups queued to train")
                 if resumed.version != exp.serving_version:
                     await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
                                                        resumed.path)
@@ -250,7 +274,18 @@ class Orchestrator:
                     exp.serving_version = resumed.version
                     retire_unused_versions(exp, self.workers)
 
+    @staticmethod
+    def _resume_from_learner(exp: Experiment, state: AdapterVersion) -> None:
+        """Take the learner's durable position: every journalled group after it is queued (again)."""
+        exp.step = state.step
+        exp.counters.groups_trained = state.groups_trained
+        exp.queue[:] = exp.journal.pending(after_seq=state.journal_seq)
+        exp.queue_generation += 1
+        exp.queue_changed.set()
+
     async def close(self) -> None:
         for exp in self.experiments.values():
             if exp.training_task is not None:
                 exp.training_task.cancel()
+            if exp.journal is not None:
+                exp.journal.close()

@@ -43,11 +43,12 @@ class ExperimentTrainer:
     """Runs as one task per experiment; the front end's other requests never wait on it."""
 
     def __init__(self, experiment: Experiment, workers: WorkerPool, verify_tolerance: float,
-                 train_timeout_s: float):
+                 train_timeout_s: float, max_loaded_versions: int):
         self.exp = experiment
         self.workers = workers
         self.verify_tolerance = verify_tolerance
         self.train_timeout_s = train_timeout_s
+        self.max_loaded_versions = max_loaded_versions
 
     async def run(self) -> None:
         exp = self.exp
@@ -58,7 +59,7 @@ class ExperimentTrainer:
                 exp.queue_changed.clear()
                 await exp.queue_changed.wait()
             batch, exp.queue[:batch_groups] = exp.queue[:batch_groups], []
-            await self.train(batch)
+            await self.train(batch, exp.queue_generation)
 
     def _drop_stale(self) -> int:
         """Drop queued groups sampled more than max_staleness versions ago; return how many remain."""
@@ -68,25 +69,33 @@ class ExperimentTrainer:
         exp.queue[:] = fresh
         return len(fresh)
 
-    async def train(self, groups: list[Group]) -> None:
+    async def train(self, groups: list[Group], generation: int) -> None:
         exp = self.exp
         samples = train_samples(groups)
         if not samples:
             return
+        # Groups queued in journal order, stale ones dropped first: every entry up to the batch's newest
+        # is in this batch or was dropped, so the learner can record that one number.
         request = TrainRequest(
             name=exp.name, samples=samples, max_tokens=max(g.max_tokens for g in groups), num_groups=len(groups),
+            journal_seq=max(g.journal_seq for g in groups),
         )
         try:
             await self.workers.wait_learner_ready(self.train_timeout_s)
+            if exp.queue_generation != generation:
+                return  # the learner restarted meanwhile and these groups were queued again from the journal
             metrics: TrainMetrics = await self.workers.learner.call(
                 "train", request, TrainMetrics, timeout_s=self.train_timeout_s)
         except ApiError as exc:
-            # The batch is lost, visibly: the status and the log carry the learner's error.
-            exp.record_error(f"train step failed, {len(groups)} groups lost: {exc.message}")
+            # Not trained, visibly (status and log carry the error). If the learner crashed, its restart
+            # queues these groups again from the journal.
+            exp.record_error(f"train step failed, {len(groups)} groups not trained: {exc.message}")
             log.error("%s: train step failed: %s", exp.name, exc.message)
             return
         exp.step = metrics.step
         exp.counters.groups_trained += len(groups)
+        if metrics.checkpointed_journal_seq is not None:
+            exp.journal.compact(through_seq=metrics.checkpointed_journal_seq)
         # JSON has no inf/NaN: a non-finite metric (say, an empty ratio range) is shown as null.
         exp.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                             for k, v in metrics.model_dump().items()}
@@ -100,6 +109,10 @@ class ExperimentTrainer:
         """Write a new version, load it on every sampler under a new LoRA id, check it, serve it."""
         exp = self.exp
         started = time.monotonic()
+        if not await self._version_slot():
+            exp.record_error(f"push skipped: {len(exp.adapter_paths)} versions still in use by requests "
+                             f"(max_loaded_versions {self.max_loaded_versions}) after {self.train_timeout_s:.0f} s")
+            return
         try:
             saved: AdapterVersion = await self.workers.learner.call(
                 "save_adapter", SaveAdapterRequest(name=exp.name), AdapterVersion)
@@ -115,6 +128,15 @@ class ExperimentTrainer:
         exp.last_push_seconds = time.monotonic() - started
         retire_unused_versions(exp, self.workers)
         await self.verify(saved.version)
+
+    async def _version_slot(self) -> bool:
+        """Wait until fewer than max_loaded_versions versions are loaded: slow requests pin old ones."""
+        deadline = time.monotonic() + self.train_timeout_s
+        while len(self.exp.adapter_paths) >= self.max_loaded_versions:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     async def verify(self, version: int) -> None:
         """Sampler logprobs of a stored completion under `version` must match the learner's."""

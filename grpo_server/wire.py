@@ -116,6 +116,9 @@ class AdapterVersion(WireModel):
     name: str
     version: int
     path: str  # a folder that peft and vLLM load as is
+    step: int = 0
+    journal_seq: int = 0  # the newest feedback-journal entry the learner's weights include
+    groups_trained: int = 0  # over the experiment's whole life (kept in its checkpoints)
 
 
 class TrainSample(WireModel):
@@ -135,6 +138,7 @@ class TrainRequest(WireModel):
     samples: list[TrainSample] = Field(min_length=1)
     max_tokens: int = Field(256, ge=1)  # the generation budget: dr_grpo's constant normaliser
     num_groups: int = 1
+    journal_seq: int = 0  # the newest feedback-journal entry in (or dropped before) this batch
 
 
 class TrainMetrics(WireModel):
@@ -151,6 +155,8 @@ class TrainMetrics(WireModel):
     grad_norm: float
     tokens: int
     seconds: float
+    checkpointed_journal_seq: int | None = None  # set when this step was checkpointed: journal entries up
+    # to it are durable in the weights, and the front end may forget them
 
 
 class SaveAdapterRequest(WireModel):

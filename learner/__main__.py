@@ -39,7 +39,7 @@ def _set_distributed_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-async def _serve(app, host: str, port: int) -> None:
+async def _serve(app, host: str, port: int, on_stopped) -> None:
     from aiohttp import web
 
     runner = web.AppRunner(app, access_log=None)  # the supervisor polls /health; verbs log themselves
@@ -53,6 +53,8 @@ async def _serve(app, host: str, port: int) -> None:
     await stop.wait()
     log.info("stopping: finishing the request in progress, if any")
     await runner.cleanup()
+    # After the last request: the lock-holding verbs are done, so the checkpoints are consistent.
+    await asyncio.to_thread(on_stopped)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from learner.trainer import MultiAdapterTrainer
 
     trainer = MultiAdapterTrainer(config)
-    asyncio.run(_serve(create_app(trainer), config.host, config.port))
+    asyncio.run(_serve(create_app(trainer), config.host, config.port, on_stopped=trainer.checkpoint_all))
     return 0
 
 

@@ -4,9 +4,12 @@ The base model is loaded once. The first experiment wraps it with `get_peft_mode
 `add_adapter` into the same PeftModel. peft's `set_adapter` flips `requires_grad`, and every engine
 shares the module, so the active adapter and the trainable flags are set again before every use.
 
-Adapter versions live on disk (learner/adapter_io.py). Adding an experiment whose folder already has
-versions (a restarted learner, a re-created experiment) loads the newest version's weights and step and
-continues its numbering; the optimizer (AdamW moments) starts fresh, as no optimizer state is saved.
+Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (learner/checkpoint.py):
+weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps
+and at shutdown. Adding an experiment that has a checkpoint (a restarted learner or server, a re-created
+experiment) resumes from it exactly; one with versions but no checkpoint (written before checkpoints
+existed, or removed) resumes the newest version's weights with a fresh optimizer. Version numbers always
+continue past the newest on disk: no number is ever written twice.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
 from grpo_server.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
-from learner import adapter_io
+from learner import adapter_io, checkpoint
 from learner.batching import MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches
 from learner.engine import make_engine, optimizer_step, release_engine
 from learner.errors import LearnerError, bad_request, not_found
@@ -45,6 +48,9 @@ class Experiment:
     engine: Any
     step: int
     version: int
+    journal_seq: int = 0  # the newest feedback-journal entry these weights include (front end's numbering)
+    groups_trained: int = 0
+    checkpointed_step: int = -1
 
 
 def resolve_dtype(name: str, cuda: bool) -> torch.dtype:
@@ -74,6 +80,7 @@ class MultiAdapterTrainer:
         self.linear_names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
         self.model: Any = None  # the PeftModel, once the first adapter exists
         self.experiments: dict[str, Experiment] = {}
+        self._lora_configs: dict[str, LoraConfig] = {}
         log.info("base model %s on %s in %s, vocabulary %d, ZeRO stage %d", config.model_path, self.device,
                  self.dtype, self.vocab_size, config.zero_stage)
 
@@ -99,22 +106,43 @@ class MultiAdapterTrainer:
         # depends on (seed, name), not on which experiments were created before it.
         torch.manual_seed(self.config.seed * 1_000_003 + zlib.crc32(name.encode()))
         self._add_peft_adapter(adapter, peft_config)
+        resumed = checkpoint.read_latest(self.config.run_dir, name)
+        if resumed is not None:
+            _check_compatible(resumed.state.lora | {"lora_alpha": resumed.state.lora.get("alpha")}, peft_config,
+                              name, resumed.state.version)
         try:
             params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
             self._activate(adapter)
-            if saved is None:
+            if saved is None and resumed is None:
                 step, version = 0, 0
                 self._write_version(adapter, name, version, step)  # peft init: B = 0, the base model
-            else:
+            elif resumed is None:
                 step, version = saved[2], latest
                 self._load_weights(adapter, saved[1], name, latest)
+            else:
+                step, version = resumed.state.step, max(resumed.state.version, latest or 0)
+                self._load_weights(adapter, resumed.weights, name, version)
+                if saved is None or saved[2] != step:
+                    # Versions were pushed after the checkpoint (their steps are lost): serve the resumed
+                    # weights under a new number, so the samplers and the learner agree again.
+                    version += 1
+                    self._write_version(adapter, name, version, step)
             engine = make_engine(self.model, params, algorithm, self.config.zero_stage, self.dtype)
+            if resumed is not None:
+                checkpoint.load_optimizer_state(engine.optimizer, resumed.optimizer)
+                torch.set_rng_state(resumed.rng)
         except BaseException:
             self.model.delete_adapter(adapter)
             raise
-        self.experiments[name] = Experiment(name, adapter, algorithm, params, engine, step, version)
-        log.info("experiment %s: adapter r=%d on %s, %s at v%d (step %d)", name, lora.r, lora.target_modules,
-                 "fresh" if saved is None else "resumed", version, step)
+        exp = Experiment(name, adapter, algorithm, params, engine, step, version)
+        if resumed is not None:
+            exp.journal_seq, exp.groups_trained = resumed.state.journal_seq, resumed.state.groups_trained
+            exp.checkpointed_step = step
+        self.experiments[name] = exp
+        self._lora_configs[name] = lora
+        how = "fresh" if saved is None and resumed is None else "checkpoint" if resumed else "newest version"
+        log.info("experiment %s: adapter r=%d on %s, from %s at v%d (step %d, journal %d)", name, lora.r,
+                 lora.target_modules, how, version, step, exp.journal_seq)
         return self._version_ref(name, version)
 
     def train(self, request: TrainRequest) -> TrainMetrics:
@@ -139,11 +167,35 @@ class MultiAdapterTrainer:
             self._reset_engine(exp)
             raise
         exp.step += 1
+        exp.groups_trained += request.num_groups
+        exp.journal_seq = max(exp.journal_seq, request.journal_seq)
+        if exp.step % algo.checkpoint_every == 0:
+            self.checkpoint(exp.name)
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
                                 time.perf_counter() - started)
+        metrics.checkpointed_journal_seq = exp.journal_seq if exp.checkpointed_step == exp.step else None
         log.info("%s: step %d, %d sequences in %d micro-batches, loss %.4f, grad norm %.4f, %.2f s", exp.name,
                  exp.step, len(seqs), len(batches), metrics.loss, metrics.grad_norm, metrics.seconds)
         return metrics
+
+    def checkpoint(self, name: str) -> None:
+        """Write the experiment's durable state (see learner/checkpoint.py)."""
+        from peft import get_peft_model_state_dict
+
+        exp = self._get(name)
+        weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
+        state = checkpoint.CheckpointState(
+            step=exp.step, version=exp.version, journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
+            lora=self._lora_configs[name].model_dump(mode="json"), algorithm=exp.algorithm.model_dump(mode="json"))
+        checkpoint.write(self.config.run_dir, name, state, weights, exp.engine.optimizer.state_dict())
+        exp.checkpointed_step = exp.step
+
+    def checkpoint_all(self) -> None:
+        """At shutdown: every experiment that trained since its last checkpoint."""
+        for name, exp in list(self.experiments.items()):
+            if exp.checkpointed_step != exp.step:
+                self.checkpoint(name)
+                log.info("%s: checkpoint at step %d on shutdown", name, exp.step)
 
     def save_adapter(self, name: str) -> AdapterVersion:
         exp = self._get(name)
@@ -172,6 +224,7 @@ class MultiAdapterTrainer:
         """Forget the adapter, its engine and optimizer; its versions stay on disk."""
         exp = self._get(name)
         del self.experiments[name]
+        self._lora_configs.pop(name, None)
         release_engine(exp.engine)
         with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
@@ -193,7 +246,9 @@ class MultiAdapterTrainer:
 
     def _version_ref(self, name: str, version: int) -> AdapterVersion:
         path = adapter_io.version_dir(self.config.run_dir, name, version)
-        return AdapterVersion(name=name, version=version, path=str(path.resolve()))
+        exp = self.experiments[name]
+        return AdapterVersion(name=name, version=version, path=str(path.resolve()), step=exp.step,
+                              journal_seq=exp.journal_seq, groups_trained=exp.groups_trained)
 
     def _peft_config(self, lora: LoraConfig) -> Any:
         from peft import LoraConfig as PeftLoraConfig

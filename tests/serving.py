@@ -66,7 +66,8 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
             [sys.executable, "-m", "grpo_server.cli", "serve", "--config", str(config_path)],
             stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
-    handle = ServerHandle(f"http://127.0.0.1:{port}", ADMIN_KEY, run_dir, process, log_path)
+    scheme = "https" if config.get("tls_certfile") else "http"
+    handle = ServerHandle(f"{scheme}://127.0.0.1:{port}", ADMIN_KEY, run_dir, process, log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -32,8 +32,9 @@ def test_uppercase_reward_partial_credit():
 def test_arithmetic_agent_reward():
     assert arithmetic_agent.score("12", 12) == 1.0
     assert arithmetic_agent.score("12.", 12) == 1.0
-    assert arithmetic_agent.score("The answer is 12", 12) == 0.7
-    assert arithmetic_agent.score("13", 12) == 0.3
+    assert arithmetic_agent.score("The answer is 12", 12) == 0.8
+    assert arithmetic_agent.score("5 + 7 is 12", 12) == 0.5
+    assert arithmetic_agent.score("13", 12) == 0.0
     assert arithmetic_agent.score("twelve", 12) == 0.0
 
 

@@ -45,3 +45,38 @@ def test_expiry_counts_per_experiment_and_frees_memory():
     assert store.expire(now=time.monotonic() + 11) == {}
     with pytest.raises(NotFound):  # consumed ids are forgotten after a TTL too
         store.take("a", young.group_id)
+
+
+def test_pending_counts_follow_add_take_expire_and_drop():
+    store = GroupStore(ttl_s=10)
+    taken, _, _ = make_group(store, "a", 5.0), make_group(store, "a", 0.0), make_group(store, "b", 5.0)
+    assert (store.pending_count("a"), store.pending_count("b")) == (2, 1)
+    store.take("a", taken.group_id)
+    assert store.pending_count("a") == 1
+    store.expire(now=11.0)  # the group created at 0 expires
+    assert store.pending_count("a") == 0
+    store.drop_experiment("b")
+    assert store.pending_count("b") == 0
+
+
+def test_journal_replays_after_a_position_and_compacts(tmp_path):
+    from grpo_server.journal import FeedbackJournal
+
+    journal = FeedbackJournal(tmp_path / "j.jsonl")
+    groups = [make_group(GroupStore(ttl_s=10)) for _ in range(3)]
+    for group in groups:
+        group.rewards, group.advantages = [1.0], [0.0]
+        journal.append(group)
+    assert [g.journal_seq for g in groups] == [1, 2, 3]
+    journal.compact(through_seq=1)
+    with open(tmp_path / "j.jsonl", "ab") as handle:
+        handle.write(b'{"seq": 4, "group_id": "torn')  # a crash mid-append: that group never got its 202
+    reopened = FeedbackJournal(tmp_path / "j.jsonl")
+    replayed = reopened.pending(after_seq=2)
+    assert [g.group_id for g in replayed] == [groups[2].group_id]
+    assert replayed[0].completions == groups[2].completions and replayed[0].rewards == [1.0]
+    assert reopened.last_seq == 3  # numbering continues after the torn line
+    later = make_group(GroupStore(ttl_s=10))
+    later.rewards, later.advantages = [0.5], [0.0]
+    assert reopened.append(later) == 4
+    assert [g.journal_seq for g in FeedbackJournal(tmp_path / "j.jsonl").pending(after_seq=0)] == [2, 3, 4]

@@ -424,3 +424,43 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
             proc.kill()
             log_file.close()
     assert code == 0, (tmp_path / "learner.log").read_text()[-3000:]
+
+
+def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    """Every tensor of the optimizer's state (ZeRO's flat fp32 partition and AdamW's moments), copied."""
+    state = engine.optimizer.state_dict()
+    out = {f"fp32.{i}": t.clone() for i, t in enumerate(state["single_partition_of_fp32_groups"])}
+    for index, slots in state["base_optimizer_state"]["state"].items():
+        out.update({f"{index}.{k}": torch.as_tensor(v).clone() for k, v in slots.items()})
+    return out
+
+
+def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
+    name = "ckpt"
+    trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2))
+
+    def request(seq: int) -> TrainRequest:
+        return TrainRequest(name=name, journal_seq=seq, num_groups=1,
+                            samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0], 1.0)])
+
+    assert trainer.train(request(1)).checkpointed_journal_seq is None
+    assert trainer.train(request(2)).checkpointed_journal_seq == 2  # checkpoint_every=2
+    at_checkpoint = _optimizer_tensors(trainer.experiments[name].engine)
+    trainer.save_adapter(name)  # v1, step 2
+    third = request(3)
+    assert trainer.train(third).step == 3
+    after_third = _adapter_weights(trainer, name)
+    assert trainer.save_adapter(name).version == 2  # step 3: pushed, not checkpointed
+
+    trainer.remove_experiment(name)  # as a crashed learner: only the disk is left
+    resumed = trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2))
+    # Back at step 2 with its optimizer; v2 (step 3) is not these weights, so they get a new number.
+    assert (resumed.step, resumed.journal_seq, resumed.groups_trained, resumed.version) == (2, 2, 2, 3)
+    restored = _optimizer_tensors(trainer.experiments[name].engine)
+    assert restored.keys() == at_checkpoint.keys() and len(restored) > 2
+    assert all(torch.equal(restored[k], at_checkpoint[k]) for k in restored), "optimizer state differs"
+    # Retraining the lost step gives exactly the weights it gave before the "crash".
+    assert trainer.train(third).step == 3
+    again = _adapter_weights(trainer, name)
+    assert all(torch.equal(again[k], after_third[k]) for k in again)
+    trainer.remove_experiment(name)
