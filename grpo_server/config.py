@@ -178,8 +178,9 @@ class ServerConfig(BaseSettings):
     seed: int = Field(0, description="Seed of the workers' random generators.")
     group_ttl_s: float = Field(900.0, gt=0, description="Groups without feedback expire after this long.")
     max_queued_batches: int = Field(
-        2, ge=1, description="Completions get 429 while this many batches of an experiment's feedback wait "
-        "for the learner: sampling more would only make stale groups (and steal the learner's CPU).")
+        2, ge=1, description="Completions get 429 while this many batches of an experiment's groups are being "
+        "sampled or wait for the learner: sampling more would only make stale groups (and steal the "
+        "learner's CPU).")
     worker_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one worker call.")
     startup_timeout_s: float = Field(900.0, gt=0, description="Longest wait for a worker to become healthy.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted.")

@@ -124,9 +124,13 @@ class Orchestrator:
 
     async def complete(self, name: str, request: CompletionsRequest) -> CompletionsResponse:
         exp = self.get(name)
+        # Requests still sampling count too: their groups reach the queue later, and admitting them all
+        # while the queue looks short only makes groups that go stale before the learner gets to them.
         backlog = self.config.max_queued_batches * exp.config.algorithm.batch_groups
-        if len(exp.queue) >= backlog:
-            raise TooManyRequests(f"{len(exp.queue)} groups of {name!r} wait for the learner; retry shortly",
+        in_pipeline = len(exp.queue) + sum(exp.inflight.values())
+        if in_pipeline >= backlog:
+            raise TooManyRequests(f"{in_pipeline} groups of {name!r} are being sampled or wait for the learner "
+                                  f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
                                   code="learner_behind", retry_after=2.0)
         if self.groups.pending_count(name) >= self.config.max_pending_groups:
             raise TooManyRequests(f"{self.config.max_pending_groups} groups of {name!r} await feedback "

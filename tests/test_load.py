@@ -1,0 +1,58 @@
+"""A bounded load test against the session's real server: 50 concurrent clients for 15 s, each looping
+completions then feedback (scripts/bench_load.py's `run_load`). Correctness under concurrency only: no
+answer other than 2xx or 429, none past its timeout, the server healthy afterwards. Timing figures belong
+to the benchmark (BENCHMARKS.md), not here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_load.py"
+CLIENTS = 50
+DURATION_S = 15.0
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def bench_load():
+    spec = importlib.util.spec_from_file_location("bench_load", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+async def load_experiment(client, bench_load):
+    name = "load-test"
+    await client.create_experiment(bench_load.experiment_config(name, n=2, max_tokens=2, batch_groups=4))
+    yield name
+    await client.delete_experiment(name)
+
+
+@pytest.mark.timeout(180)
+async def test_concurrent_clients_get_only_2xx_or_429(server, client, bench_load, load_experiment):
+    # Warm-up (not counted): the sampler's first request under an adapter is slow.
+    await client.complete(load_experiment, prompt="Warm up", n=2, max_tokens=2)
+
+    result = await bench_load.run_load(server.url, server.api_key, load_experiment, clients=CLIENTS,
+                                       duration_s=DURATION_S, n=2, max_tokens=2, timeout_s=TIMEOUT_S,
+                                       abandon=0.1, pid=server.process.pid)
+    summary = result.summary()
+    print({k: (v["by_class"], v["max_latency_s"]) for k, v in summary.items() if k in ("completions", "feedback")})
+    completions, feedback = summary["completions"], summary["feedback"]
+    assert result.errors == 0, summary
+    assert completions["timeouts"] == feedback["timeouts"] == 0, summary
+    assert completions["max_latency_s"] < TIMEOUT_S and feedback["max_latency_s"] < TIMEOUT_S, summary
+    assert set(completions["by_status"]) <= {"200", "429"}, summary
+    assert set(feedback["by_status"]) <= {"202"}, summary  # feedback is never throttled
+    assert result.completions.ok > 0 and result.feedback.ok > 0, summary
+
+    status = await client.status(load_experiment)
+    assert status.state == "active" and not status.errors, status  # no failed step, push or verification
+    assert status.counters.groups_received == result.feedback.ok, status
+    assert (await client.health()).status == "ok"
