@@ -1,0 +1,50 @@
+"""The supervisor with real processes: a crashing worker is restarted with its re-sync, and a crash loop
+ends in a `failed` state that says why, instead of restarting forever."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from grpo_server import supervisor
+from grpo_server.supervisor import WorkerProcess
+from grpo_server.worker_set import free_port
+
+# A worker that answers /health, then dies with code 3 after `lifetime` seconds.
+CRASHING_WORKER = """
+import sys, threading, os
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args): pass
+server = HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+threading.Timer(float(sys.argv[2]), lambda: os._exit(3)).start()
+server.serve_forever()
+"""
+
+
+async def test_crash_loop_restarts_with_resync_then_gives_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervisor, "BACKOFF_S", (0.05,))
+    monkeypatch.setattr(supervisor, "MAX_CRASHES", 2)
+    port = free_port()
+    resyncs = []
+
+    async def on_restart():
+        resyncs.append(worker.state)
+
+    worker = WorkerProcess("flaky", [sys.executable, "-c", CRASHING_WORKER, str(port), "0.5"],
+                           f"http://127.0.0.1:{port}", tmp_path / "flaky.log", startup_timeout_s=30,
+                           on_restart=on_restart)
+    await worker.start()
+    assert worker.state == "ready"
+    for _ in range(200):
+        if worker.state == "failed":
+            break
+        await asyncio.sleep(0.1)
+    assert worker.state == "failed"
+    assert worker.last_error == "exited with code 3"
+    # Started once, restarted twice (each re-synced while clients still wait: "syncing"), then it gave up.
+    assert resyncs == ["syncing", "syncing"]
+    await worker.stop()
+    assert worker.state == "stopped"
