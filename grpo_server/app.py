@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 def routes() -> list[web.RouteDef]:
     exp = "/v1/experiments/{name}"
     return [
+        web.get("/openapi.json", handlers.openapi),
         web.get("/v1/health", handlers.health),
         web.post("/v1/tokenize", handlers.tokenize),
         web.post("/v1/experiments", handlers.create_experiment),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import io
 import tarfile
 
@@ -10,9 +11,10 @@ from aiohttp import web
 from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health, TokenizeRequest
 from grpo_server.auth import ADMIN, principal, require
 from grpo_server.config import ExperimentConfig
-from grpo_server.errors import BadRequest
+from grpo_server.errors import BadRequest, Conflict
 from grpo_server.http_io import parse_body, respond
 from grpo_server.keys import ADMIN_KEY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.openapi import openapi_json
 
 
 def _who(request: web.Request) -> str:
@@ -30,6 +32,15 @@ async def health(request: web.Request) -> web.Response:
 async def create_experiment(request: web.Request) -> web.Response:
     require(_who(request), admin_only=True)
     config = await parse_body(request, ExperimentConfig)
+    if config.api_key is not None:
+        key = config.api_key.get_secret_value()
+        taken = [request.app[ADMIN_KEY]] + [e.config.api_key.get_secret_value()
+                                            for e in request.app[ORCHESTRATOR].experiments.values()
+                                            if e.config.api_key is not None]
+        # Every key is compared (constant time each), and the answer does not say whose it is.
+        if sum(hmac.compare_digest(key.encode(), other.encode()) for other in taken):
+            raise Conflict("this api_key is already in use: give each experiment its own key",
+                           code="api_key_in_use")
     status = await request.app[ORCHESTRATOR].create(config)
     return respond(request, status, status=201)
 
@@ -90,3 +101,8 @@ async def download_adapter(request: web.Request) -> web.Response:
             archive.add(path, arcname=f"{name}-{folder.name}/{path.name}")
     return web.Response(body=buffer.getvalue(), content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI 3.1 document of this API, built once from the models above. Public: no key needed."""
+    return web.Response(body=openapi_json(), content_type="application/json")

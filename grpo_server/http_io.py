@@ -75,10 +75,12 @@ def wants_msgpack(request: web.Request) -> bool:
 
 
 def respond(request: web.Request, payload: BaseModel | dict[str, Any], status: int = 200) -> web.Response:
-    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
     if wants_msgpack(request):
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
         return web.Response(body=msgpack.packb(data, use_bin_type=True), status=status, content_type=MSGPACK)
-    return web.json_response(data, status=status)
+    if isinstance(payload, BaseModel):  # NaN / inf become null: JSON has no such numbers
+        return web.Response(text=payload.model_dump_json(), status=status, content_type="application/json")
+    return web.json_response(payload, status=status)
 
 
 def error_response(error: ApiError) -> web.Response:

@@ -57,6 +57,9 @@ class Orchestrator:
             if len(self.experiments) >= self.config.max_experiments:
                 raise Unprocessable(f"the server holds its limit of {self.config.max_experiments} experiments "
                                     "(max_experiments); delete one first", code="over_limit")
+            if config.lora.r > self.config.sampler.max_lora_rank:
+                raise Unprocessable(f"lora.r {config.lora.r} is over the samplers' max_lora_rank "
+                                    f"{self.config.sampler.max_lora_rank}", code="over_limit")
             if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
                 raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
                                     f"max_tokens {self.config.max_tokens})", code="over_limit")
@@ -196,26 +199,28 @@ class Orchestrator:
         if group.temperature == 0:
             raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
                                 "sample with temperature > 0 to give feedback", code="greedy_group")
+        algorithm = exp.config.algorithm
+        skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
+        advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
         scored_version, external_logprobs = None, None
-        if external:
+        if external and skipped is None:
             scored_version, added = await self._score_external(exp, group, external)
             external_logprobs = [c.logprobs for c in added]
+        # Nothing below can fail for the request's sake: the group is only taken now.
         if request.group_id is not None:
             self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
+        exp.counters.groups_received += 1
+        exp.recent_rewards.append(sum(request.rewards) / len(request.rewards))
+        response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
+                                    external_logprobs=external_logprobs, skipped=skipped)
+        if skipped:
+            exp.counters.groups_zero_variance += 1
+            return response
         if external:
             group.completions = group.completions + added
             group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
             exp.counters.completions_external += len(added)
-        response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
-                                    external_logprobs=external_logprobs)
-        exp.counters.groups_received += 1
-        exp.recent_rewards.append(sum(request.rewards) / len(request.rewards))
-        algorithm = exp.config.algorithm
-        if algorithm.skip_zero_variance and is_zero_variance(request.rewards):
-            exp.counters.groups_zero_variance += 1
-            return response.model_copy(update={"skipped": "zero_variance"})
-        group.rewards = list(request.rewards)
-        group.advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        group.rewards, group.advantages = list(request.rewards), advantages
         exp.journal.append(group)  # durable before the 202
         exp.queue.append(group)
         exp.queue_changed.set()

@@ -134,6 +134,22 @@ async def test_duplicate_experiment_is_409(client, experiment):
     assert info.value.status == 409
 
 
+@pytest.mark.parametrize("config, status, code", [
+    ({"name": "key-clash", "api_key": "key-{experiment}"}, 409, "api_key_in_use"),  # another experiment's key
+    ({"name": "admin-key-clash", "api_key": ADMIN_KEY}, 409, "api_key_in_use"),
+    ({"name": "rank-too-big", "lora": {"r": 64}}, 422, "over_limit"),  # over the samplers' max_lora_rank 16
+])
+async def test_bad_experiments_leave_nothing_behind(server, client, experiment, config, status, code):
+    config = {**config, "api_key": config.get("api_key", "").format(experiment=experiment) or None}
+    with pytest.raises(GrpoServerError) as info:
+        await client.create_experiment(config)
+    assert (info.value.status, info.value.code) == (status, code)
+    assert not (server.run_dir / "adapters" / config["name"]).exists()  # the learner was never asked
+    # The name is free: the same experiment with a sound config is created.
+    await client.create_experiment({"name": config["name"], "sampling": {"n": 2, "max_tokens": 2}})
+    await client.delete_experiment(config["name"])
+
+
 async def test_auth(server, experiment):
     url = f"{server.url}/v1/experiments/{experiment}"
     own_key = f"key-{experiment}"

@@ -1,0 +1,227 @@
+"""The auth matrix over real HTTP: every public route (the OpenAPI table, which a test holds equal to
+`app.routes()`) x {no key, wrong key, another experiment's key, the experiment's own key, the admin key}.
+
+Expected, from the route's `auth` in `grpo_server/openapi.py`:
+- `public` (`/openapi.json`, `/v1/health`): the answer, whatever the key (a bad one is ignored);
+- otherwise no key or an unknown key: 401;
+- `key` (tokenize, the experiment list): any valid key succeeds; the list shows an experiment key its own only;
+- `experiment`: its own key and the admin key succeed; another experiment's key is a 403, and so is any
+  experiment that does not exist (the same answer, so names do not leak); the admin gets 404 for that one;
+- `admin` (create, delete): the admin key only; an experiment's key is a 403.
+Each request has a cheap valid body (n=1, max_tokens=1), so a success is the endpoint's success status.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from jsonschema import Draft202012Validator
+
+from grpo_server.app import routes
+from grpo_server.openapi import ENDPOINTS, Endpoint, openapi_document
+from tests.serving import ADMIN_KEY
+
+A, B = "auth-a", "auth-b"
+KEYS = {A: "key-auth-a-3f9c", B: "key-auth-b-71d2"}
+WRONG_KEY = "wrong-key-5e01"
+WHO = ("none", "wrong", "other", "own", "admin")
+CHEAP = {"n": 1, "max_tokens": 1}
+_fresh = itertools.count()
+
+
+def _route_set(pairs) -> set[tuple[str, str]]:
+    return {(method.upper(), path) for method, path in pairs}
+
+
+def test_table_covers_every_route():
+    """A route without a row in ENDPOINTS (and so without an OpenAPI operation) fails here."""
+    served = _route_set((r.method, r.path) for r in routes() if isinstance(r, web.RouteDef))
+    assert len(served) == len(routes())
+    assert served == _route_set((e.method, e.path) for e in ENDPOINTS)
+    documented = _route_set((method, path) for path, ops in openapi_document()["paths"].items() for method in ops)
+    assert served == documented
+
+
+def test_openapi_document_is_served_without_a_key_and_is_complete(server):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/openapi.json", timeout=60) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("application/json")
+        doc = json.loads(response.read())
+    assert doc == json.loads(json.dumps(openapi_document()))
+    assert doc["openapi"].startswith("3.1")
+    assert doc["components"]["securitySchemes"]["bearer"] == {
+        **doc["components"]["securitySchemes"]["bearer"], "type": "http", "scheme": "bearer"}
+    schemas = doc["components"]["schemas"]
+    refs = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.add(node["$ref"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc)
+    assert all(ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas for ref in refs), refs
+    for schema in schemas.values():  # each one a valid JSON Schema (2020-12, as OpenAPI 3.1 has it)
+        Draft202012Validator.check_schema(schema)
+    assert schemas["ErrorBody"]["properties"]["error"]["$ref"].endswith("/ErrorDetail")
+    assert set(schemas["ErrorDetail"]["required"]) == {"code", "message"}
+    for endpoint in ENDPOINTS:
+        operation = doc["paths"][endpoint.path][endpoint.method.lower()]
+        assert str(endpoint.status) in operation["responses"]
+        assert operation["security"] == ([] if endpoint.auth == "public" else [{"bearer": []}])
+        errors = [s for s in operation["responses"] if int(s) >= 400]
+        assert all(operation["responses"][s]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+                   for s in errors)
+        if endpoint.auth != "public":
+            assert "401" in errors
+        if "{name}" in endpoint.path:
+            assert operation["parameters"][0]["name"] == "name" and operation["parameters"][0]["in"] == "path"
+    adapter = doc["paths"]["/v1/experiments/{name}/adapter"]["get"]
+    assert {"name": "version", "in": "query"}.items() <= adapter["parameters"][1].items()
+    assert "application/gzip" in adapter["responses"]["200"]["content"]
+    create = doc["paths"]["/v1/experiments"]["post"]
+    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ExperimentConfig")
+    assert schemas["ExperimentConfig"]["additionalProperties"] is False  # strict, as the model
+
+
+# ------------------------------------------------------------------------------------------------
+# The matrix
+# ------------------------------------------------------------------------------------------------
+
+
+class Api:
+    def __init__(self, session: aiohttp.ClientSession, url: str):
+        self.session, self.url = session, url
+
+    async def call(self, method: str, path: str, key: str | None = ADMIN_KEY, body: Any = None) -> tuple[int, Any]:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        async with self.session.request(method, self.url + path, json=body, headers=headers) as response:
+            if response.content_type == "application/json":
+                return response.status, await response.json()
+            return response.status, await response.read()
+
+    async def ok(self, method: str, path: str, body: Any = None, status: int = 200) -> Any:
+        got, data = await self.call(method, path, ADMIN_KEY, body)
+        assert got == status, (method, path, got, data)
+        return data
+
+
+@pytest.fixture(scope="module")
+async def api(server):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        client = Api(session, server.url)
+        for name in (A, B):
+            await client.ok("POST", "/v1/experiments", {"name": name, "api_key": KEYS[name],
+                                                        "sampling": {"n": 1, "max_tokens": 1}}, 201)
+        yield client
+        for name in (A, B):
+            await client.ok("DELETE", f"/v1/experiments/{name}", status=204)
+
+
+async def _group(api: Api, name: str) -> str:
+    data = await api.ok("POST", f"/v1/experiments/{name}/completions", {"prompt": "Hello", **CHEAP})
+    return data["group_id"]
+
+
+async def _request(api: Api, endpoint: Endpoint, target: str) -> tuple[str, Any]:
+    """The path and a cheap valid body of `endpoint` aimed at experiment `target` (which may not exist)."""
+    path = endpoint.path.replace("{name}", target)
+    op = endpoint.operation_id
+    if op == "post_tokenize":
+        return path, {"prompt": "Hello"}
+    if op == "post_experiments":
+        return path, {"name": f"auth-new-{next(_fresh)}"}
+    if op == "post_experiments_name_completions":
+        return path, {"prompt": "Hello", **CHEAP}
+    if op == "post_experiments_name_feedback":
+        group = await _group(api, target) if target in KEYS else "grp_none"
+        return path, {"group_id": group, "rewards": [1.0]}
+    if op == "post_chat_completions":
+        return path, {"model": target, "messages": [{"role": "user", "content": "Hi"}], **CHEAP}
+    if op == "post_completions":
+        return path, {"model": target, "prompt": "Hello", **CHEAP}
+    if endpoint.request is not None:
+        raise AssertionError(f"{op}: give the auth matrix a cheap valid request for this new endpoint")
+    return path + ("?version=0" if op == "get_experiments_name_adapter" else ""), None
+
+
+def _key(who: str, own: str, other: str) -> str | None:
+    return {"none": None, "wrong": WRONG_KEY, "other": KEYS[other], "own": KEYS[own], "admin": ADMIN_KEY}[who]
+
+
+def expected_status(endpoint: Endpoint, who: str) -> int:
+    if endpoint.auth == "public":
+        return endpoint.status
+    if who in ("none", "wrong"):
+        return 401
+    if endpoint.auth == "key":
+        return endpoint.status
+    if endpoint.auth == "admin":
+        return endpoint.status if who == "admin" else 403
+    assert endpoint.auth == "experiment", endpoint.auth
+    return endpoint.status if who in ("own", "admin") else 403
+
+
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=[e.operation_id for e in ENDPOINTS])
+async def test_auth_matrix(api, endpoint: Endpoint, who: str):
+    target = A
+    if endpoint.method == "DELETE":  # a throwaway experiment, with its own key, so A survives
+        target = f"auth-victim-{next(_fresh)}"
+        KEYS[target] = f"key-{target}"
+        await api.ok("POST", "/v1/experiments", {"name": target, "api_key": KEYS[target]}, 201)
+    path, body = await _request(api, endpoint, target)
+    status, data = await api.call(endpoint.method, path, _key(who, target, B), body)
+    want = expected_status(endpoint, who)
+    assert status == want, (endpoint.method, path, who, status, data)
+    if status >= 400:
+        assert set(data) == {"error"} and set(data["error"]) == {"code", "message"}, data
+        if status == 401:
+            assert data["error"]["code"] == ("missing_key" if who == "none" else "invalid_key")
+        if status == 403:
+            assert data["error"]["code"] == ("admin_only" if endpoint.auth == "admin" else "wrong_experiment")
+    # clean up what a success made
+    if endpoint.operation_id == "post_experiments" and status == 201:
+        await api.ok("DELETE", f"/v1/experiments/{body['name']}", status=204)
+    if endpoint.method == "DELETE" and status != 204:
+        await api.ok("DELETE", path, status=204)
+    if endpoint.operation_id == "get_experiments" and status == 200:
+        names = {e["name"] for e in data["experiments"]}
+        assert names == ({A, B} if who == "admin" else {A} if who == "own" else {B}), names
+
+
+@pytest.mark.parametrize("endpoint", [e for e in ENDPOINTS if e.auth in ("experiment", "admin")],
+                         ids=[e.operation_id for e in ENDPOINTS if e.auth in ("experiment", "admin")])
+async def test_unknown_experiment_is_the_same_403_as_someone_elses(api, endpoint: Endpoint):
+    """An experiment key learns nothing about which other names exist; the admin key gets the 404."""
+    answers = []
+    for target in (B, "auth-does-not-exist"):
+        path, body = await _request(api, endpoint, target)
+        answers.append(await api.call(endpoint.method, path, KEYS[A], body))
+    assert answers[0] == answers[1] and answers[0][0] == 403, answers
+    if "{name}" in endpoint.path or endpoint.request is not None and "model" in (endpoint.request.model_fields):
+        path, body = await _request(api, endpoint, "auth-does-not-exist")
+        status, data = await api.call(endpoint.method, path, ADMIN_KEY, body)
+        if endpoint.auth == "experiment" or endpoint.method == "DELETE":
+            assert status == 404 and data["error"]["code"] == "experiment_not_found", data
+
+
+async def test_keys_are_never_logged(server, api):
+    """After the matrix: no key (admin, experiments', the wrong one) in the server's or the workers' logs."""
+    logs = [server.log_path] + sorted(Path(server.run_dir, "logs").glob("*"))
+    for key in [ADMIN_KEY, WRONG_KEY, *KEYS.values()]:
+        for log in logs:
+            if log.is_file():
+                assert key not in log.read_text(errors="replace"), (key, log)
