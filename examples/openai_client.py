@@ -22,11 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.task_runner import default_api_key  # noqa: E402
 from grpo_server.client import Client, GrpoServerError  # noqa: E402
 
-MESSAGES = [{"role": "user", "content": "Reply with a single word: the colour of the sky on a clear day."}]
+# SmolLM2-135M says "blue" in about 6% of its answers to this (16 samples, 8 tokens): groups of 8 often
+# hold one, and the partial credit for staying on topic gives most groups some spread to learn from.
+MESSAGES = [{"role": "user", "content": "What color is the sky?"}]
 
 
 def reward(text: str) -> float:
-    return 1.0 if "blue" in text.lower() else 0.0
+    text = text.lower()
+    return 1.0 if "blue" in text else 0.2 if "sky" in text else 0.0
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -45,13 +48,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     means = []
     with Client(args.url, args.api_key) as grpo:
         try:
-            grpo.create_experiment({"name": args.experiment, "sampling": {"n": args.n, "max_tokens": 8}})
+            grpo.create_experiment({"name": args.experiment, "algorithm": {"learning_rate": 5e-4, "batch_groups": 2},
+                                    "sampling": {"n": args.n, "max_tokens": 12}})
         except GrpoServerError as exc:
             if exc.status != 409:
                 raise  # 409: it exists already (a re-run continues it)
         for round_ in range(args.rounds):
             resp = llm.chat.completions.create(model=args.experiment, messages=MESSAGES, n=args.n,
-                                               max_tokens=8, temperature=1.0)
+                                               max_tokens=12, temperature=1.0)
             rewards = [reward(choice.message.content) for choice in resp.choices]
             grpo.feedback(args.experiment, resp.model_extra["group_id"], rewards)
             means.append(statistics.fmean(rewards))
