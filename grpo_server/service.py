@@ -202,9 +202,10 @@ class Orchestrator:
         algorithm = exp.config.algorithm
         skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
         advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        external_ids = self._external_token_ids(group, external)  # 400s for bad ones, skipped or not
         scored_version, external_logprobs = None, None
-        if external and skipped is None:
-            scored_version, added = await self._score_external(exp, group, external)
+        if external_ids and skipped is None:
+            scored_version, added = await self._score_external(exp, group, external_ids)
             external_logprobs = [c.logprobs for c in added]
         # Nothing below can fail for the request's sake: the group is only taken now.
         if request.group_id is not None:
@@ -226,15 +227,18 @@ class Orchestrator:
         exp.queue_changed.set()
         return response
 
-    async def _score_external(self, exp: Experiment, group: Group,
-                              external: list[ExternalCompletion]) -> tuple[int, list[Completion]]:
-        """Tokenize completions the model did not sample and score them under the serving version: those
-        logprobs are their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
+    def _external_token_ids(self, group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
         token_ids = []
         for i, completion in enumerate(external):
             ids = self.prompts.external_completion_ids(completion, f"completions[{i}]")
             self.prompts.check_fits(len(group.prompt_token_ids), len(ids), f"completions[{i}]")
             token_ids.append(ids)
+        return token_ids
+
+    async def _score_external(self, exp: Experiment, group: Group,
+                              token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
+        """Score completions the model did not sample under the serving version: those logprobs are
+        their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
         with self.pinned_serving_version(exp) as version:
             async with self.workers.sampler() as sampler:
                 scored: ScoreResponse = await sampler.call("score", ScoreRequest(

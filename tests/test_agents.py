@@ -121,6 +121,9 @@ FEEDBACK_ERRORS = [
     ({"prompt": "x", "extra_completions": [{"text": "a"}], "rewards": [1, 0]}, 422, "invalid_request"),
     ({"prompt_token_ids": [10**7], "completions": [{"text": "a"}, {"text": "b"}], "rewards": [1, 0]},
      400, "bad_token_ids"),
+    # Equal rewards would skip the group, but bad input is still a 4xx, not a quiet "skipped".
+    ({"prompt": "x", "completions": [{"token_ids": [10**7]}, {"text": "a"}], "rewards": [1, 1]},
+     400, "bad_token_ids"),
 ]
 
 
