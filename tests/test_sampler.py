@@ -154,13 +154,6 @@ def sampler(request: pytest.FixtureRequest) -> Sampler:
     return request.getfixturevalue(f"sampler_{request.param}")
 
 
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
 def _write_adapter(model_dir: Path, out: Path, b_std: float, seed: int) -> Path:
     """A rank-8 peft adapter on every projection; b_std = 0 keeps peft's B = 0 (a no-op adapter)."""
     import torch

@@ -9,17 +9,11 @@ import tarfile
 import aiohttp
 import msgpack
 import pytest
-from transformers import AutoTokenizer
 
 from grpo_server.client import GrpoServerError
 from tests.serving import ADMIN_KEY, headers, post_json
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
 @pytest.fixture
