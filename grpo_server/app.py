@@ -15,7 +15,8 @@ from grpo_server import openai_handlers
 from grpo_server.config import ServerConfig
 from grpo_server.errors import ApiError, PayloadTooLarge
 from grpo_server.http_io import error_response
-from grpo_server.keys import ADMIN_KEY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
+from grpo_server.metrics import HttpCounter
 from grpo_server.worker_set import WorkerSet
 from grpo_server.prompts import PromptBuilder
 from grpo_server.service import Orchestrator
@@ -28,6 +29,7 @@ def routes() -> list[web.RouteDef]:
     return [
         web.get("/openapi.json", handlers.openapi),
         web.get("/v1/health", handlers.health),
+        web.get("/metrics", handlers.metrics),
         web.post("/v1/tokenize", handlers.tokenize),
         web.post("/v1/experiments", handlers.create_experiment),
         web.get("/v1/experiments", handlers.list_experiments),
@@ -39,6 +41,16 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/chat/completions", openai_handlers.chat_completions),
         web.post("/v1/completions", openai_handlers.completions),
     ]
+
+
+@web.middleware
+async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Requests by route template and status, for /metrics (outermost: it sees the final status)."""
+    response = await handler(request)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[HTTP_COUNTER].add(request.method, route, response.status)
+    return response
 
 
 @web.middleware
@@ -63,8 +75,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 def create_app(config: ServerConfig, admin_key: str) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[count_middleware, error_middleware], client_max_size=config.max_body_bytes)
     app.add_routes(routes())
+    app[HTTP_COUNTER] = HttpCounter()
     app[ADMIN_KEY] = admin_key
     app[MODEL_NAME] = config.model
 

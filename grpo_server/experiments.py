@@ -25,6 +25,7 @@ class Experiment:
     step: int = 0
     adapter_paths: dict[int, str] = field(default_factory=dict)  # versions loaded on the samplers
     inflight: Counter = field(default_factory=Counter)  # requests per version still being sampled
+    staleness: Counter = field(default_factory=Counter)  # trained groups by (learner version - sampled version)
     counters: ExperimentCounters = field(default_factory=ExperimentCounters)
     queue: list[Group] = field(default_factory=list)  # groups with feedback, waiting for a batch
     # Bumped when the queue is rebuilt from the journal (a learner restart): a batch taken before

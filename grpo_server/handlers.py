@@ -13,7 +13,8 @@ from grpo_server.auth import ADMIN, principal, require
 from grpo_server.config import ExperimentConfig
 from grpo_server.errors import BadRequest, Conflict
 from grpo_server.http_io import parse_body, respond
-from grpo_server.keys import ADMIN_KEY, MODEL_NAME, ORCHESTRATOR
+from grpo_server import metrics as prometheus
+from grpo_server.keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
 from grpo_server.openapi import openapi_json
 
 
@@ -106,3 +107,13 @@ async def download_adapter(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     """The OpenAPI 3.1 document of this API, built once from the models above. Public: no key needed."""
     return web.Response(body=openapi_json(), content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format; admin key only (it names every experiment)."""
+    require(_who(request), admin_only=True)
+    orchestrator = request.app[ORCHESTRATOR]
+    text = prometheus.render(orchestrator.experiments.values(),
+                             {name: orchestrator.groups.pending_count(name) for name in orchestrator.experiments},
+                             orchestrator.workers.states(), request.app[HTTP_COUNTER])
+    return web.Response(text=text, content_type="text/plain", headers={"X-Content-Format": "0.0.4"})

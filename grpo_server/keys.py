@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from grpo_server.metrics import HttpCounter
     from grpo_server.service import Orchestrator
 
 ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
 ADMIN_KEY: web.AppKey[str] = web.AppKey("admin_key", str)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
+HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")

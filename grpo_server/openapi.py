@@ -72,6 +72,8 @@ EXP = "/v1/experiments/{name}"
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/openapi.json", None, None, 200, "This document (OpenAPI 3.1)", "public"),
     Endpoint("GET", "/v1/health", None, Health, 200, "The workers' states", "public"),
+    Endpoint("GET", "/metrics", None, None, 200, "Prometheus metrics (text format 0.0.4)", "admin",
+             content_type="text/plain"),
     Endpoint("POST", "/v1/tokenize", TokenizeRequest, TokenizeResponse, 200,
              "A prompt or messages to the token ids completions would use", "key"),
     Endpoint("POST", "/v1/experiments", ExperimentConfig, ExperimentStatus, 201,
@@ -146,8 +148,8 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
     if endpoint.response is not None:
         schema = refs[endpoint.response]
         content = {JSON: {"schema": schema}, MSGPACK: {"schema": schema}}
-    elif endpoint.content_type == GZIP:
-        content = {GZIP: {"schema": {"type": "string", "contentMediaType": GZIP}}}
+    elif endpoint.content_type != JSON:  # the adapter archive, the metrics text
+        content = {endpoint.content_type: {"schema": {"type": "string", "contentMediaType": endpoint.content_type}}}
     elif endpoint.status == 204:
         content = None
     else:

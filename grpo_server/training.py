@@ -94,6 +94,7 @@ class ExperimentTrainer:
             return
         exp.step = metrics.step
         exp.counters.groups_trained += len(groups)
+        exp.staleness.update(exp.learner_version - g.policy_version for g in groups)
         if metrics.checkpointed_journal_seq is not None:
             exp.journal.compact(through_seq=metrics.checkpointed_journal_seq)
         # JSON has no inf/NaN: a non-finite metric (say, an empty ratio range) is shown as null.

@@ -482,6 +482,11 @@ def check_answer(case: Case, answer: Answer, operation: dict[str, Any]) -> None:
     if answer.content_type == "application/gzip":
         assert answer.body[:2] == b"\x1f\x8b"
         return
+    if answer.content_type == "text/plain":  # /metrics: the Prometheus text format
+        from prometheus_client.parser import text_string_to_metric_families
+
+        assert list(text_string_to_metric_families(answer.body.decode()))
+        return
     if not answer.body:
         assert status == 204
         return
