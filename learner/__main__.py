@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -24,19 +23,16 @@ from grpo_server.config import LearnerConfig, load_yaml, write_resolved
 log = logging.getLogger("learner")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _set_distributed_env() -> None:
     """One rank of one. setdefault: a launcher (torchrun, deepspeed) that set these wins."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # Port 0: the rendezvous store binds a port the OS picks. A port chosen here and bound later could
+    # be taken meanwhile (another worker's, another server's) and fail the start with EADDRINUSE; with
+    # one rank nobody else has to know the port.
+    os.environ.setdefault("MASTER_PORT", "0")
 
 
 async def _serve(app, host: str, port: int, on_stopped) -> None:
