@@ -44,28 +44,41 @@ async def run_mix(one_request, count: int, concurrency: int) -> tuple[int, float
     async def guarded(i: int) -> None:
         nonlocal tokens
         async with semaphore:
-            tokens += await one_request(i)
+            count = await one_request(i)  # not `tokens += await ...`: that reads `tokens` before the await
+            tokens += count
 
     started = time.perf_counter()
     await asyncio.gather(*(guarded(i) for i in range(count)))
     return tokens, time.perf_counter() - started
 
 
+def server_request(client: AsyncClient, name: str, args, prompt_ids: list[list[int]]):
+    """One request of the mix through the HTTP API: `one(i)` -> completion tokens; records the prompt's
+    token ids in `prompt_ids[i]` (the direct engine is sent exactly those)."""
+    chats = prompts(args.requests)
+
+    async def one(i: int) -> int:
+        group = await client.complete(name, messages=chats[i], n=args.n, max_tokens=args.max_tokens,
+                                      temperature=1.0, seed=i)
+        prompt_ids[i] = group.prompt_token_ids
+        return sum(len(c.token_ids) for c in group.completions)
+
+    return one
+
+
+def server_sampler_settings(args) -> dict:
+    """The server's `sampler` settings of this benchmark (the direct engine gets the same ones)."""
+    return {"engine": "vllm", "kv_cache_gib": 2, "max_num_seqs": args.max_num_seqs}
+
+
 async def through_server(model_dir: Path, run_dir: Path, args) -> tuple[float, list[list[int]], str]:
     handle = start_server(run_dir, model_dir, engine="vllm", max_model_len=1024,
-                          sampler={"engine": "vllm", "kv_cache_gib": 2, "max_num_seqs": args.max_num_seqs})
+                          sampler=server_sampler_settings(args))
     try:
         async with AsyncClient(handle.url, handle.api_key) as client:
             await client.create_experiment({"name": "bench"})
-            chats = prompts(args.requests)
             prompt_ids: list[list[int]] = [None] * args.requests  # type: ignore[list-item]
-
-            async def one(i: int) -> int:
-                group = await client.complete("bench", messages=chats[i], n=args.n, max_tokens=args.max_tokens,
-                                              temperature=1.0, seed=i)
-                prompt_ids[i] = group.prompt_token_ids
-                return sum(len(c.token_ids) for c in group.completions)
-
+            one = server_request(client, "bench", args, prompt_ids)
             await run_mix(one, min(2, args.requests), args.concurrency)  # warm-up
             tokens, seconds = await run_mix(one, args.requests, args.concurrency)
         adapter = str(run_dir / "adapters" / "bench" / "v000000")
@@ -74,28 +87,41 @@ async def through_server(model_dir: Path, run_dir: Path, args) -> tuple[float, l
     return tokens / seconds, prompt_ids, adapter
 
 
-async def directly(model_dir: Path, prompt_ids: list[list[int]], adapter: str, args) -> float:
-    from vllm import SamplingParams, TokensPrompt
-    from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import RequestOutputKind
+def direct_engine(model_dir: Path, args):
+    """vLLM's AsyncLLM in this process, with the sampler's own engine arguments (sampler.vllm_engine)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from sampler.vllm_engine import engine_args
 
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
                            kv_cache_gib=2, max_num_seqs=args.max_num_seqs)
-    llm = AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
-    lora = LoRARequest("bench@v0", 1, adapter)
-    try:
-        async def one(i: int) -> int:
-            params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=i, logprobs=0,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
-            final = None
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt_ids[i]), params, uuid.uuid4().hex,
-                                          lora_request=lora):
-                final = out
-            return sum(len(c.token_ids) for c in final.outputs)
+    return AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
 
+
+def direct_request(llm, adapter: str, args, prompt_ids: list[list[int]]):
+    """One request of the mix straight into the engine, under the adapter folder: `one(i)` -> tokens."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
+
+    lora = LoRARequest("bench@v0", 1, adapter)
+
+    async def one(i: int) -> int:
+        params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=i, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt_ids[i]), params, uuid.uuid4().hex,
+                                      lora_request=lora):
+            final = out
+        return sum(len(c.token_ids) for c in final.outputs)
+
+    return one
+
+
+async def directly(model_dir: Path, prompt_ids: list[list[int]], adapter: str, args) -> float:
+    llm = direct_engine(model_dir, args)
+    try:
+        one = direct_request(llm, adapter, args, prompt_ids)
         await run_mix(one, min(2, args.requests), args.concurrency)  # warm-up
         tokens, seconds = await run_mix(one, args.requests, args.concurrency)
     finally:

@@ -36,7 +36,10 @@ def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
     return out
 
 
-async def measure(model_dir: Path, dtype: str, adapter: str | None) -> float:
+async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
+                  max_tokens: int = 64) -> float:
+    """Tokens/s of `requests` concurrent requests x n completions of max_tokens (ignore_eos), after one
+    warm-up request, with or without the adapter folder."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
@@ -50,7 +53,7 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None) -> float:
     lora = LoRARequest("bench", 1, adapter) if adapter else None
 
     async def one(seed: int) -> int:
-        params = SamplingParams(n=8, temperature=1.0, max_tokens=64, seed=seed, ignore_eos=True, logprobs=0,
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True, logprobs=0,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         async for out in llm.generate(TokensPrompt(prompt_token_ids=list(range(100, 160))), params,
                                       uuid.uuid4().hex, lora_request=lora):
@@ -60,10 +63,27 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None) -> float:
     try:
         await one(0)
         started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i) for i in range(1, 5))))
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(1, requests + 1))))
         return tokens / (time.perf_counter() - started)
     finally:
         llm.shutdown()
+
+
+def measure_in_child(model: str, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
+                     max_tokens: int = 64) -> float:
+    """`measure` in a fresh process (vLLM keeps global state): tokens/s."""
+    out = subprocess.run([sys.executable, __file__, "--model", model, "--one", dtype, adapter or "-",
+                          "--requests", str(requests), "--n", str(n), "--max-tokens", str(max_tokens)],
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    return float(out[-1])
+
+
+def compare(model: str, dtype: str, adapter: str, requests: int = 4, n: int = 8, max_tokens: int = 64) -> dict:
+    """No adapter, then the adapter, each in a fresh process: tokens/s of both and their ratio."""
+    base = measure_in_child(model, dtype, None, requests, n, max_tokens)
+    lora = measure_in_child(model, dtype, adapter, requests, n, max_tokens)
+    return {"dtype": dtype, "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
+            "ratio": round(lora / base, 3)}
 
 
 def main() -> None:
@@ -71,22 +91,24 @@ def main() -> None:
     parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--one", nargs=2, metavar=("DTYPE", "ADAPTER"), help=argparse.SUPPRESS)
+    parser.add_argument("--requests", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--max-tokens", type=int, default=64, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = resolve_model(args.model)
     if args.one:  # a child run: one configuration
         dtype, adapter = args.one
-        print(f"{asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None)):.1f}")
+        rate = asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None, args.requests, args.n,
+                                   args.max_tokens))
+        print(f"{rate:.1f}")
         return
     adapter = write_adapter(model_dir, Path(tempfile.mkdtemp()) / "adapter", args.rank)
     print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules | ratio |\n|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
-        rates = []
-        for path in ("-", str(adapter)):
-            out = subprocess.run([sys.executable, __file__, "--model", args.model, "--one", dtype, path],
-                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()
-            rates.append(float(out[-1]))
-        print(f"| {dtype} | {rates[0]:.1f} tok/s | {rates[1]:.1f} tok/s | {rates[1] / rates[0]:.2f} |", flush=True)
+        r = compare(args.model, dtype, str(adapter), args.requests, args.n, args.max_tokens)
+        print(f"| {dtype} | {r['base_tok_s']:.1f} tok/s | {r['lora_tok_s']:.1f} tok/s | {r['ratio']:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

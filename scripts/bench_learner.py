@@ -1,0 +1,190 @@
+"""Training tokens/s of the real learner vs a plain peft + AdamW loop, on the same batches.
+
+    .venv/bin/python scripts/bench_learner.py [--sequences 16 --steps 2 --max-completion 48]
+
+The learner side is `learner.trainer.MultiAdapterTrainer.train` (DeepSpeed ZeRO-2 engine over the peft
+model, its micro-batches, its GRPO loss), in this process. The plain side is a second copy of the same
+base model wrapped by `peft.get_peft_model` with the same LoRA (r, alpha, the 7 linear layers), a torch
+AdamW over the adapter and the same loop: the learner's own micro-batches (`learner.batching`), the same
+forward (`logits_to_keep`), the same loss (`learner.loss.policy_loss`), gradient clipping, one step.
+Steps alternate (learner, plain, learner, ...) after one warm-up step each, so both see the same load.
+
+The learner checkpoints after every step by default (`checkpoint_every` 1). That write is timed on
+its own here (the experiment is created with checkpoint_every large, and `trainer.checkpoint` is called
+and timed after each measured step), so the ratio can be read with and without it.
+
+Tokens are real tokens (prompt + completion) of the batch; padding waste is the padded positions of the
+learner's micro-batches over the real tokens. Prints one JSON object (bench.py runs this in a fresh
+process: DeepSpeed's distributed setup and two model copies stay out of the caller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grpo_server.config import EMBEDDED_MODEL_NAME  # noqa: E402
+
+
+def make_batch(sequences: int, group_size: int, max_completion: int, seed: int = 0):
+    """A GRPO batch of mixed lengths: groups share a prompt (16-48 tokens); completions 4..max_completion
+    tokens, advantages +-1, behaviour logprobs around -2."""
+    from grpo_server.wire import TrainRequest, TrainSample
+
+    rng = random.Random(seed)
+    samples = []
+    for g in range((sequences + group_size - 1) // group_size):
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(16, 48))]
+        for j in range(min(group_size, sequences - g * group_size)):
+            length = rng.randint(4, max_completion)
+            samples.append(TrainSample(
+                prompt_token_ids=prompt, completion_token_ids=[rng.randrange(100, 40000) for _ in range(length)],
+                sampler_logprobs=[-2.0 - rng.random() for _ in range(length)], advantage=1.0 if j % 2 else -1.0,
+                reward=float(j % 2), policy_version=0))
+    return TrainRequest(name="learn", samples=samples, max_tokens=max_completion,
+                        num_groups=(sequences + group_size - 1) // group_size)
+
+
+def padding_waste(request, micro_batch_size: int) -> dict:
+    """Padded positions of the learner's micro-batches over real tokens (prompt + completion)."""
+    from learner.batching import Sequence, make_micro_batches
+
+    seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature)
+            for s in request.samples]
+    batches = make_micro_batches(seqs, micro_batch_size)
+    real = sum(len(s.prompt) + len(s.completion) for s in seqs)
+    padded = sum(b.input_ids_B_L.numel() for b in batches) - real
+    completion = sum(len(s.completion) for s in seqs)
+    kept = sum(b.input_ids_B_L.shape[0] * b.logits_to_keep for b in batches)  # LM-head positions computed
+    return {"micro_batches": len(batches), "real_tokens": real, "padded_tokens": padded,
+            "padded_over_real": round(padded / real, 4), "completion_tokens": completion,
+            "lm_head_positions_over_completion_tokens": round(kept / completion, 3)}
+
+
+class PlainLoop:
+    """peft + torch AdamW, no DeepSpeed, the learner's batches and loss."""
+
+    def __init__(self, model_dir: Path, lora, algorithm):
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        base.config.use_cache = False
+        alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+        self.model = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=alpha, lora_dropout=lora.dropout,
+                                                     target_modules=list(lora.target_modules), bias="none",
+                                                     task_type="CAUSAL_LM"))
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate,
+                                           weight_decay=algorithm.weight_decay)
+        self.algorithm = algorithm
+
+    def train(self, request) -> None:
+        import torch
+
+        from learner.batching import Sequence, gather_completion_logp, make_micro_batches
+        from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
+
+        algo = self.algorithm
+        seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage,
+                         s.temperature) for s in request.samples]
+        settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
+        norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(len(s.completion) for s in seqs),
+                               max_tokens=request.max_tokens)
+        for batch in make_micro_batches(seqs, algo.micro_batch_size):
+            logits = self.model(input_ids=batch.input_ids_B_L, attention_mask=batch.attention_mask_B_L,
+                                logits_to_keep=batch.logits_to_keep, use_cache=False).logits
+            logp_B_C = gather_completion_logp(token_logprobs(logits, batch.targets_B_K, batch.temperature), batch)
+            loss, _ = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C, settings, norm)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completion: int = 48, steps: int = 2,
+        seed: int = 0) -> dict:
+    """Warm-up one step each, then `steps` alternating steps of each; tokens/s of both and the ratio."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "0", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}.items():
+        os.environ.setdefault(key, value)
+    import logging
+
+    import torch
+    from deepspeed.utils import logger as ds_logger
+
+    from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
+    from learner.trainer import MultiAdapterTrainer
+
+    ds_logger.setLevel(logging.WARNING)
+    started = time.perf_counter()
+    lora = LoraConfig()  # r=16, alpha 32, the 7 linear layers: an experiment's default
+    # checkpoint_every large: the checkpoint write is timed on its own below.
+    algorithm = AlgorithmConfig(checkpoint_every=1_000_000)
+    trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp(prefix="bench-learner-")),
+                                                port=1, max_model_len=1024, dtype="float32"))
+    trainer.add_experiment("learn", lora, algorithm)
+    plain = PlainLoop(model_dir, lora, algorithm)
+    setup_s = time.perf_counter() - started
+    request = make_batch(sequences, group_size, max_completion, seed)
+    tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in request.samples)
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    trainer.train(request)  # warm-up
+    plain.train(request)
+    learner_s, plain_s, checkpoint_s, save_s = [], [], [], []
+    for _ in range(steps):
+        learner_s.append(timed(lambda: trainer.train(request)))
+        checkpoint_s.append(timed(lambda: trainer.checkpoint("learn")))
+        save_s.append(timed(lambda: trainer.save_adapter("learn")))
+        plain_s.append(timed(lambda: plain.train(request)))
+    learner_tps = tokens * steps / sum(learner_s)
+    with_ckpt_tps = tokens * steps / (sum(learner_s) + sum(checkpoint_s))
+    plain_tps = tokens * steps / sum(plain_s)
+    return {
+        "sequences": len(request.samples), "group_size": group_size, "max_completion": max_completion,
+        "tokens_per_step": tokens, "steps": steps, "micro_batch_size": algorithm.micro_batch_size,
+        "lora": lora.model_dump(), "torch_threads": torch.get_num_threads(), "setup_s": round(setup_s, 1),
+        "learner_step_s": [round(x, 3) for x in learner_s], "plain_step_s": [round(x, 3) for x in plain_s],
+        "checkpoint_s": [round(x, 3) for x in checkpoint_s], "save_adapter_in_process_s": [round(x, 3) for x in save_s],
+        "learner_tok_s": round(learner_tps, 1), "learner_with_checkpoint_tok_s": round(with_ckpt_tps, 1),
+        "plain_tok_s": round(plain_tps, 1), "ratio": round(learner_tps / plain_tps, 3),
+        "ratio_with_checkpoint": round(with_ckpt_tps / plain_tps, 3),
+        "checkpoint_median_s": round(statistics.median(checkpoint_s), 3),
+        # Each side's fastest step: on a shared box other jobs only ever add time, so this is the steadier ratio.
+        "ratio_fastest_steps": round(min(plain_s) / min(learner_s), 3),
+        "padding": padding_waste(request, algorithm.micro_batch_size),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-completion", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    from grpo_server.model_prep import resolve_model
+
+    result = run(resolve_model(args.model), args.sequences, args.group_size, args.max_completion, args.steps)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

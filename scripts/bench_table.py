@@ -1,0 +1,166 @@
+"""The summary table of scripts/bench: rendered from its JSON results, written into BENCHMARKS.md between
+marker comments (a rerun replaces the block; nothing else in the file changes). No ML imports."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+START = "<!-- bench:start -->"
+END = "<!-- bench:end -->"
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the marked block replaced by `block` (markers included); without markers, the block goes
+    after the paragraph that starts with 'Machine:' (else after the first heading)."""
+    block = f"{START}\n{block.strip()}\n{END}"
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        return head + block + tail
+    match = re.search(r"^Machine:.*?(?:\n\s*\n|\Z)", text, flags=re.MULTILINE | re.DOTALL)
+    if match is None:
+        match = re.search(r"^#.*\n", text, flags=re.MULTILINE)
+    at = match.end() if match else 0
+    before = text[:at].rstrip("\n") + "\n\n" if text[:at].strip() else ""
+    return before + block + "\n\n" + text[at:].lstrip("\n")
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _verdict(value: float | None, target: float, higher_is_better: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    if higher_is_better:
+        return "met" if value >= target else f"**missed**: {value:.2f} is {value / target:.0%} of {target}"
+    return "met" if value <= target else f"**missed**: {value:.2f} s is {value / target:.1f}x the {target:g} s"
+
+
+def _error(fig: dict | None) -> str | None:
+    if not fig:
+        return "not run"
+    return f"failed: {fig['error']}" if "error" in fig else None
+
+
+def render(results: dict) -> str:
+    meta, figs = results["meta"], results["figures"]
+    rows = []
+
+    fe = figs.get("front_end")
+    err = _error(fe)
+    if err:
+        rows.append(("front-end overhead", "HTTP API vs the same engine in-process", err, ">= 0.95", ""))
+    else:
+        rows.append(("front-end overhead",
+                     f"completions tok/s through `POST /v1/experiments/bench1/completions` vs vLLM AsyncLLM "
+                     f"in-process (sampler's engine args, same adapter v0); {fe['requests']} requests x n={fe['n']}, "
+                     f"max_tokens {fe['max_tokens']}, concurrency {fe['concurrency']}; {fe['rounds']} rounds "
+                     f"each, alternating",
+                     f"{_f(fe['server_tok_s'], 1)} vs {_f(fe['direct_tok_s'], 1)} tok/s: **{_f(fe['ratio'], 3)}** "
+                     f"(per round {', '.join(_f(r, 2) for r in fe['round_ratios'])})",
+                     ">= 0.95", _verdict(fe["ratio"], 0.95)))
+
+    ad = figs.get("adapter")
+    err = _error(ad)
+    if err:
+        rows.append(("adapter sampling", "LoRA vs base", err, ">= 0.8", ""))
+    else:
+        r0 = ad["results"][0]
+        extra = "; ".join(f"{r['dtype']}: {_f(r['lora_tok_s'], 1)} vs {_f(r['base_tok_s'], 1)} = {_f(r['ratio'], 2)}"
+                          for r in ad["results"][1:])
+        rows.append(("adapter sampling",
+                     f"vLLM tok/s under an r=16 adapter on 7 modules vs no adapter, each in a fresh process "
+                     f"(scripts/bench_lora_overhead.py; {ad['requests']} requests x n={ad['n']}, "
+                     f"{ad['max_tokens']} tokens, ignore_eos)",
+                     f"{r0['dtype']}: {_f(r0['lora_tok_s'], 1)} vs {_f(r0['base_tok_s'], 1)} tok/s: "
+                     f"**{_f(r0['ratio'], 2)}**" + (f" ({extra})" if extra else ""),
+                     ">= 0.8", _verdict(r0["ratio"], 0.8)))
+
+    push = figs.get("push")
+    err = _error(push)
+    if err:
+        rows.append(("weight push", "optimizer step end -> first completion of the new version", err, "<= 1 s", ""))
+    else:
+        m = push["direct"]["median_s"]
+        ckpt = (figs.get("learner") or {}).get("checkpoint_median_s")
+        srv = push.get("server", {}).get("median_s", {})
+        total = m["push_total"]
+        measured = (f"**{_f(total, 2)} s** = save_adapter {_f(m['save_adapter'], 3)} + load_adapter "
+                    f"{_f(m['load_adapter'], 3)} + first completion {_f(m['first_completion'], 3)} "
+                    f"({push['direct']['probe_tokens']} tokens); then verification {_f(m['verification'], 3)} s. "
+                    f"Before the push, the learner's checkpoint (every step by default) adds "
+                    f"{_f(ckpt, 3)} s (learner figure). Through the front end: push "
+                    f"{_f(srv.get('push_s'), 3)} s (status `last_push_seconds`), first completion answered "
+                    f"{_f(srv.get('first_completion_answered_after_push_start_s'), 3)} s after the push began (the "
+                    f"server verifies right after serving, and its scoring holds the sampler)")
+        rows.append(("weight push",
+                     f"end of a train verb -> first completion served by the new version, SmolLM2 with LoRA r=16 "
+                     f"on 7 linear layers, timed verb by verb on the server's own learner and sampler "
+                     f"(median of {push['direct']['rounds']})",
+                     measured, "<= 1 s", _verdict(total, 1.0, higher_is_better=False)))
+
+    le = figs.get("learner")
+    err = _error(le)
+    if err:
+        rows.append(("learner", "trainer vs plain peft loop", err, ">= 0.9", ""))
+    else:
+        pad = le["padding"]
+        rows.append(("learner",
+                     f"training tok/s (prompt + completion) of `MultiAdapterTrainer.train` (DeepSpeed ZeRO-2) vs "
+                     f"plain peft + torch AdamW on the same micro-batches and loss; {le['sequences']} sequences "
+                     f"(groups of {le['group_size']}, completions 4-{le['max_completion']} tokens), "
+                     f"{le['steps']} alternating steps each, float32",
+                     f"{_f(le['learner_tok_s'], 1)} vs {_f(le['plain_tok_s'], 1)} tok/s: **{_f(le['ratio'], 3)}**; "
+                     f"with the per-step checkpoint ({_f(le['checkpoint_median_s'], 3)} s): "
+                     f"{_f(le['ratio_with_checkpoint'], 3)}; fastest step of each: {_f(le.get('ratio_fastest_steps'), 3)}. Padding waste: {pad['padded_tokens']} padded / "
+                     f"{pad['real_tokens']} real tokens = **{_f(pad['padded_over_real'], 3)}** "
+                     f"({pad['micro_batches']} micro-batches of {le['micro_batch_size']})",
+                     ">= 0.9", _verdict(le["ratio"], 0.9)))
+
+    ex = figs.get("experiments")
+    err = _error(ex)
+    if err:
+        rows.append(("experiments", "1, 2, 4 experiments sampling at once", err, "report", ""))
+    else:
+        curve = "; ".join(f"{lv['experiments']}: {_f(lv['total_tok_s'], 1)} total, "
+                          f"{_f(lv['mean_per_experiment_tok_s'], 1)} each" for lv in ex["levels"])
+        rows.append(("experiments",
+                     f"completion tok/s in total and per experiment with k experiments sampling at once on one "
+                     f"base model through the server; each: {ex['requests_per_experiment']} request(s) x n={ex['n']}, "
+                     f"max_tokens {ex['max_tokens']}, {ex['concurrency_per_experiment']} at a time; "
+                     f"sampler max_loras {ex['max_loras']}",
+                     f"k = {curve}", "report", ""))
+
+    mem = figs.get("memory")
+    err = _error(mem)
+    if err:
+        rows.append(("memory", "peak RSS", err, "report", ""))
+    else:
+        parts = []
+        for k, snap in mem["snapshots"].items():
+            parts.append(f"{k} exp: front end {_f(snap['front_end']['hwm_mib'], 0)}, sampler "
+                         f"{_f(snap.get('sampler', {}).get('hwm_mib'), 0)}, learner "
+                         f"{_f(snap.get('learner', {}).get('hwm_mib'), 0)}")
+        rows.append(("memory",
+                     "peak RSS (VmHWM, MiB) of each process with its children (the sampler's vLLM engine core "
+                     "and worker count under the sampler), after k experiments each sampled and trained one step",
+                     "; ".join(parts), "report", ""))
+
+    lines = [
+        f"## Summary: `scripts/bench{' --quick' if meta['mode'] == 'quick' else ''}` ({meta['mode']} mode)",
+        "",
+        f"Command ({meta['date']}, {meta['host']}): `{meta['command']}`, {meta['runtime_s']:.0f} s. "
+        f"{meta['cpus']} CPUs, {meta['mem_gib']:.0f} GiB; model {meta['model']} (float32), "
+        f"{meta['versions']}. Load average (1 min) at the start / end of each figure: {meta['load_note']}. "
+        f"Other processes busy when a figure started (not this benchmark; most busy share of a core): "
+        f"{meta['others'] or 'none seen'}. "
+        "Each figure is a ratio of two things measured side by side in this one run; absolute tok/s move "
+        "with the box's load. Results: `" + meta["out"] + "`.",
+        "",
+        "| figure | what is compared | measured | target | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    return "\n".join(lines) + "\n"
