@@ -38,6 +38,13 @@ def _verdict(value: float | None, target: float, higher_is_better: bool = True) 
     return "met" if value <= target else f"**missed**: {value:.2f} s is {value / target:.1f}x the {target:g} s"
 
 
+def _spread(ratios: list[float], limit: float = 1.2) -> str:
+    """A warning when the rounds (or steps) of one figure differ by more than `limit`: the load moved."""
+    if len(ratios) > 1 and min(ratios) > 0 and max(ratios) / min(ratios) > limit:
+        return f" (its rounds differ by {max(ratios) / min(ratios):.2f}x: noisy, rerun)"
+    return ""
+
+
 def _error(fig: dict | None) -> str | None:
     if not fig:
         return "not run"
@@ -60,7 +67,7 @@ def render(results: dict) -> str:
                      f"each, alternating",
                      f"{_f(fe['server_tok_s'], 1)} vs {_f(fe['direct_tok_s'], 1)} tok/s: **{_f(fe['ratio'], 3)}** "
                      f"(per round {', '.join(_f(r, 2) for r in fe['round_ratios'])})",
-                     ">= 0.95", _verdict(fe["ratio"], 0.95)))
+                     ">= 0.95", _verdict(fe["ratio"], 0.95) + _spread(fe["round_ratios"])))
 
     ad = figs.get("adapter")
     err = _error(ad)
@@ -117,7 +124,8 @@ def render(results: dict) -> str:
                      f"{_f(le['ratio_with_checkpoint'], 3)}; fastest step of each: {_f(le.get('ratio_fastest_steps'), 3)}. Padding waste: {pad['padded_tokens']} padded / "
                      f"{pad['real_tokens']} real tokens = **{_f(pad['padded_over_real'], 3)}** "
                      f"({pad['micro_batches']} micro-batches of {le['micro_batch_size']})",
-                     ">= 0.9", _verdict(le["ratio"], 0.9)))
+                     ">= 0.9", _verdict(le["ratio"], 0.9)
+                     + (_spread(le["learner_step_s"], 1.3) or _spread(le["plain_step_s"], 1.3))))
 
     ex = figs.get("experiments")
     err = _error(ex)
