@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -285,6 +286,11 @@ async def server_figures(model_dir: Path, mode: Mode, only: set[str], results: d
             except Exception:
                 pass
         results["meta"]["server_exit_code"] = await asyncio.to_thread(stop_server, handle)
+    # The run directory (adapters, checkpoints of every experiment: most of a GiB) goes unless asked to keep
+    # it; a failed figure keeps it for its logs.
+    if not results["meta"]["keep"] and not any("error" in results["figures"].get(f, {}) for f in only):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        results["meta"]["server_run_dir"] = None
 
 
 async def figure(results: dict, name: str, coro) -> None:
@@ -318,12 +324,16 @@ async def learner_figure(mode: Mode) -> dict:
 async def adapter_figure(model_dir: Path, mode: Mode) -> dict:
     import bench_lora_overhead
 
-    adapter = await asyncio.to_thread(bench_lora_overhead.write_adapter, model_dir,
-                                      Path(tempfile.mkdtemp(prefix="bench-adapter-")) / "adapter", 16)
-    results = []
-    for dtype in mode.adapter_dtypes:
-        results.append(await asyncio.to_thread(bench_lora_overhead.compare, EMBEDDED_MODEL_NAME, dtype, str(adapter),
-                                               mode.adapter_requests, mode.adapter_n, mode.adapter_max_tokens))
+    folder = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
+    try:
+        adapter = await asyncio.to_thread(bench_lora_overhead.write_adapter, model_dir, folder / "adapter", 16)
+        results = []
+        for dtype in mode.adapter_dtypes:
+            results.append(await asyncio.to_thread(bench_lora_overhead.compare, EMBEDDED_MODEL_NAME, dtype,
+                                                   str(adapter), mode.adapter_requests, mode.adapter_n,
+                                                   mode.adapter_max_tokens))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return {"requests": mode.adapter_requests, "n": mode.adapter_n, "max_tokens": mode.adapter_max_tokens,
             "results": results}
 
@@ -368,6 +378,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench.json", help="JSON results")
     parser.add_argument("--markdown", type=Path, default=REPO / "BENCHMARKS.md", help="file with the table")
     parser.add_argument("--no-markdown", action="store_true", help="do not touch the markdown file")
+    parser.add_argument("--keep", action="store_true", help="keep the server's run directory (else removed)")
     parser.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
     args = parser.parse_args()
     only = {f.strip() for f in args.only.split(",") if f.strip()}
@@ -380,7 +391,7 @@ def main() -> int:
     started = time.perf_counter()
     command = "scripts/bench" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     mem_kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
-    results: dict = {"meta": {"mode": mode.name, "command": command, "params": asdict(mode),
+    results: dict = {"meta": {"mode": mode.name, "command": command, "params": asdict(mode), "keep": args.keep,
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                               "host": platform.node() or "this machine", "cpus": os.cpu_count(),
                               "mem_gib": mem_kib / 2**20, "python": platform.python_version(),

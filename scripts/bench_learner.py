@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -121,19 +122,31 @@ def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completio
         os.environ.setdefault(key, value)
     import logging
 
-    import torch
     from deepspeed.utils import logger as ds_logger
 
-    from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
-    from learner.trainer import MultiAdapterTrainer
+    from grpo_server.config import AlgorithmConfig, LoraConfig
 
     ds_logger.setLevel(logging.WARNING)
     started = time.perf_counter()
     lora = LoraConfig()  # r=16, alpha 32, the 7 linear layers: an experiment's default
     # checkpoint_every large: the checkpoint write is timed on its own below.
     algorithm = AlgorithmConfig(checkpoint_every=1_000_000)
-    trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp(prefix="bench-learner-")),
-                                                port=1, max_model_len=1024, dtype="float32"))
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-learner-"))  # versions and checkpoints; removed at the end
+    try:
+        return _run(model_dir, run_dir, lora, algorithm, started, sequences, group_size, max_completion, steps, seed)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequences: int, group_size: int,
+         max_completion: int, steps: int, seed: int) -> dict:
+    import torch
+
+    from grpo_server.config import LearnerConfig
+    from learner.trainer import MultiAdapterTrainer
+
+    trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=run_dir, port=1, max_model_len=1024,
+                                                dtype="float32"))
     trainer.add_experiment("learn", lora, algorithm)
     plain = PlainLoop(model_dir, lora, algorithm)
     setup_s = time.perf_counter() - started
