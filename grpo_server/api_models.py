@@ -198,6 +198,10 @@ class ExperimentStatus(ApiModel):
     last_push_at: float | None
     last_push_seconds: float | None
     last_verification: VerificationResult | None
+    served_as: Literal["lora", "merged", "base"] | None = Field(None, description=(
+        "How the sampler ran the latest completions: 'merged' = the adapter folded into the base weights "
+        "(vLLM on CPU while this is the only experiment; faster, same function), 'lora' = through the "
+        "LoRA adapter; None before any"))
     errors: list[str]
     config: dict[str, Any]
 
@@ -206,7 +210,16 @@ class ExperimentList(ApiModel):
     experiments: list[ExperimentStatus]
 
 
+class ReplicaHealth(ApiModel):
+    """One sampler replica, as the front end's balancer sees it."""
+
+    state: str = Field(description="ready, or why it is out of rotation (starting, restarting, syncing, down, failed)")
+    outstanding: int = Field(description="Requests in flight on it now")
+    requests: int = Field(description="Requests routed to it since the front end started")
+
+
 class Health(ApiModel):
     status: Literal["ok", "degraded"]
     workers: dict[str, str]
     model: str
+    replicas: dict[str, ReplicaHealth] = Field(default_factory=dict, description="Sampler replicas by name")

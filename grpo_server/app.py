@@ -12,11 +12,13 @@ from aiohttp import web
 
 from grpo_server import handlers
 from grpo_server import openai_handlers
+from grpo_server import status_page
 from grpo_server.config import ServerConfig
 from grpo_server.errors import ApiError, PayloadTooLarge
 from grpo_server.http_io import error_response
 from grpo_server.keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
 from grpo_server.metrics import HttpCounter
+from grpo_server.metrics_log import log_sampling_forever
 from grpo_server.worker_set import WorkerSet
 from grpo_server.prompts import PromptBuilder
 from grpo_server.service import Orchestrator
@@ -38,9 +40,16 @@ def routes() -> list[web.RouteDef]:
         web.post(exp + "/completions", handlers.completions),
         web.post(exp + "/feedback", handlers.feedback),
         web.get(exp + "/adapter", handlers.download_adapter),
+        web.get(exp + "/metrics", handlers.experiment_metrics),
         web.post("/v1/chat/completions", openai_handlers.chat_completions),
         web.post("/v1/completions", openai_handlers.completions),
     ]
+
+
+def page_routes() -> list[web.RouteDef]:
+    """Pages for people, beside the API (so not in its OpenAPI table): they hold no data and need no key;
+    their scripts call the API with the key the person gives them."""
+    return [web.get("/", status_page.status_page)]
 
 
 @web.middleware
@@ -76,7 +85,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app = web.Application(middlewares=[count_middleware, error_middleware], client_max_size=config.max_body_bytes)
-    app.add_routes(routes())
+    app.add_routes(routes() + page_routes())
     app[HTTP_COUNTER] = HttpCounter()
     app[ADMIN_KEY] = admin_key
     app[MODEL_NAME] = config.model
@@ -98,9 +107,11 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             for experiment in resumed + [e for e in config.experiments if e.name not in names]:
                 await orchestrator.create(experiment)
             expiry = asyncio.create_task(orchestrator.expire_groups_forever())
-            log.info("grpo_server ready on http://%s:%s", config.host, config.port)
+            sampling_log = asyncio.create_task(log_sampling_forever(orchestrator))
+            log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)
             yield
             expiry.cancel()
+            sampling_log.cancel()
         finally:
             if orchestrator is not None:
                 await orchestrator.close()

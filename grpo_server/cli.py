@@ -1,4 +1,4 @@
-"""`grpo-server`: serve, prepare the embedded model, and talk to a running server.
+"""`grpo-server`: serve, prepare the embedded model, plot a run's metrics.
 
 Config is validated before anything heavy (torch, vLLM, DeepSpeed) is imported.
 """
@@ -21,12 +21,33 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from grpo_server.config import load_server_config
-    from grpo_server.launcher import serve
+    from grpo_server.launcher import RoleError, serve
 
-    config = load_server_config(
-        args.config, model=args.model, host=args.host, port=args.port, run_dir=args.run_dir
-    )
-    return serve(config)
+    try:
+        config = load_server_config(
+            args.config, model=args.model, host=args.host, port=args.port, run_dir=args.run_dir
+        )
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError: it names the key
+        print(f"grpo-server serve: invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return serve(config, role=args.role, replica=args.replica)
+    except RoleError as exc:
+        print(f"grpo-server serve --role {args.role}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from grpo_server.plot import NoMetrics, plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except NoMetrics as exc:
+        print(f"grpo-server plot: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,13 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="start the front end, sampler(s) and learner")
+    serve = commands.add_parser("serve", help="start the front end, sampler(s) and learner (or one: --role)")
     serve.add_argument("--config", type=Path, help="server config YAML")
     serve.add_argument("--model", help="'smollm2-135m-instruct' or a local HF folder")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--run-dir", type=Path)
+    serve.add_argument("--role", choices=["all", "frontend", "sampler", "learner"], default="all",
+                       help="all: front end + its own workers (one machine); frontend: connect to the workers in "
+                       "the config (sampler.urls, learner.url); sampler / learner: run that worker alone "
+                       "(a docker-compose service; it listens on --host and the port its URL names)")
+    serve.add_argument("--replica", type=int, help="with --role sampler: which replica (default 0)")
     serve.set_defaults(handler=_cmd_serve)
+
+    plot = commands.add_parser("plot", help="a PNG per experiment of a run directory: reward, KL, throughput")
+    plot.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                      help="the server's run_dir (reads RUN_DIR/metrics/*.jsonl)")
+    plot.add_argument("--out", type=Path, help="folder for the PNGs (default RUN_DIR/plots)")
+    plot.set_defaults(handler=_cmd_plot)
 
     model = commands.add_parser("model", help="the embedded model")
     model_commands = model.add_subparsers(dest="model_command", required=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -108,16 +109,48 @@ class SamplerSettings(StrictModel):
     )
     kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine runs at once.")
+    merge_lone_adapter: bool = Field(True, description=(
+        "vLLM on CPU in float32: while one experiment is served, fold its adapter into the base weights "
+        "(base-model speed; LoRA again when a second experiment or an older version is asked for)."))
     devices: list[str] = Field(
         default_factory=list, description="CUDA device ids per replica, e.g. ['0', '1']; empty = inherit."
     )
+    urls: list[str] = Field(default_factory=list, description=(
+        "Remote sampler replicas (`grpo-server serve --role frontend`), one URL with a port each, e.g. "
+        "['http://sampler-0:8101']; then `replicas` and `base_port` are not used and `--role sampler --replica N` "
+        "listens on the port of urls[N]. Empty: the front end starts its own replicas."))
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        return [worker_url(url, f"sampler.urls[{i}]") for i, url in enumerate(urls)]
 
 
 class LearnerSettings(StrictModel):
     port: int = Field(0, ge=0, le=65535, description="Learner port (0 = pick a free port).")
     zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage.")
-    devices: str = Field("", description="CUDA_VISIBLE_DEVICES for the learner; empty = inherit.")
+    devices: str = Field("", description=(
+        "CUDA_VISIBLE_DEVICES for the learner, e.g. '0,1'; rank i takes the i-th of them. Empty = inherit."))
+    ranks: int = Field(1, ge=1, le=64, description=(
+        "Data-parallel DeepSpeed ranks of the learner (one per GPU on a GPU host). The front end still talks "
+        "to one process, rank 0, which starts and drives the others; each trains on its share of a batch."))
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    url: str | None = Field(None, description=(
+        "A remote learner (`grpo-server serve --role frontend`), e.g. 'http://learner:8102'; then `port` is not "
+        "used and `--role learner` listens on this URL's port. None: the front end starts its own learner."))
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else worker_url(url, "learner.url")
+
+    @model_validator(mode="after")
+    def _check_devices_for_ranks(self) -> "LearnerSettings":
+        listed = [d for d in self.devices.split(",") if d.strip()]
+        if listed and len(listed) < self.ranks:
+            raise ValueError(f"learner.ranks is {self.ranks} but learner.devices lists {len(listed)} device(s) "
+                             f"({self.devices!r}): each rank needs its own GPU")
+        return self
 
 
 class SamplerConfig(StrictModel):
@@ -138,6 +171,7 @@ class SamplerConfig(StrictModel):
     gpu_memory_utilization: float = 0.15
     kv_cache_gib: float = 2.0
     max_num_seqs: int = 64
+    merge_lone_adapter: bool = True
 
 
 class LearnerConfig(StrictModel):
@@ -152,6 +186,10 @@ class LearnerConfig(StrictModel):
     seed: int = 0
     zero_stage: Literal[0, 1, 2] = 2
     gradient_checkpointing: bool = False
+    ranks: int = Field(1, ge=1, le=64)  # data-parallel ranks; this process is rank 0 and starts the others
+    # Bounds every collective (a rank stuck inside a step fails the step rather than hang it), and a
+    # rank's start-up rendezvous.
+    collective_timeout_s: float = Field(300.0, gt=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,6 +246,19 @@ class ServerConfig(BaseSettings):
     )
 
     @model_validator(mode="after")
+    def _remote_workers_together(self) -> "ServerConfig":
+        # A front end either starts all its workers or connects to all of them: mixing would leave
+        # nobody to restart the remote half, or a local half on a machine meant to run none.
+        if bool(self.sampler.urls) != (self.learner.url is not None):
+            raise ValueError("give both sampler.urls and learner.url (remote workers, --role frontend), or neither")
+        return self
+
+    @property
+    def remote_workers(self) -> bool:
+        """True when the workers run elsewhere (their URLs are configured) and the front end only connects."""
+        return bool(self.sampler.urls)
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> "ServerConfig":
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("give both tls_certfile and tls_keyfile, or neither")
@@ -219,6 +270,22 @@ class ServerConfig(BaseSettings):
         if not isinstance(value, list):
             return value
         return [load_yaml(Path(item)) if isinstance(item, str) else item for item in value]
+
+
+def worker_url(url: str, where: str) -> str:
+    """A worker's base URL, checked: http(s), a host and an explicit port (the worker listens on it)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number, or out of range
+        raise ValueError(f"{where}: {url!r} has a bad port") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where}: {url!r} is not an http(s)://host:port URL")
+    if port is None:
+        raise ValueError(f"{where}: {url!r} needs an explicit port (the worker listens on it)")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"{where}: {url!r} must be a base URL without a path")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

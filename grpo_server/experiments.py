@@ -38,6 +38,7 @@ class Experiment:
     last_push_at: float | None = None
     last_push_seconds: float | None = None
     last_verification: VerificationResult | None = None
+    last_served_as: str | None = None  # how the sampler ran the latest completions (wire.ServedAs)
     probe: Group | None = None  # a trained group, used to check sampler vs learner after a push
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
@@ -66,6 +67,7 @@ class Experiment:
             last_push_at=self.last_push_at,
             last_push_seconds=self.last_push_seconds,
             last_verification=self.last_verification,
+            served_as=self.last_served_as,
             errors=list(self.errors),
             config=self.config.public_dict(),
         )

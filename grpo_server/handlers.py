@@ -15,7 +15,8 @@ from grpo_server.errors import BadRequest, Conflict
 from grpo_server.http_io import parse_body, respond
 from grpo_server import metrics as prometheus
 from grpo_server.keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
-from grpo_server.openapi import openapi_json
+from grpo_server.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
+from grpo_server.openapi import METRICS_LIMIT_DEFAULT, openapi_json
 
 
 def _who(request: web.Request) -> str:
@@ -24,10 +25,11 @@ def _who(request: web.Request) -> str:
 
 
 async def health(request: web.Request) -> web.Response:
-    states = request.app[ORCHESTRATOR].workers.states()
+    workers = request.app[ORCHESTRATOR].workers
+    states = workers.states()
     ok = all(state == "ready" for state in states.values())
     return respond(request, Health(status="ok" if ok else "degraded", workers=states,
-                                   model=request.app[MODEL_NAME]))
+                                   model=request.app[MODEL_NAME], replicas=workers.replica_health()))
 
 
 async def create_experiment(request: web.Request) -> web.Response:
@@ -102,6 +104,27 @@ async def download_adapter(request: web.Request) -> web.Response:
             archive.add(path, arcname=f"{name}-{folder.name}/{path.name}")
     return web.Response(body=buffer.getvalue(), content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
+
+
+async def experiment_metrics(request: web.Request) -> web.Response:
+    """The experiment's newest metrics records (its metrics log's lines), for the status page and scripts."""
+    name = request.match_info["name"]
+    require(_who(request), name)
+    orchestrator = request.app[ORCHESTRATOR]
+    orchestrator.get(name)  # 404 for an unknown experiment
+    kind = request.query.get("kind")
+    if kind is not None and kind not in KINDS:
+        raise BadRequest(f"kind must be one of {', '.join(KINDS)}, got {kind!r}", code="bad_kind")
+    raw_limit = request.query.get("limit", str(METRICS_LIMIT_DEFAULT))
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= RECENT_PER_KIND:
+        raise BadRequest(f"limit must be an integer from 1 to {RECENT_PER_KIND}, got {raw_limit!r}",
+                         code="bad_limit")
+    records = orchestrator.metrics_logs[name].records(kind, limit)
+    return respond(request, MetricsHistory(name=name, records=records))
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -1,4 +1,6 @@
-"""`grpo-server serve`: the front end with its workers on one machine."""
+"""`grpo-server serve --role ...`: the front end with its workers on one machine (`all`), or one process of a
+split deployment (docker-compose: `frontend` connects to the workers named in the config, `sampler` and
+`learner` run one worker in the foreground)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,9 @@ import logging
 import os
 import secrets
 import ssl
+import sys
+from typing import NoReturn
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -40,7 +45,67 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
-def serve(config: ServerConfig) -> int:
+ROLES = ("all", "frontend", "sampler", "learner")
+
+
+class RoleError(ValueError):
+    """The config does not fit the role asked for; the message says what to set."""
+
+
+def check_role(config: ServerConfig, role: str, replica: int | None) -> None:
+    """Fail before anything starts when the config and the role disagree."""
+    if role not in ROLES:
+        raise RoleError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    if replica is not None and role != "sampler":
+        raise RoleError("--replica is for --role sampler")
+    if replica is not None and replica < 0:
+        raise RoleError(f"--replica must be 0 or more, got {replica}")
+    if role == "frontend" and not config.remote_workers:
+        raise RoleError("--role frontend connects to workers it does not start: set sampler.urls and learner.url "
+                        "in the config")
+    if role == "all" and config.remote_workers:
+        raise RoleError("sampler.urls / learner.url name remote workers: run the front end with --role frontend "
+                        "(--role all starts its own workers)")
+    if role == "sampler":
+        replica = replica or 0
+        s = config.sampler
+        count = len(s.urls) if s.urls else s.replicas
+        if replica >= count:
+            raise RoleError(f"--replica {replica}, but the config has {count} sampler replica(s) "
+                            f"({'sampler.urls' if s.urls else 'sampler.replicas'})")
+        if not s.urls and not s.base_port:
+            raise RoleError("--role sampler needs a known port: set sampler.urls (the front end connects there) "
+                            "or sampler.base_port")
+    if role == "learner" and config.learner.url is None and not config.learner.port:
+        raise RoleError("--role learner needs a known port: set learner.url (the front end connects there) "
+                        "or learner.port")
+
+
+def serve(config: ServerConfig, role: str = "all", replica: int | None = None) -> int:
+    check_role(config, role, replica)
+    if role in ("sampler", "learner"):
+        return run_worker(config, role, replica or 0)
+    return serve_front_end(config)
+
+
+def run_worker(config: ServerConfig, role: str, replica: int) -> NoReturn:
+    """Become the worker process (exec): the same command, config file and environment the front end of
+    `--role all` would use, so signals (docker stop) and the exit code are the worker's own."""
+    from grpo_server.worker_set import WorkerSet
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if role == "learner" and config.learner.url is not None:
+        config.learner.port = urlsplit(config.learner.url).port  # listen where the front end connects
+    # The worker listens on `host` (0.0.0.0 in a container, so the front end's container reaches it).
+    spec = WorkerSet(config, worker_host=config.host).worker_spec(role, replica)
+    log.info("%s: exec %s", spec.name, " ".join(spec.argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Unbuffered, as under the front end: the worker's prints reach `docker logs` at once.
+    os.execvpe(spec.argv[0], spec.argv, {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})})
+
+
+def serve_front_end(config: ServerConfig) -> int:
     from grpo_server.app import create_app
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -4,6 +4,8 @@ handlers parse and answer with, so it cannot drift from them.
 `ENDPOINTS` is the one table of the public routes: method, path, request and response model, success
 status, summary, who may call it. `tests/test_auth.py` and `tests/test_fuzz.py` check that it covers every
 route of `app.routes()` and drive their requests from it, so a new route without a row here fails the tests.
+(The status page at `/` is a page for people, not an API operation: `app.page_routes()` serves it, and it
+holds no data and needs no key.)
 
 Who may call (`auth`):
 - `public`: no key needed (an `Authorization` header is ignored);
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -28,6 +30,7 @@ from pydantic.json_schema import models_json_schema
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, ExperimentList, ExperimentStatus,
                                     FeedbackRequest, FeedbackResponse, Health, TokenizeRequest, TokenizeResponse)
 from grpo_server.config import ExperimentConfig
+from grpo_server.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
 from grpo_server.openai_api import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     TextCompletionResponse)
 from grpo_server.wire import MSGPACK
@@ -50,6 +53,13 @@ class ErrorBody(BaseModel):
 
 
 @dataclass(frozen=True)
+class QueryParameter:
+    name: str
+    description: str
+    schema: dict[str, Any] = field(hash=False)  # (a dict: keeps Endpoint hashable)
+
+
+@dataclass(frozen=True)
 class Endpoint:
     method: str
     path: str
@@ -60,6 +70,7 @@ class Endpoint:
     auth: Auth
     errors: tuple[int, ...] = ()  # statuses besides the auth ones and those a body or `{name}` brings
     content_type: str = JSON  # of the success answer
+    query: tuple[QueryParameter, ...] = ()  # all optional; a bad value is a 400 (declare it in `errors`)
 
     @property
     def operation_id(self) -> str:
@@ -68,6 +79,15 @@ class Endpoint:
 
 
 EXP = "/v1/experiments/{name}"
+METRICS_LIMIT_DEFAULT = 500
+
+ADAPTER_QUERY = (QueryParameter("version", "The adapter version; the one serving now if absent",
+                                {"type": "integer", "minimum": 0}),)
+METRICS_QUERY = (
+    QueryParameter("kind", "Only records of this kind; every kind if absent", {"type": "string", "enum": list(KINDS)}),
+    QueryParameter("limit", f"At most this many records, the newest (default {METRICS_LIMIT_DEFAULT})",
+                   {"type": "integer", "minimum": 1, "maximum": RECENT_PER_KIND}),
+)
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/openapi.json", None, None, 200, "This document (OpenAPI 3.1)", "public"),
@@ -88,7 +108,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", EXP + "/feedback", FeedbackRequest, FeedbackResponse, 202,
              "Rewards for a group (or for external completions)", "experiment", (409, 502, 503)),
     Endpoint("GET", EXP + "/adapter", None, None, 200,
-             "An adapter version as a .tar.gz of its peft folder", "experiment", (400,), GZIP),
+             "An adapter version as a .tar.gz of its peft folder", "experiment", (400,), GZIP, ADAPTER_QUERY),
+    Endpoint("GET", EXP + "/metrics", None, MetricsHistory, 200,
+             "The experiment's newest metrics records (train steps, pushes, sampling throughput)", "experiment",
+             (400,), query=METRICS_QUERY),
     Endpoint("POST", "/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse, 200,
              "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503)),
     Endpoint("POST", "/v1/completions", CompletionRequest, TextCompletionResponse, 200,
@@ -96,7 +119,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 )
 
 _ERROR_TEXT = {
-    400: "Bad request: undecodable body, bad prompt, prompt too long, bad token ids, unsupported parameter",
+    400: "Bad request: undecodable body, bad prompt, prompt too long, bad token ids, unsupported parameter, "
+         "bad query parameter",
     401: "Missing or unknown key",
     403: "This key may not make this call (another experiment's key, or not the admin key)",
     404: "No such experiment, group or adapter version",
@@ -136,11 +160,9 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
     if "{name}" in endpoint.path:
         operation["parameters"].append({"name": "name", "in": "path", "required": True,
                                         "description": "The experiment's name", "schema": name_schema})
-    if endpoint.path == EXP + "/adapter":
-        operation["parameters"].append({
-            "name": "version", "in": "query", "required": False,
-            "description": "The adapter version; the one serving now if absent",
-            "schema": {"type": "integer", "minimum": 0}})
+    for parameter in endpoint.query:
+        operation["parameters"].append({"name": parameter.name, "in": "query", "required": False,
+                                        "description": parameter.description, "schema": parameter.schema})
     if endpoint.request is not None:
         schema = refs[endpoint.request]
         operation["requestBody"] = {"required": True, "content": {JSON: {"schema": schema},

@@ -17,6 +17,7 @@ from grpo_server.errors import ApiError, Conflict, NotFound, TooManyRequests, Un
 from grpo_server.experiments import Experiment
 from grpo_server.groups import Group, GroupStore
 from grpo_server.journal import ExperimentRegistry, FeedbackJournal
+from grpo_server.metrics_log import MetricsLog, metrics_log_path
 from grpo_server.prompts import PromptBuilder
 from grpo_server.training import ExperimentTrainer, retire_unused_versions
 from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, Completion, GenerateRequest,
@@ -36,6 +37,7 @@ class Orchestrator:
         self.prompts = prompts
         self.groups = GroupStore(ttl_s=config.group_ttl_s)
         self.experiments: dict[str, Experiment] = {}
+        self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
 
@@ -78,8 +80,10 @@ class Orchestrator:
             exp.journal = FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl")
             self._resume_from_learner(exp, first)
             self.registry.save(config)
+            metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name))
+            self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
-                                        self.config.worker_timeout_s, self.config.max_loaded_versions)
+                                        self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log)
             exp.training_task = asyncio.create_task(trainer.run(), name=f"train-{config.name}")
             self.experiments[config.name] = exp
             log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train",
@@ -93,6 +97,7 @@ class Orchestrator:
             self.registry.remove(name)
             exp.journal.close()
             exp.training_task.cancel()
+            self.metrics_logs.pop(name).close()  # the file stays
             self.groups.drop_experiment(name)
             for version in list(exp.adapter_paths):
                 await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
@@ -158,6 +163,7 @@ class Orchestrator:
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
         self.groups.add(group)
+        exp.last_served_as = result.served_as
         exp.counters.groups_sampled += 1
         exp.counters.completions_sampled += len(result.completions)
         exp.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
@@ -302,3 +308,5 @@ class Orchestrator:
                 exp.training_task.cancel()
             if exp.journal is not None:
                 exp.journal.close()
+        for metrics_log in self.metrics_logs.values():
+            metrics_log.close()

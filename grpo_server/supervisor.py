@@ -26,6 +26,7 @@ MAX_CRASHES = 5  # within CRASH_WINDOW_S, then the worker is marked failed and n
 CRASH_WINDOW_S = 600.0
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_GRACE_S = 15.0
+HEALTH_PROGRESS_S = 15.0  # while a worker starts, how often the front end's log says it is still waiting
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -73,16 +74,23 @@ class WorkerProcess:
         with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(
                 self.argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent,
+                # Unbuffered: a worker's prints reach its log (and the start-up progress lines) at once.
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}, preexec_fn=_die_with_parent,
             )
         log.info("%s: started pid %s, log %s", self.name, self._proc.pid, self.log_path)
+        started = time.monotonic()
         await self._wait_healthy()
-        log.info("%s: healthy at %s", self.name, self.url)
+        log.info("%s: healthy at %s after %.1f s", self.name, self.url, time.monotonic() - started)
 
     async def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        deadline, next_report = started + self.startup_timeout_s, started + HEALTH_PROGRESS_S
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while time.monotonic() < deadline:
+                if time.monotonic() >= next_report:  # a model load takes minutes: say it is not stuck
+                    next_report += HEALTH_PROGRESS_S
+                    log.info("%s: waiting for health, %.0f s of %.0f s; its log's last line: %s", self.name,
+                             time.monotonic() - started, self.startup_timeout_s, self.tail_log(1)[-200:] or "(empty)")
                 if self._proc.poll() is not None:
                     raise RuntimeError(
                         f"{self.name} exited with code {self._proc.returncode} during start-up; "

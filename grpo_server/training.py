@@ -13,6 +13,7 @@ from grpo_server.api_models import VerificationResult
 from grpo_server.errors import ApiError
 from grpo_server.experiments import Experiment
 from grpo_server.groups import Group
+from grpo_server.metrics_log import MetricsLog
 from grpo_server.wire import (AdapterRef, AdapterVersion, LogprobsRequest, LogprobsResponse, SaveAdapterRequest, ScoreRequest,
                               ScoreResponse, TrainMetrics, TrainRequest, TrainSample)
 from grpo_server.workers import WorkerPool
@@ -43,8 +44,9 @@ class ExperimentTrainer:
     """Runs as one task per experiment; the front end's other requests never wait on it."""
 
     def __init__(self, experiment: Experiment, workers: WorkerPool, verify_tolerance: float,
-                 train_timeout_s: float, max_loaded_versions: int):
+                 train_timeout_s: float, max_loaded_versions: int, metrics_log: MetricsLog):
         self.exp = experiment
+        self.metrics_log = metrics_log
         self.workers = workers
         self.verify_tolerance = verify_tolerance
         self.train_timeout_s = train_timeout_s
@@ -101,6 +103,7 @@ class ExperimentTrainer:
         exp.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                             for k, v in metrics.model_dump().items()}
         exp.probe = groups[-1]
+        self.metrics_log.train(metrics, policy_version=exp.serving_version, groups=len(groups))
         log.info("%s: step %d loss %.4f reward %.3f kl %.4f clipped %.3f", exp.name, metrics.step,
                  metrics.loss, metrics.reward_mean, metrics.kl, metrics.clipped_fraction)
         if exp.step % exp.config.algorithm.push_every == 0:
@@ -128,7 +131,8 @@ class ExperimentTrainer:
         exp.last_push_at = time.time()
         exp.last_push_seconds = time.monotonic() - started
         retire_unused_versions(exp, self.workers)
-        await self.verify(saved.version)
+        verification = await self.verify(saved.version)
+        self.metrics_log.push(saved.version, exp.step, exp.last_push_seconds, verification)
 
     async def _version_slot(self) -> bool:
         """Wait until fewer than max_loaded_versions versions are loaded: slow requests pin old ones."""
@@ -139,11 +143,12 @@ class ExperimentTrainer:
             await asyncio.sleep(0.05)
         return True
 
-    async def verify(self, version: int) -> None:
-        """Sampler logprobs of a stored completion under `version` must match the learner's."""
+    async def verify(self, version: int) -> VerificationResult | None:
+        """Sampler logprobs of a stored completion under `version` must match the learner's (None: no
+        check could run)."""
         exp, probe = self.exp, self.exp.probe
         if probe is None:
-            return
+            return None
         completions = [c.token_ids for c in probe.completions if c.token_ids][:PROBE_COMPLETIONS]
         try:
             async with self.workers.sampler() as sampler:
@@ -156,7 +161,7 @@ class ExperimentTrainer:
                 completions_token_ids=completions, temperature=probe.temperature), LogprobsResponse)
         except ApiError as exc:
             exp.record_error(f"verification of v{version} could not run: {exc.message}")
-            return
+            return None
         diffs = [abs(a - b) for s_row, l_row in zip(scored.logprobs, learner.logprobs)
                  for a, b in zip(s_row, l_row)]
         mean = sum(diffs) / max(len(diffs), 1)
@@ -168,6 +173,7 @@ class ExperimentTrainer:
                        f"(tolerance {self.verify_tolerance})")
             exp.record_error(message)
             log.error("%s: verification failed: %s", exp.name, message)
+        return result
 
 
 def retire_unused_versions(exp: Experiment, workers: WorkerPool) -> None:

@@ -68,9 +68,15 @@ class Completion(WireModel):
     finish_reason: str  # "stop" | "length"
 
 
+# How the sampler ran a request: through the LoRA adapter, on weights with the adapter merged in (the
+# same function, faster on CPU), or on the base model (no adapter asked for).
+ServedAs = Literal["lora", "merged", "base"]
+
+
 class GenerateResponse(WireModel):
     prompt_token_ids: list[int]
     completions: list[Completion]
+    served_as: ServedAs = "lora"
 
 
 class ScoreRequest(WireModel):
@@ -101,6 +107,8 @@ class SamplerHealth(WireModel):
     model: str
     adapters: list[str]  # AdapterRef.key of every loaded version
     max_model_len: int
+    merged_adapter: str | None = None  # the version folded into the weights now, if any
+    merge_unsupported: str | None = None  # why this engine never merges (None: it does when alone)
 
 
 # --- learner -----------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
-"""Starting the workers of one machine: resolve the model, hand each worker its config (written into the
-run directory), start sampler replicas and the learner side by side, and stop them all."""
+"""The front end's workers: resolve the model, hand each worker its config (written into the run
+directory), start sampler replicas and the learner side by side, and stop them all; or, when the config
+names remote workers (`--role frontend`), connect to them instead (`remote_worker.RemoteWorker`).
+
+`worker_spec` is the same command for a worker run on its own (`--role sampler` / `--role learner`), so a
+docker-compose service starts exactly what the one-machine front end would."""
 
 from __future__ import annotations
 
@@ -9,13 +13,16 @@ import socket
 import sys
 from pathlib import Path
 from typing import Awaitable, Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from grpo_server.config import LearnerConfig, SamplerConfig, ServerConfig, write_resolved
 from grpo_server.model_prep import resolve_model
+from grpo_server.remote_worker import RemoteWorker
 from grpo_server.supervisor import WorkerProcess
-from grpo_server.worker_client import WorkerClient
+from grpo_server.wire import AdapterRef, LearnerStatus, RemoveExperimentRequest, SamplerHealth, UnloadAdapterRequest
+from grpo_server.worker_client import Worker, WorkerClient
 from grpo_server.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -28,20 +35,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class WorkerSet:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, worker_host: str = "127.0.0.1"):
+        """`worker_host`: the address the workers listen on (loopback when the front end starts them;
+        the container's address for a worker run on its own)."""
         self.config = config
+        self.worker_host = worker_host
         self.model_dir: Path = resolve_model(config.model)
-        self.processes: list[WorkerProcess] = []
+        self.processes: list[Worker] = []
 
-    def _sampler_process(self, replica: int, on_restart: Callable[[], Awaitable[None]]) -> WorkerProcess:
+    def _sampler_port(self, replica: int) -> int:
+        s = self.config.sampler
+        if s.urls:  # a replica run on its own listens where the front end will look for it
+            return urlsplit(s.urls[replica]).port
+        return s.base_port + replica if s.base_port else free_port()
+
+    def _sampler_process(self, replica: int, on_restart: Callable[[], Awaitable[None]] | None) -> WorkerProcess:
         c, s = self.config, self.config.sampler
-        port = s.base_port + replica if s.base_port else free_port()
+        port = self._sampler_port(replica)
         worker = SamplerConfig(
-            model_path=self.model_dir, run_dir=c.run_dir.resolve(), port=port, replica=replica, engine=s.engine,
+            model_path=self.model_dir, run_dir=c.run_dir.resolve(), host=self.worker_host, port=port,
+            replica=replica, engine=s.engine,
             dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed, max_loras=s.max_loras,
             max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
             gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_gib=s.kv_cache_gib,
-            max_num_seqs=s.max_num_seqs,
+            max_num_seqs=s.max_num_seqs, merge_lone_adapter=s.merge_lone_adapter,
         )
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)
@@ -56,9 +73,9 @@ class WorkerSet:
         c = self.config
         port = c.learner.port or free_port()
         worker = LearnerConfig(
-            model_path=self.model_dir, run_dir=c.run_dir.resolve(), port=port, dtype=c.dtype,
+            model_path=self.model_dir, run_dir=c.run_dir.resolve(), host=self.worker_host, port=port, dtype=c.dtype,
             max_model_len=c.max_model_len, seed=c.seed, zero_stage=c.learner.zero_stage,
-            gradient_checkpointing=c.learner.gradient_checkpointing,
+            gradient_checkpointing=c.learner.gradient_checkpointing, ranks=c.learner.ranks,
         )
         path = c.run_dir / "config" / "learner.yaml"
         write_resolved(worker, path)
@@ -69,26 +86,80 @@ class WorkerSet:
             on_restart=on_restart,
         )
 
+    def worker_spec(self, role: str, replica: int = 0) -> WorkerProcess:
+        """The command (and environment) of one worker, its config written into the run directory as the
+        front end would write it; for a worker run on its own."""
+        if role == "sampler":
+            return self._sampler_process(replica, on_restart=None)
+        if role == "learner":
+            return self._learner_process(on_restart=None)
+        raise ValueError(f"no worker role {role!r} (sampler or learner)")
+
     async def start(self, session: aiohttp.ClientSession,
                     on_sampler_restart: Callable[[int], Awaitable[None]],
                     on_learner_restart: Callable[[], Awaitable[None]]) -> WorkerPool:
         write_resolved(self.config, self.config.run_dir / "config" / "server.resolved.yaml")
-        samplers = [
-            self._sampler_process(i, (lambda i=i: on_sampler_restart(i)))
-            for i in range(self.config.sampler.replicas)
-        ]
-        learner = self._learner_process(on_learner_restart)
-        self.processes = [*samplers, learner]
-        log.info("starting %d sampler(s) and the learner on %s (logs in %s)", len(samplers),
-                 self.model_dir, self.config.run_dir / "logs")
+        timeout = self.config.worker_timeout_s
+        if self.config.remote_workers:
+            samplers, learner = self._remote_workers(session, on_sampler_restart, on_learner_restart)
+            log.info("connecting to %d sampler(s) and the learner: %s", len(samplers),
+                     ", ".join(c.process.url for c in [*samplers, learner]))
+        else:
+            samplers = [WorkerClient(self._sampler_process(i, (lambda i=i: on_sampler_restart(i))), session, timeout)
+                        for i in range(self.config.sampler.replicas)]
+            learner = WorkerClient(self._learner_process(on_learner_restart), session, timeout)
+            log.info("starting %d sampler(s) and the learner on %s (logs in %s)", len(samplers),
+                     self.model_dir, self.config.run_dir / "logs")
+        self.processes = [c.process for c in [*samplers, learner]]
         results = await asyncio.gather(*(p.start() for p in self.processes), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await self.stop()
             raise RuntimeError(f"a worker failed to start: {failures[0]}") from failures[0]
-        timeout = self.config.worker_timeout_s
-        return WorkerPool([WorkerClient(p, session, timeout) for p in samplers],
-                          WorkerClient(learner, session, timeout))
+        return WorkerPool(samplers, learner)
+
+    def _remote_workers(self, session: aiohttp.ClientSession,
+                        on_sampler_restart: Callable[[int], Awaitable[None]],
+                        on_learner_restart: Callable[[], Awaitable[None]]) -> tuple[list[WorkerClient], WorkerClient]:
+        c = self.config
+
+        def connect(name: str, url: str, reset: Callable[[WorkerClient], Awaitable[None]],
+                    on_restart: Callable[[], Awaitable[None]]) -> WorkerClient:
+            worker = RemoteWorker(name, url, session, startup_timeout_s=c.startup_timeout_s, on_restart=on_restart)
+            client = WorkerClient(worker, session, c.worker_timeout_s)
+            worker.reset = lambda: reset(client)  # runs on each (re)connect, through the client's verbs
+            return client
+
+        samplers = [connect(f"sampler-{i}", url, unload_all_adapters, (lambda i=i: on_sampler_restart(i)))
+                    for i, url in enumerate(c.sampler.urls)]
+        learner = connect("learner", c.learner.url, forget_learner_experiments, on_learner_restart)
+        return samplers, learner
 
     async def stop(self) -> None:
         await asyncio.gather(*(p.stop() for p in self.processes), return_exceptions=True)
+
+
+# --- resetting a remote worker ----------------------------------------------------------------------
+# A remote worker may hold state from before the front end (re)connected: an earlier front end's
+# experiments and adapters. The front end owns that state (journal, registry, versions on disk) and loads
+# it again, so the worker first forgets what it holds. The learner resumes from its last checkpoint and
+# the journal replays the groups since, exactly as after a learner restart.
+
+
+async def unload_all_adapters(sampler: WorkerClient) -> None:
+    health = await sampler.get("health", SamplerHealth, syncing_ok=True)
+    for key in health.adapters:
+        name, _, version = key.rpartition("@v")  # AdapterRef.key is "<name>@v<version>"
+        adapter = AdapterRef(name=name, version=int(version))
+        await sampler.call("unload_adapter", UnloadAdapterRequest(adapter=adapter), syncing_ok=True)
+    if health.adapters:
+        log.info("%s: unloaded %d adapters left from before", sampler.name, len(health.adapters))
+
+
+async def forget_learner_experiments(learner: WorkerClient) -> None:
+    status = await learner.get("status", LearnerStatus, syncing_ok=True)
+    for name in status.experiments:
+        await learner.call("remove_experiment", RemoveExperimentRequest(name=name), syncing_ok=True)
+    if status.experiments:
+        log.info("learner: released %d experiments left from before (they resume from their checkpoints)",
+                 len(status.experiments))

@@ -1,18 +1,17 @@
-"""`python -m learner --config PATH`: the learner process.
+"""`python -m learner --config PATH`: the learner job (rank 0, and through it ranks 1..N-1).
 
 The config is validated before torch or DeepSpeed is imported, so a bad file fails in a second with a
-message naming the key, not after a minute of imports. Then: the single-process distributed environment
-DeepSpeed needs (without it, init_distributed falls into MPI discovery and dies on a missing mpi4py),
-the model, and the HTTP server until SIGTERM / SIGINT.
+message naming the key, not after a minute of imports. Then the distributed environment DeepSpeed needs
+(learner/ranks.py: rank 0 hosts the rendezvous and starts the other ranks as
+`python -m learner --config PATH --rank R --parent-pid P`), the model, and learner/job.py: rank 0
+serves HTTP until SIGTERM / SIGINT, the others follow it.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -20,53 +19,37 @@ from pydantic import ValidationError
 
 from grpo_server.config import LearnerConfig, load_yaml, write_resolved
 
-log = logging.getLogger("learner")
-
-
-def _set_distributed_env() -> None:
-    """One rank of one. setdefault: a launcher (torchrun, deepspeed) that set these wins."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    # Port 0: the rendezvous store binds a port the OS picks. A port chosen here and bound later could
-    # be taken meanwhile (another worker's, another server's) and fail the start with EADDRINUSE; with
-    # one rank nobody else has to know the port.
-    os.environ.setdefault("MASTER_PORT", "0")
-
-
-async def _serve(app, host: str, port: int, on_stopped) -> None:
-    from aiohttp import web
-
-    runner = web.AppRunner(app, access_log=None)  # the supervisor polls /health; verbs log themselves
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info("learner listening on http://%s:%d", host, port)
-    await stop.wait()
-    log.info("stopping: finishing the request in progress, if any")
-    await runner.cleanup()
-    # After the last request: the lock-holding verbs are done, so the checkpoints are consistent.
-    await asyncio.to_thread(on_stopped)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m learner", description="The grpo_server learner.")
     parser.add_argument("--config", type=Path, required=True, help="LearnerConfig YAML")
+    # Set by rank 0 when it starts the other ranks; not for people.
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    follower = args.rank > 0
+    if follower:
+        from learner.ranks import die_with_parent, ignore_stop_signals
+
+        die_with_parent(args.parent_pid)  # first: no window in which rank 0 could die unnoticed
+        ignore_stop_signals()
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
     try:
         config = LearnerConfig.model_validate(load_yaml(args.config))
     except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError; named for the reader
         print(f"learner: bad config {args.config}: {exc}", file=sys.stderr)
         return 2
-    write_resolved(config, config.run_dir / "config" / "learner.resolved.yaml")
+    followers = None
+    if not follower:
+        write_resolved(config, config.run_dir / "config" / "learner.resolved.yaml")
+        if config.ranks > 1:
+            from learner.ranks import Followers
+
+            # Before our own heavy imports, so that theirs overlap them.
+            followers = Followers.spawn(args.config.resolve(), config.ranks)
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    _set_distributed_env()
     import torch
 
     if not torch.cuda.is_available():
@@ -75,12 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ds_logger.setLevel(logging.WARNING)  # initialize() logs its whole config at INFO, per experiment
 
-    from learner.app import create_app
-    from learner.trainer import MultiAdapterTrainer
+    from learner.job import run_follower, run_rank0
+    from learner.lockstep import exit_now
 
-    trainer = MultiAdapterTrainer(config)
-    asyncio.run(_serve(create_app(trainer), config.host, config.port, on_stopped=trainer.checkpoint_all))
-    return 0
+    if follower:
+        # Not a normal interpreter exit: nothing here needs one, and joining threads could hang.
+        exit_now(run_follower(config, args.rank))
+    return run_rank0(config, followers)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ A checkpoint is everything a learner needs to continue an experiment as if it ha
   * `adapter_model.safetensors`: the adapter's weights (peft keys, as in a version folder);
   * `optimizer.pt`: the optimizer's state (AdamW moments and step counts, plus ZeRO's fp32 partition);
   * `rng.pt`: torch's random state (LoRA dropout draws from it);
+  * with N learner ranks, also `optimizer.rank{r}.pt` and `rng.rank{r}.pt` for ranks 1..N-1: ZeRO-1/2
+    partition the optimizer state over the ranks, and each rank draws its own dropout. Rank 0 gathers
+    them and writes the whole checkpoint; a learner resumed on another number of ranks takes the weights,
+    step and journal position, and starts AdamW afresh (the partitions no longer fit);
   * `state.json`: step, newest adapter version, the feedback journal's sequence number trained through,
-    groups trained, and the experiment's LoRA / algorithm config.
+    groups trained, the number of ranks, and the experiment's LoRA / algorithm config.
 There is no learning-rate scheduler (the rate is constant), so there is no scheduler state.
 
 A checkpoint is written into a temporary sibling folder and renamed into place, so a crash mid-write
@@ -45,14 +49,31 @@ class CheckpointState:
     groups_trained: int
     lora: dict[str, Any]
     algorithm: dict[str, Any]
+    ranks: int = 1  # optimizer and RNG shards: one per learner rank (absent from older checkpoints: 1)
+
+
+@dataclass
+class RankShard:
+    """What each rank keeps for itself: its optimizer state (a ZeRO partition) and its random state."""
+
+    optimizer: dict[str, Any]
+    rng: torch.Tensor
 
 
 @dataclass
 class Checkpoint:
     state: CheckpointState
     weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    rng: torch.Tensor
+    optimizer: dict[str, Any] | None  # this rank's; None when written by another number of ranks
+    rng: torch.Tensor | None
+
+
+def shard_file(base: str, rank: int) -> str:
+    """`optimizer.pt` for rank 0 (as with one rank), `optimizer.rank1.pt` for rank 1, ..."""
+    if rank == 0:
+        return base
+    stem, suffix = base.rsplit(".", 1)
+    return f"{stem}.rank{rank}.{suffix}"
 
 
 def checkpoint_root(run_dir: Path, name: str) -> Path:
@@ -69,7 +90,10 @@ def list_steps(run_dir: Path, name: str) -> list[int]:
 
 
 def write(run_dir: Path, name: str, state: CheckpointState, weights: dict[str, torch.Tensor],
-          optimizer_state: dict[str, Any]) -> Path:
+          shards: list[RankShard]) -> Path:
+    """Write a checkpoint with one shard per rank (shards[r] is rank r's)."""
+    if len(shards) != state.ranks:
+        raise ValueError(f"{len(shards)} rank shards for a checkpoint of {state.ranks} ranks")
     root = checkpoint_root(run_dir, name)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step{state.step:08d}"
@@ -78,8 +102,9 @@ def write(run_dir: Path, name: str, state: CheckpointState, weights: dict[str, t
     tmp.mkdir()
     try:
         save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE))
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        torch.save(torch.get_rng_state(), tmp / RNG_FILE)
+        for rank, shard in enumerate(shards):
+            torch.save(shard.optimizer, tmp / shard_file(OPTIMIZER_FILE, rank))
+            torch.save(shard.rng, tmp / shard_file(RNG_FILE, rank))
         # state.json last: list_steps only counts folders that have it.
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2, sort_keys=True))
         for path in tmp.iterdir():
@@ -96,21 +121,26 @@ def write(run_dir: Path, name: str, state: CheckpointState, weights: dict[str, t
     return final
 
 
-def read_latest(run_dir: Path, name: str) -> Checkpoint | None:
+def read_latest(run_dir: Path, name: str, rank: int = 0, ranks: int = 1) -> Checkpoint | None:
+    """The newest checkpoint, with rank `rank`'s shard when it was written by `ranks` ranks."""
     steps = list_steps(run_dir, name)
     if not steps:
         return None
     folder = checkpoint_root(run_dir, name) / f"step{steps[-1]:08d}"
     state = CheckpointState(**json.loads((folder / STATE_FILE).read_text()))
-    return Checkpoint(state=state, weights=load_file(str(folder / WEIGHTS_FILE)),
-                      optimizer=torch.load(folder / OPTIMIZER_FILE, weights_only=False),
-                      rng=torch.load(folder / RNG_FILE, weights_only=False))
+    weights = load_file(str(folder / WEIGHTS_FILE))
+    if state.ranks != ranks:
+        return Checkpoint(state=state, weights=weights, optimizer=None, rng=None)
+    return Checkpoint(state=state, weights=weights,
+                      optimizer=torch.load(folder / shard_file(OPTIMIZER_FILE, rank), weights_only=False),
+                      rng=torch.load(folder / shard_file(RNG_FILE, rank), weights_only=False))
 
 
-def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
-    """Into a torch optimizer, or into DeepSpeed's ZeRO / bf16 wrappers, which take one state per
-    data-parallel rank and, with `load_from_fp32_weights`, restore their fp32 master copy from it."""
+def load_optimizer_state(optimizer: Any, state: dict[str, Any], ranks: int = 1) -> None:
+    """This rank's state into a torch optimizer, or into DeepSpeed's ZeRO / bf16 wrappers, which take a
+    list of states indexed by data-parallel rank (each rank reads its own entry from a checkpoint written
+    by as many ranks) and, with `load_from_fp32_weights`, restore their fp32 master copy from it."""
     if "state_dict_list" in inspect.signature(optimizer.load_state_dict).parameters:
-        optimizer.load_state_dict([state], load_optimizer_states=True, load_from_fp32_weights=True)
+        optimizer.load_state_dict([state] * ranks, load_optimizer_states=True, load_from_fp32_weights=True)
     else:
         optimizer.load_state_dict(state)

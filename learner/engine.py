@@ -13,6 +13,8 @@ of micro-batches changes from batch to batch:
     last, then one `step()`: ZeRO keeps adding gradients into its partition until the boundary, then
     clips the *summed* gradient by its global norm (`gradient_clipping`) and takes one AdamW step.
 tests/test_learner.py checks the result against a plain torch loop and against one big micro-batch.
+With N ranks, DeepSpeed averages the ranks' summed gradients at the boundary (ZeRO-2: at every backward);
+learner/sharding.py says how each rank's share and loss scale make that average the whole-batch gradient.
 """
 
 from __future__ import annotations

@@ -30,6 +30,20 @@ class StepStats:
         self.ratio_min = min(self.ratio_min, float(stats["ratio_min"]))
         self.ratio_max = max(self.ratio_max, float(stats["ratio_max"]))
 
+    def merge_across_ranks(self, device: torch.device) -> None:
+        """Every rank's stats become the whole batch's (sums summed, extremes of extremes), so that every
+        rank computes the same metrics; a collective, run by every rank of a data-parallel step."""
+        import torch.distributed as dist
+
+        sums = torch.tensor([self.loss, *(self.sums[k] for k in _SUM_KEYS)], dtype=torch.float64, device=device)
+        # max(-min) is -min(min): one MAX reduction serves both extremes.
+        extremes = torch.tensor([-self.ratio_min, self.ratio_max], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        self.loss, *values = sums.tolist()
+        self.sums = dict(zip(_SUM_KEYS, values))
+        self.ratio_min, self.ratio_max = -extremes[0].item(), extremes[1].item()
+
     def metrics(self, step: int, rewards: list[float], grad_norm: float, seconds: float) -> TrainMetrics:
         tokens = self.sums["token_count"]
         n = max(tokens, 1.0)

@@ -10,6 +10,11 @@ and at shutdown. Adding an experiment that has a checkpoint (a restarted learner
 experiment) resumes from it exactly; one with versions but no checkpoint (written before checkpoints
 existed, or removed) resumes the newest version's weights with a fresh optimizer. Version numbers always
 continue past the newest on disk: no number is ever written twice.
+
+With N ranks (learner/ranks.py, learner/lockstep.py) every rank holds the same trainer and runs the same
+state-changing verbs in the same order; a train step splits the batch's sequences over the ranks
+(learner/sharding.py) and DeepSpeed reduces their gradients. Only rank 0 writes adapter versions and
+checkpoints (the weights are replicated; the optimizer shards of ZeRO-1/2 are gathered to it).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
@@ -33,6 +39,7 @@ from learner.engine import make_engine, optimizer_step, release_engine
 from learner.errors import LearnerError, bad_request, not_found
 from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
 from learner.metrics import StepStats
+from learner.sharding import RankShare, rank_share
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +76,12 @@ class MultiAdapterTrainer:
         self.dtype = resolve_dtype(config.dtype, cuda)
         # Here, not at the first add_experiment: the first call JIT-builds DeepSpeed's shm comm op
         # (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
+        # (A no-op wrapper when learner/ranks.py set up the process group already.)
         deepspeed.init_distributed(dist_backend=None)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Barriers and the checkpoint's optimizer shards go over gloo whatever the training backend is:
+        # they carry CPU objects. A collective: every rank builds its trainer.
+        self._cpu_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         base = AutoModelForCausalLM.from_pretrained(str(config.model_path), dtype=self.dtype).to(self.device)
         base.config.use_cache = False
         if config.gradient_checkpointing:
@@ -81,8 +93,8 @@ class MultiAdapterTrainer:
         self.model: Any = None  # the PeftModel, once the first adapter exists
         self.experiments: dict[str, Experiment] = {}
         self._lora_configs: dict[str, LoraConfig] = {}
-        log.info("base model %s on %s in %s, vocabulary %d, ZeRO stage %d", config.model_path, self.device,
-                 self.dtype, self.vocab_size, config.zero_stage)
+        log.info("base model %s on %s in %s, vocabulary %d, ZeRO stage %d, rank %d of %d", config.model_path,
+                 self.device, self.dtype, self.vocab_size, config.zero_stage, self.rank, self.world_size)
 
     # --- verbs -------------------------------------------------------------------------------------
 
@@ -104,12 +116,18 @@ class MultiAdapterTrainer:
         adapter = f"exp_{name}"
         # LoRA A's init draws from the global generator: seed it per experiment, so an experiment's v0
         # depends on (seed, name), not on which experiments were created before it.
-        torch.manual_seed(self.config.seed * 1_000_003 + zlib.crc32(name.encode()))
+        experiment_seed = self.config.seed * 1_000_003 + zlib.crc32(name.encode())
+        torch.manual_seed(experiment_seed)
         self._add_peft_adapter(adapter, peft_config)
-        resumed = checkpoint.read_latest(self.config.run_dir, name)
+        if self.rank > 0:  # the same init on every rank (above); from here each draws its own dropout masks
+            torch.manual_seed(experiment_seed + self.rank)
+        resumed = checkpoint.read_latest(self.config.run_dir, name, self.rank, self.world_size)
         if resumed is not None:
             _check_compatible(resumed.state.lora | {"lora_alpha": resumed.state.lora.get("alpha")}, peft_config,
                               name, resumed.state.version)
+        # Every rank has read the disk before rank 0 writes to it (v0, or a resumed version's new number):
+        # a rank reading after the write would start from another version than the others.
+        self._all_ranks_here()
         try:
             params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
             self._activate(adapter)
@@ -128,9 +146,13 @@ class MultiAdapterTrainer:
                     version += 1
                     self._write_version(adapter, name, version, step)
             engine = make_engine(self.model, params, algorithm, self.config.zero_stage, self.dtype)
-            if resumed is not None:
-                checkpoint.load_optimizer_state(engine.optimizer, resumed.optimizer)
+            if resumed is not None and resumed.optimizer is not None:
+                checkpoint.load_optimizer_state(engine.optimizer, resumed.optimizer, self.world_size)
                 torch.set_rng_state(resumed.rng)
+            elif resumed is not None:
+                log.warning("%s: the checkpoint at step %d was written by %d learner ranks, this learner has %d: "
+                            "resuming its weights with a fresh optimizer", name, resumed.state.step,
+                            resumed.state.ranks, self.world_size)
         except BaseException:
             self.model.delete_adapter(adapter)
             raise
@@ -155,16 +177,20 @@ class MultiAdapterTrainer:
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"samples[{i}]")
         algo = exp.algorithm
         settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
+        # Whole-batch normalisers on every rank: each rank's loss is its exact share of the batch loss.
         norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(len(s.completion) for s in seqs),
                                max_tokens=request.max_tokens)
-        batches = make_micro_batches(seqs, algo.micro_batch_size)
+        share = rank_share(seqs, algo.micro_batch_size, self.rank, self.world_size)
         try:
-            stats, norm_before_clip = self._accumulate_and_step(exp, batches, settings, norm)
+            stats, norm_before_clip = self._accumulate_and_step(exp, share, settings, norm)
         except BaseException:
-            # A failure mid-batch (out of memory, say) leaves partial gradients inside ZeRO that the
-            # next step would silently add in. The weights have not moved: rebuild the engine from them.
-            log.exception("%s: train step failed; resetting its optimizer (AdamW state lost)", exp.name)
-            self._reset_engine(exp)
+            if self.world_size == 1:
+                # A failure mid-batch (out of memory, say) leaves partial gradients inside ZeRO that the
+                # next step would silently add in. The weights have not moved: rebuild the engine from them.
+                # (With several ranks the job restarts instead: a rebuild is a collective the other ranks,
+                # mid-step, would not join.)
+                log.exception("%s: train step failed; resetting its optimizer (AdamW state lost)", exp.name)
+                self._reset_engine(exp)
             raise
         exp.step += 1
         exp.groups_trained += request.num_groups
@@ -174,8 +200,9 @@ class MultiAdapterTrainer:
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
                                 time.perf_counter() - started)
         metrics.checkpointed_journal_seq = exp.journal_seq if exp.checkpointed_step == exp.step else None
-        log.info("%s: step %d, %d sequences in %d micro-batches, loss %.4f, grad norm %.4f, %.2f s", exp.name,
-                 exp.step, len(seqs), len(batches), metrics.loss, metrics.grad_norm, metrics.seconds)
+        log.info("%s: step %d, %d sequences in %d micro-batches (+%d padding) on rank %d of %d, loss %.4f, grad "
+                 "norm %.4f, %.2f s", exp.name, exp.step, len(seqs), len(share.micro_batches), share.padding_passes,
+                 self.rank, self.world_size, metrics.loss, metrics.grad_norm, metrics.seconds)
         return metrics
 
     def checkpoint(self, name: str) -> None:
@@ -183,11 +210,14 @@ class MultiAdapterTrainer:
         from peft import get_peft_model_state_dict
 
         exp = self._get(name)
-        weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
-        state = checkpoint.CheckpointState(
-            step=exp.step, version=exp.version, journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
-            lora=self._lora_configs[name].model_dump(mode="json"), algorithm=exp.algorithm.model_dump(mode="json"))
-        checkpoint.write(self.config.run_dir, name, state, weights, exp.engine.optimizer.state_dict())
+        shards = self._gather_shards(checkpoint.RankShard(exp.engine.optimizer.state_dict(), torch.get_rng_state()))
+        if self.rank == 0:
+            weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
+            state = checkpoint.CheckpointState(
+                step=exp.step, version=exp.version, journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
+                lora=self._lora_configs[name].model_dump(mode="json"), algorithm=exp.algorithm.model_dump(mode="json"),
+                ranks=self.world_size)
+            checkpoint.write(self.config.run_dir, name, state, weights, shards)
         exp.checkpointed_step = exp.step
 
     def checkpoint_all(self) -> None:
@@ -282,30 +312,52 @@ class MultiAdapterTrainer:
                                f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}", 409)
 
     def _write_version(self, adapter: str, name: str, version: int, step: int) -> None:
+        """Rank 0 writes; the other ranks hold the same weights and only count the version."""
         from peft import get_peft_model_state_dict
 
+        if self.rank != 0:
+            return
         tensors = get_peft_model_state_dict(self.model, adapter_name=adapter, save_embedding_layers=False)
         config = self.model.peft_config[adapter].to_dict()
         config["inference_mode"] = True  # as peft's save_pretrained writes it
         adapter_io.write_version(adapter_io.version_dir(self.config.run_dir, name, version), config, tensors, step)
 
-    def _accumulate_and_step(self, exp: Experiment, batches: list[MicroBatch], settings: LossSettings,
+    def _accumulate_and_step(self, exp: Experiment, share: RankShare, settings: LossSettings,
                              norm: BatchNormalizer) -> tuple[StepStats, float]:
         self._activate(exp.adapter)
         self.model.train()
         stats = StepStats()
-        for i, batch in enumerate(batches):
+        passes = [(batch, True) for batch in share.micro_batches] + [(share.padding, False)] * share.padding_passes
+        for i, (batch, counts) in enumerate(passes):
             batch = batch.to(self.device)
             # Accumulate locally until the last micro-batch, then one step on the summed gradient
             # (learner/engine.py explains why this equals one step on the whole batch).
-            exp.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            exp.engine.set_gradient_accumulation_boundary(i == len(passes) - 1)
             ref_logp_B_C = self._reference_logp(batch, batch.temperature) if settings.beta > 0 else None
             logp_B_C = self._completion_logp(exp.engine, batch, batch.temperature)
             loss, micro_stats = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C,
                                             settings, norm, ref_logp_B_C)
-            exp.engine.backward(loss, scale_wrt_gas=False)
-            stats.add(loss, micro_stats)
+            # DeepSpeed AVERAGES gradients over the ranks, and the ranks' shares SUM to the batch gradient:
+            # times the world size, the average is that sum. A padding pass adds nothing (learner/sharding.py).
+            exp.engine.backward(loss * (self.world_size if counts else 0.0), scale_wrt_gas=False)
+            if counts:
+                stats.add(loss, micro_stats)
+        if self.world_size > 1:
+            stats.merge_across_ranks(self.device)
         return stats, optimizer_step(exp.engine, exp.params)
+
+    def _all_ranks_here(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self._cpu_group)
+
+    def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:
+        """Every rank's shard on rank 0 (in rank order; an empty list elsewhere), on the CPU: rank 0 writes
+        them, and a GPU tensor unpickled there would land on the sending rank's device."""
+        if self.world_size == 1:
+            return [own]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(_to_cpu(own), gathered, dst=0, group=self._cpu_group)
+        return gathered or []
 
     def _reset_engine(self, exp: Experiment) -> None:
         release_engine(exp.engine)
@@ -326,6 +378,22 @@ class MultiAdapterTrainer:
         """The base model's logprobs (adapter switched off, no second model), for the KL penalty."""
         with torch.no_grad(), self.model.disable_adapter():
             return self._completion_logp(self.model, batch, temperature)
+
+
+def _to_cpu(value: Any) -> Any:
+    """Tensors moved to the CPU inside the containers an optimizer state dict is made of."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        copy = value.copy()  # keeps the dict's type (OrderedDict, defaultdict)
+        for key, item in value.items():
+            copy[key] = _to_cpu(item)
+        return copy
+    if type(value) in (list, tuple):
+        return type(value)(_to_cpu(item) for item in value)
+    if isinstance(value, checkpoint.RankShard):
+        return checkpoint.RankShard(_to_cpu(value.optimizer), _to_cpu(value.rng))
+    return value
 
 
 def _check_temperature(temperature: float) -> None:

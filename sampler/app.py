@@ -104,6 +104,8 @@ async def health(request: web.Request) -> web.Response:
             model=str(engine.config.model_path),
             adapters=await engine.loaded_adapters(),
             max_model_len=engine.max_model_len,
+            merged_adapter=engine.merged,
+            merge_unsupported=engine.merge_unsupported,
         )
     )
 

@@ -15,7 +15,7 @@ import contextlib
 import importlib.util
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +174,7 @@ class Gate:
                 self._shared -= 1
                 self._cond.notify_all()
 
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
+    async def _acquire_exclusive(self) -> None:
         async with self._cond:
             self._waiting += 1
             try:
@@ -184,11 +183,38 @@ class Gate:
                 self._waiting -= 1
                 self._cond.notify_all()  # a cancelled waiter must not keep generations held back
             self._exclusive = True
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        await self._acquire_exclusive()
         try:
             yield
         finally:
             async with self._cond:
                 self._exclusive = False
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive_then_shared(self, prepare: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+        """Run `prepare` alone, then hold the gate shared, with no exclusive holder in between: what
+        `prepare` set up (the vLLM engine's merged weights) is still there for the body."""
+        await self._acquire_exclusive()
+        try:
+            await prepare()
+        except BaseException:
+            async with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+            raise
+        async with self._cond:  # exclusive -> shared in one step under the lock
+            self._exclusive = False
+            self._shared += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._shared -= 1
                 self._cond.notify_all()
 
 
@@ -209,6 +235,10 @@ class Engine(abc.ABC):
     def __init__(self, config: SamplerConfig) -> None:
         self.config = config
         self.limits = ModelLimits(config.model_path, config.max_model_len)
+        # Merged serving of a lone experiment (the vLLM engine): the version in the weights now, and
+        # why this engine never merges (None when it does).
+        self.merged: str | None = None
+        self.merge_unsupported: str | None = f"the {self.name} engine serves adapters as adapters"
 
     @property
     def max_model_len(self) -> int:

@@ -143,7 +143,8 @@ class HfEngine(Engine):
         self.limits.check_generate(req)
         seed = req.seed if req.seed is not None else self._seeds.randrange(2**31)
         completions = await self._call(self._generate, req, seed)
-        return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions)
+        return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions,
+                                served_as="base" if req.adapter is None else "lora")
 
     def _generate(self, req: GenerateRequest, seed: int) -> list[Completion]:
         import torch

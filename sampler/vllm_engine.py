@@ -19,8 +19,16 @@ logits rows with one index per request in the batch (punica_cpu.add_lora_logits)
 logprobs send one row per prompt position: with a second request in the same batch the engine core
 dies with "einsum(): subscript b has size 2 for operand 1 which does not broadcast with previously
 seen size 47" (the family of vllm#16668). With one request the index broadcasts and the scores are
-right. So such a score waits for running generations to finish, holds new ones back, and sends its
+right. The layer runs whenever LoRA is enabled, with or without an adapter in the batch (merged
+weights included). So such a score waits for running generations to finish, holds new ones back, and sends its
 completions one after another.
+
+Merged serving (sampler/merged_weights.py): while one experiment is loaded, its newest version is
+folded into the base weights and its requests carry no LoRA: base-model speed on CPU, the same
+function. The weights change only with the gate held exclusively (no request running) and the
+prefix cache is reset after each change, since un-adapted blocks are keyed by tokens alone. The merged
+version only moves forward: a request for an older version, a second experiment or the base model
+restores the base weights and runs through LoRA as before.
 
 Temperature 0 is greedy decoding; its logprobs (sampled and scored) are those of the untempered
 distribution (T = 1), which is what vLLM reports for greedy requests.
@@ -29,8 +37,10 @@ distribution (T = 1), which is what vLLM reports for greedy requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +53,7 @@ from grpo_server.wire import (
     GenerateResponse,
     ScoreRequest,
     ScoreResponse,
+    ServedAs,
 )
 from sampler.engine import (
     Engine,
@@ -60,8 +71,14 @@ log = logging.getLogger(__name__)
 UNLOAD_DRAIN_TIMEOUT_S = 300.0
 
 
+# Tries of reset_prefix_cache after a weight change: it refuses while blocks are still held by a
+# request the scheduler has not freed yet.
+PREFIX_RESET_TRIES = 50
+
+
 @dataclass
 class _Loaded:
+    ref: AdapterRef
     request: Any  # vllm LoRARequest
     path: str
     inflight: int = 0
@@ -88,6 +105,7 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=True,
         disable_log_stats=True,
+        worker_extension_cls="sampler.merged_weights.MergeWorkerExtension",
     )
 
 
@@ -102,6 +120,8 @@ class VllmEngine(Engine):
         self._next_lora_id = 1
         self._adapter_lock = asyncio.Lock()
         self._gate = Gate()
+        self.merged: str | None = None  # the AdapterRef key folded into the weights now
+        self.merge_unsupported: str | None = "not started"
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -110,16 +130,92 @@ class VllmEngine(Engine):
         args = engine_args(self.config, self.max_model_len)
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
+        if not self.config.merge_lone_adapter:
+            self.merge_unsupported = "merge_lone_adapter is off"
+        else:
+            self.merge_unsupported = (await self._llm.collective_rpc("merge_support"))[0]
+        log.info("merged serving of a lone experiment: %s",
+                 "on" if self.merge_unsupported is None else f"off ({self.merge_unsupported})")
 
     async def shutdown(self) -> None:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
 
+    # --- which weights serve a request ---------------------------------------------------------
+
+    def _merge_target(self, adapter: AdapterRef | None) -> str | None:
+        """The adapter key the weights should hold for a request on `adapter`: its own when it is the
+        only experiment loaded and not older than what is merged now; else None (base weights)."""
+        if adapter is None or self.merge_unsupported is not None or adapter.key not in self._adapters:
+            return None
+        if any(entry.ref.name != adapter.name for entry in self._adapters.values()):
+            return None
+        if self.merged is not None and self.merged != adapter.key:
+            merged = self._adapters.get(self.merged)
+            if merged is not None and merged.ref.version > adapter.version:
+                return None
+        return adapter.key
+
+    def _served_as(self, adapter: AdapterRef | None) -> ServedAs:
+        if adapter is None:
+            return "base"
+        return "merged" if self.merged == adapter.key else "lora"
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, adapter: AdapterRef | None, alone: bool = False) -> AsyncIterator[ServedAs]:
+        """Hold the gate with the weights right for `adapter`; yields how its requests are to be sent.
+
+        `alone`: the requests must have the engine to themselves (prompt logprobs, see the module
+        docstring)."""
+        if alone:
+            async with self._gate.exclusive():
+                await self._set_merged(self._merge_target(adapter))
+                yield self._served_as(adapter)
+            return
+        while True:
+            target = self._merge_target(adapter)
+            if target == self.merged:
+                async with self._gate.shared():
+                    if self._merge_target(adapter) == self.merged:
+                        yield self._served_as(adapter)
+                        return
+                continue
+            async with self._gate.exclusive_then_shared(lambda: self._set_merged(self._merge_target(adapter))):
+                yield self._served_as(adapter)
+                return
+
+    async def _set_merged(self, key: str | None) -> None:
+        """Fold `key`'s adapter into the weights (None: restore the base). Called with the gate held
+        exclusively. A failure restores the base weights and turns merging off for good."""
+        if key == self.merged:
+            return
+        path = self._adapters[key].path if key is not None else None
+        try:
+            seconds = (await self._llm.collective_rpc("merge_adapter", args=(path,)))[0]
+            await self._reset_prefix_cache()
+        except Exception as exc:
+            log.exception("merging %s failed; serving through LoRA from now on", key)
+            self.merge_unsupported = f"merging {key} failed: {exc}"
+            self.merged = None
+            await self._llm.collective_rpc("merge_adapter", args=(None,))
+            await self._reset_prefix_cache()
+            return
+        log.info("weights now %s (%.2f s)", f"merged with {key}" if key else "the base model's", seconds)
+        self.merged = key
+
+    async def _reset_prefix_cache(self) -> None:
+        for _ in range(PREFIX_RESET_TRIES):
+            if await self._llm.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.02)
+        raise EngineError("engine_busy", "vLLM kept refusing to reset its prefix cache after a weight change", 503)
+
     # --- requests ----------------------------------------------------------------------------
 
-    async def _run(self, prompt_ids: list[int], params: Any, adapter: AdapterRef | None) -> Any:
-        """One request to the end; its adapter cannot be removed while it runs."""
+    async def _run(self, prompt_ids: list[int], params: Any, adapter: AdapterRef | None,
+                   served_as: ServedAs) -> Any:
+        """One request to the end, inside `_serving`; its adapter cannot be removed while it runs."""
         from vllm import TokensPrompt
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -141,7 +237,7 @@ class VllmEngine(Engine):
                 TokensPrompt(prompt_token_ids=prompt_ids),
                 params,
                 uuid.uuid4().hex,
-                lora_request=entry.request if entry else None,
+                lora_request=entry.request if entry is not None and served_as == "lora" else None,
             ):
                 final = out
         except (VLLMClientError, ValueError) as exc:
@@ -174,12 +270,12 @@ class VllmEngine(Engine):
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        async with self._gate.shared():
-            out = await self._run(req.prompt_token_ids, params, req.adapter)
+        async with self._serving(req.adapter) as served_as:
+            out = await self._run(req.prompt_token_ids, params, req.adapter, served_as)
         completions = [self._completion(c) for c in out.outputs]
         if greedy:
             completions = [completions[0].model_copy(deep=True) for _ in range(req.n)]
-        return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions)
+        return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions, served_as=served_as)
 
     def _completion(self, c: Any) -> Completion:
         if c.finish_reason not in ("stop", "length"):
@@ -206,13 +302,13 @@ class VllmEngine(Engine):
             )
             return ScoreResponse(logprobs=list(results))
         results = []
-        async with self._gate.exclusive():  # alone in the engine: see the module docstring
+        async with self._serving(req.adapter, alone=True) as served_as:  # see the module docstring
             for completion in req.completions_token_ids:
-                results.append(await self._score_untempered(prompt, completion, req.adapter))
+                results.append(await self._score_untempered(prompt, completion, req.adapter, served_as))
         return ScoreResponse(logprobs=results)
 
     async def _score_untempered(
-        self, prompt: list[int], completion: list[int], adapter: AdapterRef | None
+        self, prompt: list[int], completion: list[int], adapter: AdapterRef | None, served_as: ServedAs
     ) -> list[float]:
         """Prompt logprobs of prompt + completion: one request (they are taken at T = 1)."""
         from vllm import SamplingParams
@@ -226,7 +322,7 @@ class VllmEngine(Engine):
             detokenize=False,  # no decoded token strings for the logprob entries
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        out = await self._run(prompt + completion, params, adapter)
+        out = await self._run(prompt + completion, params, adapter, served_as)
         start = len(prompt)
         return [float(out.prompt_logprobs[start + i][tok].logprob) for i, tok in enumerate(completion)]
 
@@ -253,11 +349,11 @@ class VllmEngine(Engine):
             )
 
         full = prompt + completion
-        async with self._gate.shared():
-            await self._run(full, params(None), adapter)  # warms the prefix cache
-            outs = await asyncio.gather(
-                *(self._run(full[: len(prompt) + i], params(tok), adapter) for i, tok in enumerate(completion))
-            )
+        async with self._serving(adapter) as served_as:
+            await self._run(full, params(None), adapter, served_as)  # warms the prefix cache
+            outs = await asyncio.gather(*(
+                self._run(full[: len(prompt) + i], params(tok), adapter, served_as) for i, tok in enumerate(completion)
+            ))
         return [float(out.outputs[0].logprobs[0][tok].logprob) for out, tok in zip(outs, completion)]
 
     # --- adapters ----------------------------------------------------------------------------
@@ -293,7 +389,7 @@ class VllmEngine(Engine):
                 raise EngineError("engine_dead", f"the vLLM engine died: {exc}", 503) from exc
             except Exception as exc:  # vLLM reports worker-side load failures as a bare Exception
                 raise EngineError("bad_adapter", f"vLLM could not load {path}: {exc}") from exc
-            entry = _Loaded(request=request, path=path)
+            entry = _Loaded(ref=adapter, request=request, path=path)
             entry.idle.set()
             self._adapters[adapter.key] = entry
 

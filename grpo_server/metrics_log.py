@@ -1,0 +1,157 @@
+"""Each experiment's metrics history: `RUN_DIR/metrics/<name>.jsonl`, one JSON object a line, for plots
+(`grpo-server plot`), the status page and whoever reads the file after the run.
+
+Every line has `time` (wall clock, seconds since the epoch) and `kind`:
+- `train`: one learner step (written when its answer reaches the front end): `step`, `policy_version`
+  (the version serving when the step ended), `groups`, and the learner's `loss`, `reward_mean`,
+  `reward_std`, `kl`, `clipped_fraction`, `ratio_mean`, `ratio_std`, `ratio_min`, `ratio_max`,
+  `grad_norm`, `tokens` and `step_seconds`.
+- `push`: a new version served: `version`, `step`, `push_seconds`, and its check against the learner:
+  `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`.
+- `sampling`: what was sampled since the previous sampling line, every `SAMPLING_INTERVAL_S` while the
+  experiment samples (an idle interval writes nothing): `interval_s`, `groups`, `completions`,
+  `completion_tokens`, `tokens_per_s`.
+
+Lines are appended and flushed one by one, not fsynced: a power cut may cost the last points of a plot,
+never training. Non-finite numbers are written as null (JSON has no NaN). The file outlives the
+experiment: a deleted experiment's history stays, and one created again under the same name appends to it,
+as its version numbers continue too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from grpo_server.api_models import ExperimentCounters, VerificationResult
+from grpo_server.wire import TrainMetrics
+
+if TYPE_CHECKING:
+    from grpo_server.service import Orchestrator
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["train", "push", "sampling"]
+KINDS: tuple[Kind, ...] = ("train", "push", "sampling")
+SAMPLING_INTERVAL_S = 10.0
+RECENT_PER_KIND = 2000  # records of each kind kept in memory for `GET /v1/experiments/{name}/metrics`
+
+
+class MetricsHistory(BaseModel):
+    """The answer of `GET /v1/experiments/{name}/metrics`: the newest records, oldest first."""
+
+    name: str
+    records: list[dict[str, Any]] = Field(
+        description="Lines of the experiment's metrics log (`grpo_server/metrics_log.py` lists their fields); "
+                    "each has `time` (seconds since the epoch) and `kind` (`train`, `push` or `sampling`).")
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class MetricsLog:
+    """The open log of one experiment (one file handle), with its newest records of each kind in memory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.recent: dict[Kind, deque[dict[str, Any]]] = {k: deque(maxlen=RECENT_PER_KIND) for k in KINDS}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._load_history()
+        self._file = open(path, "a", encoding="utf-8")
+        if path.stat().st_size and not self._ends_with_newline():
+            self._file.write("\n")  # a line cut short by a crash: the next one must not be glued to it
+        self._sampled_at = time.monotonic()
+        self._sampled = ExperimentCounters()
+        self._failing = False  # a write failed (disk full?): said once in the log, until one succeeds
+
+    def _load_history(self) -> None:
+        """The newest records of an earlier run, so the status page shows the whole curve after a restart."""
+        if not self.path.is_file():
+            return
+        with open(self.path, encoding="utf-8", errors="replace") as file:
+            for line in deque(file, maxlen=RECENT_PER_KIND * len(KINDS)):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # the line a crash cut short
+                if (isinstance(record, dict) and record.get("kind") in KINDS
+                        and isinstance(record.get("time"), (int, float))):
+                    self.recent[record["kind"]].append(record)
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as file:
+            file.seek(-1, 2)
+            return file.read(1) == b"\n"
+
+    def write(self, kind: Kind, **fields: Any) -> dict[str, Any]:
+        """Append one line. Never raises: a full disk must not stop training, only its record."""
+        record = {"time": time.time(), "kind": kind, **{k: _finite(v) for k, v in fields.items()}}
+        self.recent[kind].append(record)
+        try:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        except (OSError, ValueError) as exc:  # ValueError: written after close
+            if not self._failing:
+                log.warning("metrics log %s: cannot write (%s); the status page still shows new records",
+                            self.path, exc)
+            self._failing = True
+        else:
+            self._failing = False
+        return record
+
+    def train(self, metrics: TrainMetrics, policy_version: int, groups: int) -> None:
+        learner = metrics.model_dump(exclude={"step", "seconds", "checkpointed_journal_seq"})
+        self.write("train", step=metrics.step, policy_version=policy_version, groups=groups, **learner,
+                   step_seconds=metrics.seconds)
+
+    def push(self, version: int, step: int, push_seconds: float, verification: VerificationResult | None) -> None:
+        self.write("push", version=version, step=step, push_seconds=push_seconds,
+                   verified=None if verification is None else verification.ok,
+                   mean_abs_diff=None if verification is None else verification.mean_abs_diff,
+                   max_abs_diff=None if verification is None else verification.max_abs_diff)
+
+    def sampling(self, counters: ExperimentCounters) -> None:
+        """A `sampling` line for what `counters` gained since the last call, if anything was sampled."""
+        now = time.monotonic()
+        interval, self._sampled_at = now - self._sampled_at, now
+        groups = counters.groups_sampled - self._sampled.groups_sampled
+        completions = counters.completions_sampled - self._sampled.completions_sampled
+        tokens = counters.tokens_sampled - self._sampled.tokens_sampled
+        self._sampled = counters.model_copy()
+        if groups > 0:
+            self.write("sampling", interval_s=interval, groups=groups, completions=completions,
+                       completion_tokens=tokens, tokens_per_s=tokens / interval if interval > 0 else None)
+
+    def records(self, kind: Kind | None = None, limit: int = RECENT_PER_KIND) -> list[dict[str, Any]]:
+        """The newest `limit` records (of `kind`, or of every kind), oldest first."""
+        if kind is not None:
+            chosen = list(self.recent[kind])
+        else:
+            chosen = sorted((r for k in KINDS for r in self.recent[k]), key=lambda r: r["time"])
+        return chosen[-limit:] if limit > 0 else []
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def metrics_log_path(run_dir: Path, name: str) -> Path:
+    return run_dir / "metrics" / f"{name}.jsonl"
+
+
+async def log_sampling_forever(orchestrator: "Orchestrator", interval_s: float = SAMPLING_INTERVAL_S) -> None:
+    """Every interval, a `sampling` line for each experiment that sampled in it."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for name, exp in list(orchestrator.experiments.items()):
+            metrics_log = orchestrator.metrics_logs.get(name)
+            if metrics_log is not None:
+                metrics_log.sampling(exp.counters)

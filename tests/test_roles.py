@@ -1,0 +1,322 @@
+"""`grpo-server serve --role frontend|sampler|learner`: the processes of a split deployment (docker-compose),
+run here as separate processes on loopback with a shared run directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+import yaml
+
+from grpo_server import cli, remote_worker
+from grpo_server.client import AsyncClient, GrpoServerError
+from grpo_server.errors import Unavailable
+from grpo_server.remote_worker import RemoteWorker
+from grpo_server.worker_client import WorkerClient
+from grpo_server.wire import unpack
+from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, complete_when_admitted, free_port, wait_for
+
+# --- wrong role for the config: a message that says what to set, before anything starts ----------------
+
+REMOTE = {"sampler": {"urls": ["http://127.0.0.1:8101"]}, "learner": {"url": "http://127.0.0.1:8102"}}
+
+
+@pytest.mark.parametrize("config, args, message", [
+    ({}, ["--role", "frontend"], "set sampler.urls and learner.url"),
+    (REMOTE, [], "run the front end with --role frontend"),
+    (REMOTE, ["--role", "sampler", "--replica", "1"], "--replica 1, but the config has 1 sampler replica"),
+    ({}, ["--role", "sampler"], "set sampler.urls (the front end connects there) or sampler.base_port"),
+    ({}, ["--role", "learner"], "set learner.url (the front end connects there) or learner.port"),
+    (REMOTE, ["--role", "learner", "--replica", "0"], "--replica is for --role sampler"),
+    ({"sampler": {"urls": ["http://127.0.0.1:8101"]}}, ["--role", "frontend"],
+     "give both sampler.urls and learner.url"),
+    ({"sampler": {"urls": ["http://sampler-0"]}, "learner": {"url": "http://learner:8102"}}, ["--role", "frontend"],
+     "sampler.urls[0]: 'http://sampler-0' needs an explicit port"),
+])
+def test_a_config_that_does_not_fit_the_role_is_refused_clearly(tmp_path, capsys, config, args, message):
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), **config}))
+    assert cli.main(["serve", "--config", str(path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written or started
+
+
+# --- a remote worker: out of rotation while it does not answer, reset and re-synced when it is back ----
+
+HEALTH_ONLY_WORKER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args): pass
+HTTPServer.allow_reuse_address = True
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def health_only_worker(port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", HEALTH_ONLY_WORKER, str(port)])
+
+
+async def test_remote_worker_leaves_rotation_when_down_and_resyncs_when_back(monkeypatch):
+    monkeypatch.setattr(remote_worker, "POLL_INTERVAL_S", 0.05)
+    monkeypatch.setattr(remote_worker, "MISSES_BEFORE_DOWN", 2)
+    port = free_port()
+    calls: list[tuple[str, str]] = []
+
+    async def reset():
+        calls.append(("reset", worker.state))
+
+    async def on_restart():
+        calls.append(("on_restart", worker.state))
+
+    process = health_only_worker(port)
+    async with aiohttp.ClientSession() as session:
+        worker = RemoteWorker("learner", f"http://127.0.0.1:{port}", session, startup_timeout_s=60,
+                              reset=reset, on_restart=on_restart)
+        client = WorkerClient(worker, session, timeout_s=5)
+        try:
+            await worker.start()
+            assert worker.state == "ready"
+            assert calls == [("reset", "syncing")]  # what it held from before is dropped before it serves
+
+            process.kill()
+            process.wait()
+            await wait_for(lambda: state_is(worker, "down"), timeout_s=30, interval_s=0.05)
+            with pytest.raises(Unavailable) as info:  # clients get a 503 at once, not a hang
+                await client.call("train", {})
+            assert info.value.status == 503 and "learner is down" in info.value.message
+            assert "unreachable" in worker.last_error
+
+            process = health_only_worker(port)
+            await wait_for(lambda: state_is(worker, "ready"), timeout_s=30, interval_s=0.05)
+            # Back: reset, then re-synced, both before clients reach it.
+            assert calls == [("reset", "syncing"), ("reset", "syncing"), ("on_restart", "syncing")]
+        finally:
+            await worker.stop()
+            process.kill()
+            process.wait()
+    assert worker.state == "stopped"
+
+
+async def test_remote_worker_that_never_answers_fails_the_start_with_its_url(monkeypatch):
+    monkeypatch.setattr(remote_worker, "POLL_INTERVAL_S", 0.05)
+    url = f"http://127.0.0.1:{free_port()}"
+    async with aiohttp.ClientSession() as session:
+        worker = RemoteWorker("sampler-0", url, session, startup_timeout_s=0.3)
+        with pytest.raises(TimeoutError, match=f"sampler-0 at {url} not healthy"):
+            await worker.start()
+
+
+async def state_is(worker: RemoteWorker, state: str) -> bool:
+    return worker.state == state
+
+
+# --- the three roles as separate processes ------------------------------------------------------------
+
+
+def spawn(run_dir: Path, config: Path, role: str, *args: str) -> subprocess.Popen:
+    """One `grpo-server serve --role` process in its own process group (with what it spawns)."""
+    log = open(run_dir / f"{role}{''.join(args)}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpo_server.cli", "serve", "--role", role, "--config", str(config), *args],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+
+
+def wait_for_port(port: int, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"port {port} not open after {STARTUP_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def end(process: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        return process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
+
+
+async def sampler_adapters(url: str) -> list[str]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
+        return unpack(await response.read())["adapters"]
+
+
+async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "shared-run"  # the compose volume: the learner writes adapters, the sampler reads them
+    run_dir.mkdir()
+    front_port, sampler_port, learner_port = free_port(), free_port(), free_port()
+    sampler_url = f"http://127.0.0.1:{sampler_port}"
+    config = run_dir / "server.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(tiny_model_dir), "host": "127.0.0.1", "port": front_port, "run_dir": str(run_dir),
+        "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
+        "verify_tolerance": 0.01,
+        "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": 0.5, "max_num_seqs": 16},
+        "learner": {"url": f"http://127.0.0.1:{learner_port}", "zero_stage": 2},
+    }))
+    learner = spawn(run_dir, config, "learner")
+    sampler = spawn(run_dir, config, "sampler", "--replica", "0")
+    frontend = spawn(run_dir, config, "frontend")
+    url, name = f"http://127.0.0.1:{front_port}", "split"
+    try:
+        wait_for_port(front_port, frontend, run_dir / "frontend.log")  # it opens once both workers answered
+        async with AsyncClient(url, ADMIN_KEY) as client:
+            assert (await client.health()).workers == {"sampler-0": "ready", "learner": "ready"}
+            await client.create_experiment({"name": name, "algorithm": {"batch_groups": 1, "learning_rate": 1e-2},
+                                            "sampling": {"n": 2, "max_tokens": 4}})
+
+            async def trained():
+                group = await complete_when_admitted(client, name, prompt="Pick a number")
+                await client.feedback(name, group.group_id, [1.0, 0.0])
+                return (await client.status(name)).policy_version >= 1
+
+            await wait_for(trained, timeout_s=300, interval_s=0.2)
+            version = (await client.status(name)).policy_version
+            assert f"{name}@v{version}" in await sampler_adapters(sampler_url)
+
+        # The front end restarts on its own (compose restarts one service): the workers run on, and the new
+        # front end takes them over; the learner forgets what it held and resumes from its checkpoint.
+        assert end(frontend, signal.SIGINT) == 0
+        assert learner.poll() is None and sampler.poll() is None
+        frontend = spawn(run_dir, config, "frontend")
+        wait_for_port(front_port, frontend, run_dir / "frontend.log")
+        async with AsyncClient(url, ADMIN_KEY) as client:
+            resumed = await client.status(name)
+            assert resumed.policy_version >= version
+            group = await client.complete(name, prompt="Hello again")
+            assert group.policy_version == resumed.policy_version and len(group.completions) == 2
+
+            # The sampler dies: a clear 503 while it is gone, and the front end says which worker is down.
+            end(sampler, signal.SIGKILL)
+            with pytest.raises(GrpoServerError) as info:
+                await client.complete(name, prompt="Anyone?")
+            assert info.value.status == 503 and "sampler-0" in str(info.value)
+            await wait_for(lambda: _worker_state(client, "sampler-0", "down"), timeout_s=60)
+
+            # It comes back (compose's restart policy; here by hand) and is re-synced before it serves.
+            sampler = spawn(run_dir, config, "sampler", "--replica", "0")
+            await wait_for(lambda: _worker_state(client, "sampler-0", "ready"), timeout_s=STARTUP_TIMEOUT_S)
+            served = (await client.status(name)).policy_version
+            assert f"{name}@v{served}" in await sampler_adapters(sampler_url)
+            group = await client.complete(name, prompt="Back?")
+            assert group.policy_version == served and len(group.completions) == 2
+        assert end(frontend, signal.SIGINT) == 0
+    finally:
+        for process in (frontend, sampler, learner):
+            if process.poll() is None:
+                end(process)
+
+
+async def _worker_state(client: AsyncClient, worker: str, state: str) -> bool:
+    return (await client.health()).workers.get(worker) == state
+
+
+# --- docker-compose.yml: every service runs a valid role with a config that fits it --------------------
+
+REPO = Path(__file__).resolve().parent.parent
+ENV_FILES = sorted((REPO / "configs" / "compose").glob("gpus-*.env"))
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}`, as the file uses them."""
+    def value(match: re.Match) -> str:
+        name, op, arg = match.groups()
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise KeyError(f"{name} must be set: {arg}")
+        return arg if op == "-" else ""
+    return INTERPOLATION.sub(value, text)
+
+
+def active_services(env: dict[str, str]) -> dict[str, dict]:
+    compose = yaml.safe_load(interpolate((REPO / "docker-compose.yml").read_text(), env))
+    profiles = set(filter(None, env.get("COMPOSE_PROFILES", "").split(",")))
+    return {name: service for name, service in compose["services"].items()
+            if not service.get("profiles") or profiles & set(service["profiles"])}
+
+
+def option(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_compose_needs_the_admin_key():
+    with pytest.raises(KeyError, match="GRPO_SERVER_API_KEY"):
+        active_services({})
+
+
+@pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.stem)
+def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file):
+    from grpo_server.config import load_server_config
+    from grpo_server.launcher import ROLES, check_role
+
+    env = {**read_env_file(env_file), "GRPO_SERVER_API_KEY": "x"}
+    gpus = int(env_file.stem.removeprefix("gpus-"))
+    services = active_services(env)
+    roles: dict[str, list[str]] = {}
+    gpu_ids: list[str] = []
+    for name, service in services.items():
+        command = service["command"]
+        assert command[:2] == ["grpo-server", "serve"], name
+        role, replica = option(command, "--role"), option(command, "--replica")
+        assert role in ROLES, (name, role)
+        config_path = REPO / option(command, "--config")  # the image's /app/configs is the repo's configs/
+        config = load_server_config(config_path)
+        check_role(config, role, None if replica is None else int(replica))  # raises if they do not fit
+        roles.setdefault(role, []).append(name)
+        if role == "frontend":
+            assert service["ports"] == [f"8000:{config.port}"]
+            continue
+        # The front end finds each worker by its service name, on the port the worker listens on.
+        url = config.learner.url if role == "learner" else config.sampler.urls[int(replica)]
+        assert url == f"http://{name}:{urlsplit(url).port}"
+        assert service["healthcheck"]["test"][-1] == f"http://127.0.0.1:{urlsplit(url).port}/health"
+        for device in service["deploy"]["resources"]["reservations"]["devices"]:
+            gpu_ids += device["device_ids"]
+    assert len(roles["frontend"]) == 1 and len(roles["learner"]) == 1
+    assert sorted(roles["sampler"]) == [f"sampler-{i}" for i in range(len(config.sampler.urls))]
+    assert sorted(gpu_ids, key=int) == [str(i) for i in range(gpus)]  # every GPU used, none twice
+
+
+def docker_compose_present() -> bool:
+    try:
+        return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not docker_compose_present(), reason="the docker compose plugin is not installed here")
+@pytest.mark.parametrize("env_file", [None, *ENV_FILES], ids=lambda p: p.stem if p else "defaults")
+def test_docker_compose_accepts_the_file(env_file):
+    args = ["--env-file", str(env_file)] if env_file else []
+    result = subprocess.run(["docker", "compose", *args, "config", "-q"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "GRPO_SERVER_API_KEY": "x"}, timeout=60)
+    assert result.returncode == 0, result.stderr
