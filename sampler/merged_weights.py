@@ -72,29 +72,35 @@ class MergeWorkerExtension:
             return f"{type(exc).__name__}: {exc}"
 
     def merge_adapter(self, path: str | None) -> float:
-        """Set every LoRA-wrapped layer to W0 + delta(adapter at `path`), or W0 for None; seconds taken.
-
-        The caller guarantees no request is running (the engine's gate is held exclusively)."""
+        """Set every LoRA-wrapped layer to W0 + scale * B @ A (the adapter at `path`), or W0 for None;
+        seconds taken. The caller guarantees no request is running (the engine's gate is held
+        exclusively)."""
         import torch
 
         started = time.perf_counter()
-        deltas = _adapter_deltas(Path(path)) if path else {}
+        factors = _adapter_factors(Path(path)) if path else {}
         layers = self._mergeable_layers()
         # Check everything before touching a layer: a half-merged model must never serve.
         known = {name for layer in layers for name in layer.hf_names}
-        if set(deltas) - known:
-            raise ValueError(f"the adapter targets modules vLLM does not wrap: {sorted(set(deltas) - known)[:3]}")
+        if set(factors) - known:
+            raise ValueError(f"the adapter targets modules vLLM does not wrap: {sorted(set(factors) - known)[:3]}")
         for layer in layers:
             for name, rows in zip(layer.hf_names, layer.row_counts):
-                if name in deltas and tuple(deltas[name].shape) != (rows, layer.base.shape[1]):
-                    raise ValueError(f"{name}: LoRA delta {tuple(deltas[name].shape)} does not fit "
-                                     f"{rows} x {layer.base.shape[1]}")
+                if name in factors:
+                    b, a, _ = factors[name]
+                    if (b.shape[0], a.shape[1]) != (rows, layer.base.shape[1]) or b.shape[1] != a.shape[0]:
+                        raise ValueError(f"{name}: LoRA B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit "
+                                         f"{rows} x {layer.base.shape[1]}")
         with torch.no_grad():
             for layer in layers:
-                weight = layer.base.clone()
+                weight = torch.empty_like(layer.base)
                 for name, start, rows in zip(layer.hf_names, layer.row_starts, layer.row_counts):
-                    if name in deltas:
-                        weight[start:start + rows] += deltas[name]
+                    base, out = layer.base[start:start + rows], weight[start:start + rows]
+                    if name in factors:
+                        b, a, scale = factors[name]
+                        torch.addmm(base, b, a, alpha=scale, out=out)  # W0 + scale * B @ A in one pass
+                    else:
+                        out.copy_(base)
                 _install_weight(layer.module.base_layer, weight)
         return time.perf_counter() - started
 
@@ -150,8 +156,8 @@ def _find_layers(model: Any, model_dir: Path) -> list[_MergeableLayer]:
     return layers
 
 
-def _adapter_deltas(folder: Path) -> dict[str, Any]:
-    """scale * B @ A per HF module name, from a peft adapter folder (float32)."""
+def _adapter_factors(folder: Path) -> dict[str, tuple[Any, Any, float]]:
+    """(B, A, scale) per HF module name, from a peft adapter folder (float32)."""
     from safetensors.torch import load_file
 
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -160,15 +166,15 @@ def _adapter_deltas(folder: Path) -> dict[str, Any]:
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
     weights = load_file(str(folder / "adapter_model.safetensors"))
-    deltas = {}
+    factors = {}
     for key, a in weights.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key[: -len(".lora_A.weight")]
         b = weights[f"{module}.lora_B.weight"]
         name = module[len(_PEFT_PREFIX):] if module.startswith(_PEFT_PREFIX) else module
-        deltas[name] = (b.float() @ a.float()) * scale
-    return deltas
+        factors[name] = (b.float(), a.float(), scale)
+    return factors
 
 
 def _install_weight(layer: Any, weight: Any) -> None:
