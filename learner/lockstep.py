@@ -206,7 +206,9 @@ class LockstepTrainer:
             while (outcome := self.channel.outcome(seq, rank)) is None:
                 code = self.followers.exit_code(rank)
                 if code is not None:
-                    outcome = Outcome(rank, failure=f"exited with code {code}")
+                    # A follower posts its outcome before it exits: look once more, it may have done both
+                    # since the check above.
+                    outcome = self.channel.outcome(seq, rank) or Outcome(rank, failure=f"exited with code {code}")
                     break
                 if time.monotonic() >= deadline:
                     outcome = Outcome(rank, failure=f"no answer within {self.outcome_timeout_s:.0f} s" if wait
