@@ -58,7 +58,7 @@ import bench_completions  # noqa: E402
 import bench_table  # noqa: E402
 from grpo_server.config import EMBEDDED_MODEL_NAME  # noqa: E402
 
-FIGURES = ("front_end", "experiments", "memory", "push", "learner", "adapter", "end_to_end")
+FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "learner", "adapter", "end_to_end")
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ async def front_end_figure(client, llm_task: asyncio.Future, adapter_dir: Path, 
 
 
 async def server_figures(model_dir: Path, mode: Mode, only: set[str], results: dict) -> None:
-    from bench_server import peak_rss, push_direct, push_through_server, sample_concurrently, train_once
+    from bench_server import overlap, peak_rss, push_direct, push_through_server, sample_concurrently, train_once
     from grpo_server.client import AsyncClient
     from grpo_server.config import SamplerSettings
     from tests.serving import free_port, start_server, stop_server
@@ -259,6 +259,15 @@ async def server_figures(model_dir: Path, mode: Mode, only: set[str], results: d
                 await figure(results, "front_end", front_end_figure(
                     client, llm_task, run_dir / "adapters" / "bench1" / "v000000", mode))
 
+            if "overlap" in only:
+                async def overlap_figure() -> dict:
+                    args = front_end_args(mode)
+                    group = await client.complete("bench1", messages=bench_completions.prompts(1)[0], n=args.n,
+                                                  max_tokens=args.max_tokens)
+                    return await overlap(client, f"http://127.0.0.1:{learner_port}", "bench1", group, args,
+                                         mode.fe_rounds)
+
+                await figure(results, "overlap", overlap_figure())
             chats = bench_completions.prompts(16)
             levels, snapshots, trained, last_groups = [], {}, {}, {}
             want_curve = bool({"experiments", "memory", "push"} & only)

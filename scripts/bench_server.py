@@ -109,6 +109,51 @@ async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: in
             "verify_mean_abs_diff": round(sum(diffs) / max(len(diffs), 1), 8)}
 
 
+async def overlap(client: AsyncClient, learner_url: str, name: str, group: Any, args, rounds: int,
+                  trainee: str = "overlapbench") -> dict:
+    """Completion tok/s through the server while the learner is idle vs while it trains, alternating
+    (idle, busy, busy, idle, ...). "Busy": the learner's train verb in a loop on an experiment only the
+    learner knows (so no push or checkpoint of the front end's experiments interferes), from one step
+    before the busy round starts until it ends."""
+    import bench_completions
+
+    request = train_request(trainee, group.prompt_token_ids, group.completions)
+    prompt_ids: list[list[int]] = [[] for _ in range(args.requests)]
+    one = bench_completions.server_request(client, name, args, prompt_ids)
+    totals = {"idle": [0, 0.0], "busy": [0, 0.0]}
+    steps = 0
+    async with aiohttp.ClientSession() as session:
+        await verb(session, learner_url, "add_experiment",
+                   AddExperimentRequest(name=trainee, lora=LoraConfig(), algorithm=AlgorithmConfig()), AdapterVersion)
+        try:
+            await bench_completions.run_mix(one, min(2, args.requests), args.concurrency)  # warm-up
+            for r in range(rounds):
+                for side in (("idle", "busy") if r % 2 == 0 else ("busy", "idle")):
+                    stop, training = asyncio.Event(), None
+                    if side == "busy":
+                        async def train_until_stopped() -> None:
+                            nonlocal steps
+                            while not stop.is_set():
+                                await verb(session, learner_url, "train", request, TrainMetrics)
+                                steps += 1
+                        training = asyncio.create_task(train_until_stopped())
+                        await asyncio.sleep(1.0)  # the first step is under way
+                    try:
+                        tokens, seconds = await bench_completions.run_mix(one, args.requests, args.concurrency)
+                    finally:
+                        stop.set()
+                        if training is not None:
+                            await training  # the step under way ends before the next round: idle means idle
+                    totals[side][0] += tokens
+                    totals[side][1] += seconds
+        finally:
+            await verb(session, learner_url, "remove_experiment", RemoveExperimentRequest(name=trainee))
+    idle, busy = (totals[s][0] / totals[s][1] for s in ("idle", "busy"))
+    return {"rounds": rounds, "requests": args.requests, "n": args.n, "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency, "idle_tok_s": round(idle, 2), "busy_tok_s": round(busy, 2),
+            "ratio": round(busy / idle, 3), "train_steps_during_busy": steps}
+
+
 async def push_through_server(client: AsyncClient, name: str, rounds: int, n: int = 4, max_tokens: int = 16,
                               probe_tokens: int = 8, poll_s: float = 0.05) -> dict:
     """The server's own push (experiment with batch_groups 1): sample a group, rate it, poll the status

@@ -118,6 +118,20 @@ def render(results: dict) -> str:
                      f"(per round {', '.join(_f(r, 2) for r in fe['round_ratios'])})",
                      ">= 0.95", _verdict(fe["ratio"], 0.95) + _spread(fe["round_ratios"])))
 
+    ov = figs.get("overlap")
+    err = _error(ov)
+    if err:
+        rows.append(("overlap", "completion tok/s while the learner trains vs idle", err, "report", ""))
+    else:
+        rows.append(("overlap",
+                     f"completion tok/s through the server while the learner runs train steps back to back vs "
+                     f"while it is idle (one process each, same box); {ov['requests']} requests x n={ov['n']}, "
+                     f"max_tokens {ov['max_tokens']}, concurrency {ov['concurrency']}; {ov['rounds']} rounds "
+                     f"each, alternating",
+                     f"{_f(ov['busy_tok_s'], 1)} vs {_f(ov['idle_tok_s'], 1)} tok/s: **{_f(ov['ratio'], 2)}** "
+                     f"({ov['train_steps_during_busy']} train steps meanwhile); sampling never stops",
+                     "report", ""))
+
     ad = figs.get("adapter")
     err = _error(ad)
     if err:

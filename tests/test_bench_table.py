@@ -31,7 +31,8 @@ def test_bench_imports_and_modes():
     bench = _load("bench")
     assert bench.QUICK.name == "quick" and bench.FULL.name == "full"
     assert 8 in bench.FULL.levels and 8 not in bench.QUICK.levels
-    assert set(bench.FIGURES) == {"front_end", "adapter", "push", "learner", "experiments", "memory", "end_to_end"}
+    assert set(bench.FIGURES) == {"front_end", "overlap", "adapter", "push", "learner", "experiments", "memory",
+                                  "end_to_end"}
     assert bench.FULL.end_to_end and not bench.QUICK.end_to_end  # the race runs in full mode only
 
 
@@ -45,7 +46,10 @@ def test_table_replaces_only_the_marked_block():
 
     fe = {"requests": 4, "n": 4, "max_tokens": 16, "concurrency": 4, "rounds": 2, "server_tok_s": 10.0,
           "direct_tok_s": 11.0, "ratio": 0.909, "round_ratios": [0.9, 0.92]}
-    second = table.replace_block(first, table.render(_results(front_end=fe)))
+    ov = {"requests": 4, "n": 4, "max_tokens": 16, "concurrency": 4, "rounds": 2, "idle_tok_s": 40.0,
+          "busy_tok_s": 20.0, "ratio": 0.5, "train_steps_during_busy": 3}
+    second = table.replace_block(first, table.render(_results(front_end=fe, overlap=ov)))
+    assert "| overlap |" in second and "20.0 vs 40.0 tok/s: **0.50** (3 train steps meanwhile)" in second
     assert second.count(table.START) == 1 and second.count(table.END) == 1
     assert "failed: boom" not in second and "**0.909**" in second and "missed" in second
     assert second.split(table.START)[0] == first.split(table.START)[0]
