@@ -170,9 +170,34 @@ class Gate:
         try:
             yield
         finally:
-            async with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
+            await self._release_shared()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        await self._acquire_exclusive()
+        try:
+            yield
+        finally:
+            await self._release_exclusive()
+
+    @contextlib.asynccontextmanager
+    async def exclusive_then_shared(self, prepare: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+        """Run `prepare` alone, then hold the gate shared, with no exclusive holder in between: what
+        `prepare` set up (the vLLM engine's merged weights) is still there for the body."""
+        await self._acquire_exclusive()
+        try:
+            await prepare()
+        except BaseException:
+            await self._release_exclusive()
+            raise
+        async with self._cond:  # exclusive -> shared in one step under the lock
+            self._exclusive = False
+            self._shared += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            await self._release_shared()
 
     async def _acquire_exclusive(self) -> None:
         async with self._cond:
@@ -184,38 +209,15 @@ class Gate:
                 self._cond.notify_all()  # a cancelled waiter must not keep generations held back
             self._exclusive = True
 
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        await self._acquire_exclusive()
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def exclusive_then_shared(self, prepare: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
-        """Run `prepare` alone, then hold the gate shared, with no exclusive holder in between: what
-        `prepare` set up (the vLLM engine's merged weights) is still there for the body."""
-        await self._acquire_exclusive()
-        try:
-            await prepare()
-        except BaseException:
-            async with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-            raise
-        async with self._cond:  # exclusive -> shared in one step under the lock
+    async def _release_exclusive(self) -> None:
+        async with self._cond:
             self._exclusive = False
-            self._shared += 1
             self._cond.notify_all()
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
+
+    async def _release_shared(self) -> None:
+        async with self._cond:
+            self._shared -= 1
+            self._cond.notify_all()
 
 
 def resolve_dtype(name: str) -> str:
