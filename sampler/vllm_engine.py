@@ -168,6 +168,8 @@ class VllmEngine(Engine):
 
         `alone`: the requests must have the engine to themselves (prompt logprobs, see the module
         docstring)."""
+        if adapter is not None and adapter.key not in self._adapters:
+            raise adapter_not_loaded(adapter)  # before any weight change: a bad request must not unmerge
         if alone:
             async with self._gate.exclusive():
                 await self._set_merged(self._merge_target(adapter))
