@@ -127,3 +127,15 @@ async def complete_when_admitted(client, name: str, **kwargs):
             assert exc.retry_after and exc.retry_after > 0
             await asyncio.sleep(0.2)
     raise TimeoutError(f"{name}: completions refused with 429 for too long")
+
+
+async def train_one_version(client, name: str, timeout_s: float = 300) -> int:
+    """Sample, rate (1, 0) and repeat until the experiment serves version >= 1 (its groups must hold 2
+    completions and batch_groups 1); returns the version served then."""
+    async def pushed():
+        group = await complete_when_admitted(client, name, prompt="Pick a number")
+        await client.feedback(name, group.group_id, [1.0, 0.0])
+        return (await client.status(name)).policy_version >= 1
+
+    await wait_for(pushed, timeout_s=timeout_s, interval_s=0.2)
+    return (await client.status(name)).policy_version

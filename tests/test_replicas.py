@@ -20,7 +20,7 @@ from grpo_server.client import AsyncClient
 from grpo_server.workers import WorkerPool
 from grpo_server.worker_client import WorkerClient
 from grpo_server.wire import MSGPACK, pack, unpack
-from tests.serving import complete_when_admitted, free_port, start_server, stop_server, wait_for
+from tests.serving import complete_when_admitted, free_port, start_server, stop_server, train_one_version, wait_for
 
 # --- the balancer on its own: real HTTP, fake workers that only echo -----------------------------------
 
@@ -150,13 +150,7 @@ async def test_two_replicas_balance_load_every_version_and_survive_a_kill(tiny_m
             assert served["sampler-0"] > 0 and served["sampler-1"] > 0, served
 
             # A training step and push: the new version is loaded on both replicas before it is served.
-            async def pushed():
-                group = await complete_when_admitted(client, name, prompt="Pick a number")
-                await client.feedback(name, group.group_id, [1.0, 0.0])
-                return (await client.status(name)).policy_version >= 1
-
-            await wait_for(pushed, timeout_s=300, interval_s=0.2)
-            version = (await client.status(name)).policy_version
+            version = await train_one_version(client, name)
             for url in urls:
                 assert f"{name}@v{version}" in await loaded_adapters(session, url)
 

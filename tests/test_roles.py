@@ -23,7 +23,7 @@ from grpo_server.errors import Unavailable
 from grpo_server.remote_worker import RemoteWorker
 from grpo_server.worker_client import WorkerClient
 from grpo_server.wire import unpack
-from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, complete_when_admitted, free_port, wait_for
+from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, train_one_version, wait_for
 
 # --- wrong role for the config: a message that says what to set, before anything starts ----------------
 
@@ -187,13 +187,7 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
             await client.create_experiment({"name": name, "algorithm": {"batch_groups": 1, "learning_rate": 1e-2},
                                             "sampling": {"n": 2, "max_tokens": 4}})
 
-            async def trained():
-                group = await complete_when_admitted(client, name, prompt="Pick a number")
-                await client.feedback(name, group.group_id, [1.0, 0.0])
-                return (await client.status(name)).policy_version >= 1
-
-            await wait_for(trained, timeout_s=300, interval_s=0.2)
-            version = (await client.status(name)).policy_version
+            version = await train_one_version(client, name)
             assert f"{name}@v{version}" in await sampler_adapters(sampler_url)
 
         # The front end restarts on its own (compose restarts one service): the workers run on, and the new
