@@ -23,12 +23,7 @@ right. The layer runs whenever LoRA is enabled, with or without an adapter in th
 weights included). So such a score waits for running generations to finish, holds new ones back, and sends its
 completions one after another.
 
-Merged serving (sampler/merged_weights.py): while one experiment is loaded, its newest version is
-folded into the base weights and its requests carry no LoRA: base-model speed on CPU, the same
-function. The weights change only with the gate held exclusively (no request running) and the
-prefix cache is reset after each change, since un-adapted blocks are keyed by tokens alone. The merged
-version only moves forward: a request for an older version, a second experiment or the base model
-restores the base weights and runs through LoRA as before.
+Merged serving of a lone experiment: sampler/merged_serving.py.
 
 Temperature 0 is greedy decoding; its logprobs (sampled and scored) are those of the untempered
 distribution (T = 1), which is what vLLM reports for greedy requests.
@@ -37,10 +32,8 @@ distribution (T = 1), which is what vLLM reports for greedy requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,16 +57,12 @@ from sampler.engine import (
     completion_text,
     resolve_dtype,
 )
+from sampler.merged_serving import MergedServing
 
 log = logging.getLogger(__name__)
 
 # Longest wait for in-flight requests on an adapter before it is removed anyway.
 UNLOAD_DRAIN_TIMEOUT_S = 300.0
-
-
-# Tries of reset_prefix_cache after a weight change: it refuses while blocks are still held by a
-# request the scheduler has not freed yet.
-PREFIX_RESET_TRIES = 50
 
 
 @dataclass
@@ -109,7 +98,7 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
     )
 
 
-class VllmEngine(Engine):
+class VllmEngine(MergedServing, Engine):
     name = "vllm"
 
     def __init__(self, config: SamplerConfig) -> None:
@@ -141,77 +130,6 @@ class VllmEngine(Engine):
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
-
-    # --- which weights serve a request ---------------------------------------------------------
-
-    def _merge_target(self, adapter: AdapterRef | None) -> str | None:
-        """The adapter key the weights should hold for a request on `adapter`: its own when it is the
-        only experiment loaded and not older than what is merged now; else None (base weights)."""
-        if adapter is None or self.merge_unsupported is not None or adapter.key not in self._adapters:
-            return None
-        if any(entry.ref.name != adapter.name for entry in self._adapters.values()):
-            return None
-        if self.merged is not None and self.merged != adapter.key:
-            merged = self._adapters.get(self.merged)
-            if merged is not None and merged.ref.version > adapter.version:
-                return None
-        return adapter.key
-
-    def _served_as(self, adapter: AdapterRef | None) -> ServedAs:
-        if adapter is None:
-            return "base"
-        return "merged" if self.merged == adapter.key else "lora"
-
-    @contextlib.asynccontextmanager
-    async def _serving(self, adapter: AdapterRef | None, alone: bool = False) -> AsyncIterator[ServedAs]:
-        """Hold the gate with the weights right for `adapter`; yields how its requests are to be sent.
-
-        `alone`: the requests must have the engine to themselves (prompt logprobs, see the module
-        docstring)."""
-        if adapter is not None and adapter.key not in self._adapters:
-            raise adapter_not_loaded(adapter)  # before any weight change: a bad request must not unmerge
-        if alone:
-            async with self._gate.exclusive():
-                await self._set_merged(self._merge_target(adapter))
-                yield self._served_as(adapter)
-            return
-        while True:
-            target = self._merge_target(adapter)
-            if target == self.merged:
-                async with self._gate.shared():
-                    if self._merge_target(adapter) == self.merged:
-                        yield self._served_as(adapter)
-                        return
-                continue
-            async with self._gate.exclusive_then_shared(lambda: self._set_merged(self._merge_target(adapter))):
-                yield self._served_as(adapter)
-                return
-
-    async def _set_merged(self, key: str | None) -> None:
-        """Fold `key`'s adapter into the weights (None: restore the base). Called with the gate held
-        exclusively. A failure restores the base weights and turns merging off for good."""
-        if key == self.merged:
-            return
-        path = self._adapters[key].path if key is not None else None
-        try:
-            seconds = (await self._llm.collective_rpc("merge_adapter", args=(path,)))[0]
-            await self._reset_prefix_cache()
-        except Exception as exc:
-            log.exception("merging %s failed; serving through LoRA from now on", key)
-            self.merge_unsupported = f"merging {key} failed: {exc}"
-            self.merged = None
-            await self._llm.collective_rpc("merge_adapter", args=(None,))
-            await self._reset_prefix_cache()
-            return
-        log.info("weights now %s (%.2f s)", f"merged with {key}" if key else "the base model's", seconds)
-        self.merged = key
-
-    async def _reset_prefix_cache(self) -> None:
-        for _ in range(PREFIX_RESET_TRIES):
-            if await self._llm.reset_prefix_cache():
-                return
-            await asyncio.sleep(0.02)
-        raise EngineError("engine_busy", "vLLM kept refusing to reset its prefix cache after a weight change", 503)
 
     # --- requests ----------------------------------------------------------------------------
 
