@@ -181,6 +181,9 @@ class VerificationResult(ApiModel):
     max_abs_diff: float
     tokens: int
     ok: bool
+    # trained_batch: the sampler's logprobs of completions the learner then trained on, against the
+    # learner's own; probe: two stored completions scored by both (grpo_server/verification.py).
+    checked_on: Literal["trained_batch", "probe"] = "probe"
 
 
 class ExperimentStatus(ApiModel):

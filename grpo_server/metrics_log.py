@@ -5,9 +5,11 @@ Every line has `time` (wall clock, seconds since the epoch) and `kind`:
 - `train`: one learner step (written when its answer reaches the front end): `step`, `policy_version`
   (the version serving when the step ended), `groups`, and the learner's `loss`, `reward_mean`,
   `reward_std`, `kl`, `clipped_fraction`, `ratio_mean`, `ratio_std`, `ratio_min`, `ratio_max`,
-  `grad_norm`, `tokens` and `step_seconds`.
+  `grad_norm`, `tokens`, `step_seconds`, and the step's free check of the samplers (grpo_server/
+  verification.py): `checked_version`, `sampler_gap_tokens`, `sampler_gap_mean`, `sampler_gap_max`.
 - `push`: a new version served: `version`, `step`, `push_seconds`, and its check against the learner:
-  `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`.
+  `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`, `checked_on`
+  (`trained_batch` or `probe`: grpo_server/verification.py). Written when the check is done.
 - `sampling`: what was sampled since the previous sampling line, every `SAMPLING_INTERVAL_S` while the
   experiment samples (an idle interval writes nothing): `interval_s`, `groups`, `completions`,
   `completion_tokens`, `tokens_per_s`.
@@ -117,7 +119,8 @@ class MetricsLog:
         self.write("push", version=version, step=step, push_seconds=push_seconds,
                    verified=None if verification is None else verification.ok,
                    mean_abs_diff=None if verification is None else verification.mean_abs_diff,
-                   max_abs_diff=None if verification is None else verification.max_abs_diff)
+                   max_abs_diff=None if verification is None else verification.max_abs_diff,
+                   checked_on=None if verification is None else verification.checked_on)
 
     def sampling(self, counters: ExperimentCounters) -> None:
         """A `sampling` line for what `counters` gained since the last call, if anything was sampled."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -14,12 +15,12 @@ from grpo_server.api_models import (CompletionOut, CompletionsRequest, Completio
                                     TokenizeResponse)
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
-from grpo_server.experiments import Experiment
+from grpo_server.experiments import Experiment, retire_unused_versions
 from grpo_server.groups import Group, GroupStore
 from grpo_server.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.metrics_log import MetricsLog, metrics_log_path
 from grpo_server.prompts import PromptBuilder
-from grpo_server.training import ExperimentTrainer, retire_unused_versions
+from grpo_server.training import ExperimentTrainer, report_training_crash
 from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, Completion, GenerateRequest,
                               GenerateResponse, LoadAdapterRequest, RemoveExperimentRequest, ScoreRequest,
                               ScoreResponse)
@@ -85,6 +86,7 @@ class Orchestrator:
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log)
             exp.training_task = asyncio.create_task(trainer.run(), name=f"train-{config.name}")
+            exp.training_task.add_done_callback(functools.partial(report_training_crash, exp))
             self.experiments[config.name] = exp
             log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train",
                      config.name, first.version, first.step, len(exp.queue))
@@ -115,6 +117,16 @@ class Orchestrator:
             raise NotFound(f"experiment {name!r} has no adapter version {version}", code="version_not_found")
         return folder
 
+    @staticmethod
+    @contextlib.contextmanager
+    def sampling_request(exp: Experiment) -> Iterator[None]:
+        """Counts a sampler request of `exp` from its admission (it may wait for a sampling turn) to its end."""
+        exp.sampling_requests += 1
+        try:
+            yield
+        finally:
+            exp.sampling_requests -= 1
+
     @contextlib.contextmanager
     def pinned_serving_version(self, exp: Experiment) -> Iterator[int]:
         """The serving version, kept loaded on the samplers until the block ends even if a push
@@ -135,7 +147,7 @@ class Orchestrator:
         # Requests still sampling count too: their groups reach the queue later, and admitting them all
         # while the queue looks short only makes groups that go stale before the learner gets to them.
         backlog = self.config.max_queued_batches * exp.config.algorithm.batch_groups
-        in_pipeline = len(exp.queue) + sum(exp.inflight.values())
+        in_pipeline = len(exp.queue) + exp.sampling_requests
         if in_pipeline >= backlog:
             raise TooManyRequests(f"{in_pipeline} groups of {name!r} are being sampled or wait for the learner "
                                   f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
@@ -152,13 +164,16 @@ class Orchestrator:
         prompt_ids = self.prompts.token_ids(request)
         self.prompts.check_fits(len(prompt_ids), max_tokens)
         temperature = defaults.temperature if request.temperature is None else request.temperature
-        with self.pinned_serving_version(exp) as version:
+        # The version is chosen once the sampling turn starts: a request that waited for a train step
+        # samples the version that step pushed.
+        with self.sampling_request(exp):
             async with self.workers.sampler() as sampler:
-                result: GenerateResponse = await sampler.call("generate", GenerateRequest(
-                    prompt_token_ids=prompt_ids, n=n, temperature=temperature,
-                    top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
-                    seed=request.seed, adapter=AdapterRef(name=name, version=version),
-                ), GenerateResponse)
+                with self.pinned_serving_version(exp) as version:
+                    result: GenerateResponse = await sampler.call("generate", GenerateRequest(
+                        prompt_token_ids=prompt_ids, n=n, temperature=temperature,
+                        top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
+                        seed=request.seed, adapter=AdapterRef(name=name, version=version),
+                    ), GenerateResponse)
         group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
@@ -245,12 +260,13 @@ class Orchestrator:
                               token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
         """Score completions the model did not sample under the serving version: those logprobs are
         their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
-        with self.pinned_serving_version(exp) as version:
+        with self.sampling_request(exp):
             async with self.workers.sampler() as sampler:
-                scored: ScoreResponse = await sampler.call("score", ScoreRequest(
-                    prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
-                    temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
-                ), ScoreResponse)
+                with self.pinned_serving_version(exp) as version:
+                    scored: ScoreResponse = await sampler.call("score", ScoreRequest(
+                        prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
+                        temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
+                    ), ScoreResponse)
         return version, [Completion(text=self.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
                                     finish_reason="external")
                          for ids, logprobs in zip(token_ids, scored.logprobs)]

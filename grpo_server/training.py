@@ -1,5 +1,5 @@
 """The learning side of one experiment: batches of rated groups to the learner, versioned pushes to the
-samplers, and the check after each push that the samplers serve what the learner trained.
+samplers, and (grpo_server/verification.py) the check that the samplers serve what the learner trained.
 """
 
 from __future__ import annotations
@@ -9,18 +9,15 @@ import logging
 import math
 import time
 
-from grpo_server.api_models import VerificationResult
 from grpo_server.errors import ApiError
-from grpo_server.experiments import Experiment
+from grpo_server.experiments import Experiment, retire_unused_versions
 from grpo_server.groups import Group
 from grpo_server.metrics_log import MetricsLog
-from grpo_server.wire import (AdapterRef, AdapterVersion, LogprobsRequest, LogprobsResponse, SaveAdapterRequest, ScoreRequest,
-                              ScoreResponse, TrainMetrics, TrainRequest, TrainSample)
+from grpo_server.verification import IDLE_CHECK_S, VersionChecks
+from grpo_server.wire import AdapterRef, AdapterVersion, SaveAdapterRequest, TrainMetrics, TrainRequest, TrainSample
 from grpo_server.workers import WorkerPool
 
 log = logging.getLogger(__name__)
-
-PROBE_COMPLETIONS = 2  # completions of the probe group scored after each push
 
 
 def train_samples(groups: list[Group]) -> list[TrainSample]:
@@ -48,20 +45,27 @@ class ExperimentTrainer:
         self.exp = experiment
         self.metrics_log = metrics_log
         self.workers = workers
-        self.verify_tolerance = verify_tolerance
         self.train_timeout_s = train_timeout_s
         self.max_loaded_versions = max_loaded_versions
+        self.checks = VersionChecks(experiment, workers, verify_tolerance, metrics_log)
 
     async def run(self) -> None:
         exp = self.exp
         batch_groups = exp.config.algorithm.batch_groups
-        while True:
-            # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
-            while self._drop_stale() < batch_groups:
-                exp.queue_changed.clear()
-                await exp.queue_changed.wait()
-            batch, exp.queue[:batch_groups] = exp.queue[:batch_groups], []
-            await self.train(batch, exp.queue_generation)
+        try:
+            while True:
+                # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
+                while self._drop_stale() < batch_groups:
+                    exp.queue_changed.clear()
+                    try:
+                        await asyncio.wait_for(exp.queue_changed.wait(), IDLE_CHECK_S)
+                    except asyncio.TimeoutError:  # no step soon to check the newest version
+                        if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
+                            self.checks.probe_unchecked()
+                batch, exp.queue[:batch_groups] = exp.queue[:batch_groups], []
+                await self.train(batch, exp.queue_generation)
+        finally:  # the experiment was deleted or the server stops
+            self.checks.close()
 
     def _drop_stale(self) -> int:
         """Drop queued groups sampled more than max_staleness versions ago; return how many remain."""
@@ -82,18 +86,31 @@ class ExperimentTrainer:
             name=exp.name, samples=samples, max_tokens=max(g.max_tokens for g in groups), num_groups=len(groups),
             journal_seq=max(g.journal_seq for g in groups),
         )
-        try:
-            await self.workers.wait_learner_ready(self.train_timeout_s)
+        await self.workers.wait_learner_ready(self.train_timeout_s)
+        # A free slot for the version this step will push, waited for before the turn: inside it no
+        # request runs that could free one (a probe keeps a version loaded, and needs a sampling turn).
+        pushing = (exp.step + 1) % exp.config.algorithm.push_every == 0
+        slot = await self._version_slot() if pushing else False
+        # The step and the push that follows it, in one turn (grpo_server/turns.py): when sampling takes
+        # turns with training, what it samples next comes from the new version.
+        async with self.workers.turns.training():
             if exp.queue_generation != generation:
                 return  # the learner restarted meanwhile and these groups were queued again from the journal
-            metrics: TrainMetrics = await self.workers.learner.call(
-                "train", request, TrainMetrics, timeout_s=self.train_timeout_s)
-        except ApiError as exc:
-            # Not trained, visibly (status and log carry the error). If the learner crashed, its restart
-            # queues these groups again from the journal.
-            exp.record_error(f"train step failed, {len(groups)} groups not trained: {exc.message}")
-            log.error("%s: train step failed: %s", exp.name, exc.message)
-            return
+            try:
+                metrics: TrainMetrics = await self.workers.learner.call(
+                    "train", request, TrainMetrics, timeout_s=self.train_timeout_s)
+            except ApiError as exc:
+                # Not trained, visibly (status and log carry the error). If the learner crashed, its restart
+                # queues these groups again from the journal.
+                exp.record_error(f"train step failed, {len(groups)} groups not trained: {exc.message}")
+                log.error("%s: train step failed: %s", exp.name, exc.message)
+                return
+            self._trained(groups, metrics)
+            if pushing:
+                await self.push(slot)
+
+    def _trained(self, groups: list[Group], metrics: TrainMetrics) -> None:
+        exp = self.exp
         exp.step = metrics.step
         exp.counters.groups_trained += len(groups)
         exp.staleness.update(exp.learner_version - g.policy_version for g in groups)
@@ -104,16 +121,16 @@ class ExperimentTrainer:
                             for k, v in metrics.model_dump().items()}
         exp.probe = groups[-1]
         self.metrics_log.train(metrics, policy_version=exp.serving_version, groups=len(groups))
+        self.checks.trained(metrics)
         log.info("%s: step %d loss %.4f reward %.3f kl %.4f clipped %.3f", exp.name, metrics.step,
                  metrics.loss, metrics.reward_mean, metrics.kl, metrics.clipped_fraction)
-        if exp.step % exp.config.algorithm.push_every == 0:
-            await self.push()
 
-    async def push(self) -> None:
-        """Write a new version, load it on every sampler under a new LoRA id, check it, serve it."""
+    async def push(self, slot: bool) -> None:
+        """Write a new version, load it on every sampler under a new LoRA id, serve it, start its check.
+        `slot`: whether a version slot was free (`_version_slot`)."""
         exp = self.exp
         started = time.monotonic()
-        if not await self._version_slot():
+        if not slot:
             exp.record_error(f"push skipped: {len(exp.adapter_paths)} versions still in use by requests "
                              f"(max_loaded_versions {self.max_loaded_versions}) after {self.train_timeout_s:.0f} s")
             return
@@ -131,8 +148,7 @@ class ExperimentTrainer:
         exp.last_push_at = time.time()
         exp.last_push_seconds = time.monotonic() - started
         retire_unused_versions(exp, self.workers)
-        verification = await self.verify(saved.version)
-        self.metrics_log.push(saved.version, exp.step, exp.last_push_seconds, verification)
+        await self.checks.pushed(saved.version, exp.last_push_seconds)
 
     async def _version_slot(self) -> bool:
         """Wait until fewer than max_loaded_versions versions are loaded: slow requests pin old ones."""
@@ -143,42 +159,13 @@ class ExperimentTrainer:
             await asyncio.sleep(0.05)
         return True
 
-    async def verify(self, version: int) -> VerificationResult | None:
-        """Sampler logprobs of a stored completion under `version` must match the learner's (None: no
-        check could run)."""
-        exp, probe = self.exp, self.exp.probe
-        if probe is None:
-            return None
-        completions = [c.token_ids for c in probe.completions if c.token_ids][:PROBE_COMPLETIONS]
-        try:
-            async with self.workers.sampler() as sampler:
-                scored: ScoreResponse = await sampler.call("score", ScoreRequest(
-                    prompt_token_ids=probe.prompt_token_ids, completions_token_ids=completions,
-                    temperature=probe.temperature, adapter=AdapterRef(name=exp.name, version=version),
-                ), ScoreResponse)
-            learner: LogprobsResponse = await self.workers.learner.call("logprobs", LogprobsRequest(
-                name=exp.name, prompt_token_ids=probe.prompt_token_ids,
-                completions_token_ids=completions, temperature=probe.temperature), LogprobsResponse)
-        except ApiError as exc:
-            exp.record_error(f"verification of v{version} could not run: {exc.message}")
-            return None
-        diffs = [abs(a - b) for s_row, l_row in zip(scored.logprobs, learner.logprobs)
-                 for a, b in zip(s_row, l_row)]
-        mean = sum(diffs) / max(len(diffs), 1)
-        result = VerificationResult(version=version, mean_abs_diff=mean, max_abs_diff=max(diffs, default=0.0),
-                                    tokens=len(diffs), ok=mean <= self.verify_tolerance)
-        exp.last_verification = result
-        if not result.ok:
-            message = (f"v{version}: sampler and learner logprobs differ by {mean:.4f} nats on average "
-                       f"(tolerance {self.verify_tolerance})")
-            exp.record_error(message)
-            log.error("%s: verification failed: %s", exp.name, message)
-        return result
 
-
-def retire_unused_versions(exp: Experiment, workers: WorkerPool) -> None:
-    """Unload versions that are neither served nor used by an in-flight request."""
-    for version in [v for v in exp.adapter_paths if v != exp.serving_version and exp.inflight[v] == 0]:
-        del exp.adapter_paths[version]
-        exp.inflight.pop(version, None)
-        asyncio.create_task(workers.unload_everywhere(AdapterRef(name=exp.name, version=version)))
+def report_training_crash(exp: Experiment, task: asyncio.Task) -> None:
+    """Done-callback of an experiment's training task: it only ends by cancellation (deleted, server
+    stopping), so anything else is a bug that must show in the log and the status, not vanish."""
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    log.error("%s: training stopped by an internal error", exp.name, exc_info=exc)
+    exp.record_error(f"training stopped by an internal error ({type(exc).__name__}: {exc}); feedback is still "
+                     "journalled, and a server restart resumes training from it")

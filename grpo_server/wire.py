@@ -163,6 +163,14 @@ class TrainMetrics(WireModel):
     grad_norm: float
     tokens: int
     seconds: float
+    # The check of the samplers that costs nothing: completions in this batch sampled by the version the
+    # learner's weights were at when the step began (`checked_version`, None when they were at no saved
+    # version, or LoRA dropout makes the training forward differ) have sampler logprobs that must equal
+    # the learner's; |difference| over their tokens.
+    checked_version: int | None = None
+    sampler_gap_tokens: int = 0
+    sampler_gap_mean: float = 0.0
+    sampler_gap_max: float = 0.0
     checkpointed_journal_seq: int | None = None  # set when this step was checkpointed: journal entries up
     # to it are durable in the weights, and the front end may forget them
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -21,11 +22,17 @@ from grpo_server.config import LearnerConfig, SamplerConfig, ServerConfig, write
 from grpo_server.model_prep import resolve_model
 from grpo_server.remote_worker import RemoteWorker
 from grpo_server.supervisor import WorkerProcess
+from grpo_server.turns import ComputeTurns, resolve_schedule
 from grpo_server.wire import AdapterRef, LearnerStatus, RemoveExperimentRequest, SamplerHealth, UnloadAdapterRequest
 from grpo_server.worker_client import Worker, WorkerClient
 from grpo_server.workers import WorkerPool
 
 log = logging.getLogger(__name__)
+
+
+def all_cpus() -> str:
+    """The CPUs this process may run on, as vLLM's VLLM_CPU_OMP_THREADS_BIND list ("0,1")."""
+    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,6 +49,7 @@ class WorkerSet:
         self.worker_host = worker_host
         self.model_dir: Path = resolve_model(config.model)
         self.processes: list[Worker] = []
+        self.schedule = resolve_schedule(config.schedule, config.remote_workers)
 
     def _sampler_port(self, replica: int) -> int:
         s = self.config.sampler
@@ -59,6 +67,7 @@ class WorkerSet:
             max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
             gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_gib=s.kv_cache_gib,
             max_num_seqs=s.max_num_seqs, merge_lone_adapter=s.merge_lone_adapter,
+            cpu_threads_bind=all_cpus() if self.schedule == "alternate" else "auto",
         )
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)
@@ -116,7 +125,9 @@ class WorkerSet:
         if failures:
             await self.stop()
             raise RuntimeError(f"a worker failed to start: {failures[0]}") from failures[0]
-        return WorkerPool(samplers, learner)
+        log.info("schedule: %s (sampling and training %s)", self.schedule,
+                 "take turns" if self.schedule == "alternate" else "run at the same time")
+        return WorkerPool(samplers, learner, ComputeTurns(alternate=self.schedule == "alternate"))
 
     def _remote_workers(self, session: aiohttp.ClientSession,
                         on_sampler_restart: Callable[[int], Awaitable[None]],

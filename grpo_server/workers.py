@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from grpo_server.api_models import ReplicaHealth
 from grpo_server.errors import Unavailable
+from grpo_server.turns import ComputeTurns
 from grpo_server.worker_client import WorkerClient, WorkerUnreachable
 from grpo_server.wire import AdapterRef, LoadAdapterRequest, UnloadAdapterRequest
 
@@ -62,9 +63,10 @@ class BalancedSampler:
 
 
 class WorkerPool:
-    def __init__(self, samplers: list[WorkerClient], learner: WorkerClient):
+    def __init__(self, samplers: list[WorkerClient], learner: WorkerClient, turns: ComputeTurns | None = None):
         self.samplers = samplers
         self.learner = learner
+        self.turns = turns or ComputeTurns(alternate=False)  # held by sampler calls and train steps
         self.load = {id(s): ReplicaLoad() for s in samplers}
         self._turn = itertools.count()
 
@@ -81,12 +83,14 @@ class WorkerPool:
         return min(rotated, key=lambda s: self.load[id(s)].outstanding)
 
     @contextlib.asynccontextmanager
-    async def sampler(self) -> AsyncIterator[BalancedSampler]:
-        """A handle whose calls go to the least-loaded ready replica (see `BalancedSampler`). Raises 503
-        at once when no replica is ready."""
+    async def sampler(self, take_turn: bool = True) -> AsyncIterator[BalancedSampler]:
+        """A handle whose calls go to the least-loaded ready replica (see `BalancedSampler`), held during a
+        sampling turn (grpo_server/turns.py: it may first wait for a train step to end) unless
+        `take_turn` is False. Raises 503 at once when no replica is ready."""
         if not self.ready_samplers():
             raise self._none_ready()
-        yield BalancedSampler(self)
+        async with (self.turns.sampling() if take_turn else contextlib.nullcontext()):
+            yield BalancedSampler(self)
 
     def _none_ready(self) -> Unavailable:
         states = ", ".join(f"{s.name}: {s.process.state}" for s in self.samplers)

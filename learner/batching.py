@@ -27,6 +27,9 @@ class Sequence:
     old_logp: list[float]  # behaviour (sampler) logprobs, one per completion token
     advantage: float = 0.0
     temperature: float = 1.0  # the one old_logp was sampled at; the learner's logprobs must use it too
+    # Sampled by the version whose weights the learner holds now: its old_logp must equal the learner's
+    # logprobs before this step (the check of the samplers that costs nothing: learner/trainer.py).
+    checked: bool = False
 
 
 @dataclass
@@ -41,6 +44,7 @@ class MicroBatch:
     old_logp_B_C: Tensor
     advantages_B: Tensor
     temperature: float  # shared by every sequence of the micro-batch
+    checked_B: Tensor  # Sequence.checked
 
     @property
     def num_tokens(self) -> int:
@@ -102,8 +106,9 @@ def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatc
     targets_B_K = torch.zeros((B, K), dtype=torch.long)
     targets_B_K[:, : K - 1] = input_ids_B_L[:, first + 1 :]
     advantages_B = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+    checked_B = torch.tensor([s.checked for s in seqs], dtype=torch.bool)
     return MicroBatch(indices, input_ids_B_L, attention_mask_B_L, K, targets_B_K, gather_B_C, mask_B_C,
-                      old_logp_B_C, advantages_B, seqs[0].temperature)
+                      old_logp_B_C, advantages_B, seqs[0].temperature, checked_B)
 
 
 def make_micro_batches(seqs: list[Sequence], micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
@@ -119,6 +124,14 @@ def make_micro_batches(seqs: list[Sequence], micro_batch_size: int, pad_id: int 
             chunk = order[start : start + micro_batch_size]
             batches.append(_collate([seqs[i] for i in chunk], chunk, pad_id))
     return batches
+
+
+def sampler_gap(logp_B_C: Tensor, batch: MicroBatch) -> dict[str, Tensor]:
+    """|learner - sampler| logprob over the checked sequences' tokens: sum, token count and max."""
+    valid_B_C = batch.mask_B_C & batch.checked_B[:, None]
+    gap_B_C = torch.where(valid_B_C, (logp_B_C.detach() - batch.old_logp_B_C).abs(), torch.zeros_like(logp_B_C))
+    return {"gap_sum": gap_B_C.sum(), "gap_tokens": valid_B_C.sum(), "gap_max": gap_B_C.max() if gap_B_C.numel()
+            else torch.tensor(0.0)}
 
 
 def gather_completion_logp(logp_B_K: Tensor, batch: MicroBatch) -> Tensor:

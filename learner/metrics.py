@@ -12,7 +12,8 @@ import torch
 
 from grpo_server.wire import TrainMetrics
 
-_SUM_KEYS = ("token_count", "seq_count", "clipped_count", "ratio_sum", "ratio_sq_sum", "kl_sum")
+_SUM_KEYS = ("token_count", "seq_count", "clipped_count", "ratio_sum", "ratio_sq_sum", "kl_sum", "gap_sum",
+             "gap_tokens")
 
 
 class StepStats:
@@ -21,6 +22,7 @@ class StepStats:
         self.sums = dict.fromkeys(_SUM_KEYS, 0.0)
         self.ratio_min = math.inf
         self.ratio_max = -math.inf
+        self.gap_max = 0.0
 
     def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         # Micro-batch losses are shares of the batch loss (BatchNormalizer), so they sum to it.
@@ -29,6 +31,7 @@ class StepStats:
             self.sums[key] += float(stats[key])
         self.ratio_min = min(self.ratio_min, float(stats["ratio_min"]))
         self.ratio_max = max(self.ratio_max, float(stats["ratio_max"]))
+        self.gap_max = max(self.gap_max, float(stats["gap_max"]))
 
     def merge_across_ranks(self, device: torch.device) -> None:
         """Every rank's stats become the whole batch's (sums summed, extremes of extremes), so that every
@@ -37,14 +40,15 @@ class StepStats:
 
         sums = torch.tensor([self.loss, *(self.sums[k] for k in _SUM_KEYS)], dtype=torch.float64, device=device)
         # max(-min) is -min(min): one MAX reduction serves both extremes.
-        extremes = torch.tensor([-self.ratio_min, self.ratio_max], dtype=torch.float64, device=device)
+        extremes = torch.tensor([-self.ratio_min, self.ratio_max, self.gap_max], dtype=torch.float64, device=device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         self.loss, *values = sums.tolist()
         self.sums = dict(zip(_SUM_KEYS, values))
-        self.ratio_min, self.ratio_max = -extremes[0].item(), extremes[1].item()
+        self.ratio_min, self.ratio_max, self.gap_max = -extremes[0].item(), extremes[1].item(), extremes[2].item()
 
-    def metrics(self, step: int, rewards: list[float], grad_norm: float, seconds: float) -> TrainMetrics:
+    def metrics(self, step: int, rewards: list[float], grad_norm: float, seconds: float,
+                checked_version: int | None = None) -> TrainMetrics:
         tokens = self.sums["token_count"]
         n = max(tokens, 1.0)
         ratio_mean = self.sums["ratio_sum"] / n
@@ -66,4 +70,8 @@ class StepStats:
             grad_norm=grad_norm,
             tokens=int(tokens),
             seconds=seconds,
+            checked_version=checked_version,
+            sampler_gap_tokens=int(self.sums["gap_tokens"]),
+            sampler_gap_mean=self.sums["gap_sum"] / max(self.sums["gap_tokens"], 1.0),
+            sampler_gap_max=self.gap_max,
         )

@@ -34,7 +34,8 @@ from transformers import AutoModelForCausalLM
 from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
 from grpo_server.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, checkpoint
-from learner.batching import MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches
+from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
+                              sampler_gap)
 from learner.engine import make_engine, optimizer_step, release_engine
 from learner.errors import LearnerError, bad_request, not_found
 from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
@@ -58,6 +59,9 @@ class Experiment:
     journal_seq: int = 0  # the newest feedback-journal entry these weights include (front end's numbering)
     groups_trained: int = 0
     checkpointed_step: int = -1
+    # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
+    # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
+    weights_version: int | None = None
 
 
 def resolve_dtype(name: str, cuda: bool) -> torch.dtype:
@@ -156,7 +160,7 @@ class MultiAdapterTrainer:
         except BaseException:
             self.model.delete_adapter(adapter)
             raise
-        exp = Experiment(name, adapter, algorithm, params, engine, step, version)
+        exp = Experiment(name, adapter, algorithm, params, engine, step, version, weights_version=version)
         if resumed is not None:
             exp.journal_seq, exp.groups_trained = resumed.state.journal_seq, resumed.state.groups_trained
             exp.checkpointed_step = step
@@ -170,7 +174,10 @@ class MultiAdapterTrainer:
     def train(self, request: TrainRequest) -> TrainMetrics:
         started = time.perf_counter()
         exp = self._get(request.name)
-        seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature)
+        # With LoRA dropout the training forward is not the function the samplers serve: nothing to compare.
+        checked = exp.weights_version if self._lora_configs[exp.name].dropout == 0 else None
+        seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature,
+                         checked=s.policy_version == checked)
                 for s in request.samples]
         for i, seq in enumerate(seqs):
             _check_temperature(seq.temperature)
@@ -193,12 +200,13 @@ class MultiAdapterTrainer:
                 self._reset_engine(exp)
             raise
         exp.step += 1
+        exp.weights_version = None
         exp.groups_trained += request.num_groups
         exp.journal_seq = max(exp.journal_seq, request.journal_seq)
         if exp.step % algo.checkpoint_every == 0:
             self.checkpoint(exp.name)
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
-                                time.perf_counter() - started)
+                                time.perf_counter() - started, checked_version=checked)
         metrics.checkpointed_journal_seq = exp.journal_seq if exp.checkpointed_step == exp.step else None
         log.info("%s: step %d, %d sequences in %d micro-batches (+%d padding) on rank %d of %d, loss %.4f, grad "
                  "norm %.4f, %.2f s", exp.name, exp.step, len(seqs), len(share.micro_batches), share.padding_passes,
@@ -231,6 +239,7 @@ class MultiAdapterTrainer:
         exp = self._get(name)
         self._write_version(exp.adapter, name, exp.version + 1, exp.step)
         exp.version += 1
+        exp.weights_version = exp.version
         return self._version_ref(name, exp.version)
 
     def logprobs(self, request: LogprobsRequest) -> list[list[float]]:
@@ -341,7 +350,7 @@ class MultiAdapterTrainer:
             # times the world size, the average is that sum. A padding pass adds nothing (learner/sharding.py).
             exp.engine.backward(loss * (self.world_size if counts else 0.0), scale_wrt_gas=False)
             if counts:
-                stats.add(loss, micro_stats)
+                stats.add(loss, {**micro_stats, **sampler_gap(logp_B_C, batch)})
         if self.world_size > 1:
             stats.merge_across_ranks(self.device)
         return stats, optimizer_step(exp.engine, exp.params)

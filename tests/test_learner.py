@@ -124,6 +124,31 @@ def test_advantage_sign_moves_the_completion_logprob(trainer, advantage):
     assert (after - before) * advantage > 0.5, (before, after)
 
 
+def test_a_step_compares_the_sampler_logprobs_of_the_version_it_starts_from(trainer):
+    """The free check (grpo_server/verification.py): samples of the version the weights are at have their
+    sampler logprobs compared with the learner's own; other versions' samples, and any sample once a step
+    has moved the weights past the last saved version, are not."""
+    def step(policy_version: int, offset: float):
+        own = _lp(trainer, "gap")[0]
+        return trainer.train(TrainRequest(name="gap", samples=[
+            TrainSample(prompt_token_ids=PROMPT, completion_token_ids=COMPLETION,
+                        sampler_logprobs=[min(x + offset, 0.0) for x in own], advantage=1.0, reward=1.0,
+                        policy_version=policy_version),
+            TrainSample(prompt_token_ids=PROMPT[:3], completion_token_ids=COMPLETION[:2], sampler_logprobs=[-3.0, -4.0],
+                        advantage=-1.0, reward=0.0, policy_version=policy_version - 1)]))
+
+    trainer.add_experiment("gap", LORA, AlgorithmConfig(learning_rate=1e-2))
+    first = step(policy_version=0, offset=0.0)  # fresh: the weights are v0's
+    assert first.checked_version == 0 and first.sampler_gap_tokens == len(COMPLETION)
+    assert first.sampler_gap_mean < 1e-5 and first.sampler_gap_max < 1e-5
+    moved = step(policy_version=0, offset=0.0)  # the weights moved past v0 and nothing was saved
+    assert moved.checked_version is None and moved.sampler_gap_tokens == 0
+    assert trainer.save_adapter("gap").version == 1
+    wrong = step(policy_version=1, offset=-0.25)  # a sampler serving other weights than v1's
+    assert wrong.checked_version == 1 and wrong.sampler_gap_tokens == len(COMPLETION)
+    assert abs(wrong.sampler_gap_mean - 0.25) < 1e-4 and abs(wrong.sampler_gap_max - 0.25) < 1e-4
+
+
 def test_stepping_one_experiment_leaves_the_other_exactly_unchanged(trainer):
     trainer.add_experiment("iso-a", LORA, AlgorithmConfig(learning_rate=1e-2))
     trainer.add_experiment("iso-b", LORA, AlgorithmConfig(learning_rate=1e-2))
