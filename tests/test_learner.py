@@ -421,11 +421,14 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         for step in (1, 2):
             status, body = _post(url, "train", train)
             assert status == 200 and body["step"] == step and body["tokens"] == len(COMPLETION), body
-        status, body = _post(url, "save_adapter", {"name": "web"})
+        # A probe to score under the saved weights (the front end's check of the version) comes back with it.
+        probe = {"prompt_token_ids": PROMPT, "completions_token_ids": [COMPLETION, COMPLETION[:2]]}
+        status, body = _post(url, "save_adapter", {"name": "web", "probe": probe})
         assert status == 200 and body["version"] == 1 and body["path"].endswith("v000001"), body
-        status, body = _post(url, "logprobs", {"name": "web", "prompt_token_ids": PROMPT,
-                                               "completions_token_ids": [COMPLETION]})
+        saved_probe = body["probe_logprobs"]
+        status, body = _post(url, "logprobs", {"name": "web", **probe})
         assert sum(body["logprobs"][0]) > sum(before)
+        assert saved_probe == body["logprobs"]
         with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
             assert unpack(response.read())["experiments"]["web"] == {
                 "step": 2, "version": 1, "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}

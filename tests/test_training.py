@@ -17,7 +17,7 @@ from grpo_server.metrics_log import MetricsLog
 from grpo_server import training
 from grpo_server.training import ExperimentTrainer, report_training_crash
 from grpo_server.turns import ComputeTurns
-from grpo_server.wire import AdapterVersion, Completion, LogprobsResponse, ScoreResponse, TrainMetrics
+from grpo_server.wire import AdapterVersion, Completion, ScoreResponse, TrainMetrics
 
 LOGPROBS = [[-0.5, -1.0], [-0.25, -2.0]]
 
@@ -42,10 +42,9 @@ class FakeLearner:
         if verb == "save_adapter":
             self.version += 1
             self.weights_version = self.version
+            assert request.probe is not None and request.probe.completions_token_ids == [[5, 6], [7, 8]]
             return AdapterVersion(name=request.name, version=self.version, path=f"/adapters/v{self.version}",
-                                  step=self.step)
-        if verb == "logprobs":
-            return LogprobsResponse(logprobs=LOGPROBS)
+                                  step=self.step, probe_logprobs=LOGPROBS)
         raise AssertionError(verb)
 
 
@@ -132,7 +131,7 @@ async def test_the_batch_a_version_sampled_checks_it_without_the_sampler(tmp_pat
         assert "score" not in " ".join(workers.calls)  # no sampler pass
         # v1 and v2 were checked by the next step; v3 waits for a step (or for the idle probe).
         assert push_lines(trainer) == [(1, True, "trained_batch"), (2, True, "trained_batch")]
-        assert workers.calls[:4] == ["train", "save_adapter", "logprobs", "train"]
+        assert workers.calls[:3] == ["train", "save_adapter", "train"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -148,8 +147,8 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
         await wait_until(lambda: exp.serving_version == 1)
         queue(exp, rated_group(2))  # still v0's groups: v1 is not in this batch, so a probe checks it
         await wait_until(lambda: "score v1" in workers.calls)
-        # The learner's side was taken right after the push, before the second step moved the weights.
-        assert workers.calls[:5] == ["train", "save_adapter", "logprobs", "train", "save_adapter"]
+        # The learner's side came with the save (the probe scored under the saved weights).
+        assert workers.calls[:4] == ["train", "save_adapter", "train", "save_adapter"]
         queue(exp, rated_group(3))  # the sampler holds v1's probe; training goes on regardless
         await wait_until(lambda: exp.serving_version == 3)
         assert workers.calls.count("score v1") == 1 and "score v2" not in workers.calls  # one probe at a time
