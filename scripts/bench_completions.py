@@ -91,12 +91,8 @@ def direct_engine(model_dir: Path, args):
     """vLLM's AsyncLLM in this process, with the sampler's own engine arguments (sampler.vllm_engine)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from grpo_server.turns import resolve_schedule
-    from grpo_server.worker_set import sampler_cpu_threads_bind
     from sampler.vllm_engine import engine_args
 
-    # The CPU binding the server's own sampler gets here (its default schedule), so both sides compute alike.
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = sampler_cpu_threads_bind(resolve_schedule("auto", remote_workers=False))
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
                            kv_cache_gib=2, max_num_seqs=args.max_num_seqs)
     return AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
