@@ -131,7 +131,7 @@ async def test_chat_completions_group_logprobs_and_feedback(server, client, expe
         token_ids = choice.model_extra["token_ids"]
         total += len(token_ids)
         assert 1 <= len(token_ids) <= 6
-        assert choice.message.role == "assistant" and choice.message.content == tokenizer.decode(token_ids)
+        assert choice.message.role == "assistant" and choice.message.content == tokenizer.decode(token_ids, skip_special_tokens=True)
         assert choice.finish_reason in ("stop", "length")
         entries = choice.logprobs.content
         assert [e.token for e in entries] == [tokenizer.decode([t]) for t in token_ids]
@@ -175,7 +175,7 @@ async def test_legacy_completions_text_prompt(server, experiment, tokenizer):
     assert len(resp.choices) == 2
     for choice in resp.choices:
         token_ids = choice.model_extra["token_ids"]
-        assert 1 <= len(token_ids) <= 5 and choice.text == tokenizer.decode(token_ids)
+        assert 1 <= len(token_ids) <= 5 and choice.text == tokenizer.decode(token_ids, skip_special_tokens=True)
         lp = choice.logprobs
         assert lp.tokens == [tokenizer.decode([t]) for t in token_ids]
         assert len(lp.token_logprobs) == len(token_ids) and all(x <= 0 for x in lp.token_logprobs)

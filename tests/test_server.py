@@ -42,7 +42,7 @@ async def test_completions_honour_n_and_max_tokens(client, experiment, tokenizer
         assert 1 <= len(completion.token_ids) <= 6
         assert len(completion.logprobs) == len(completion.token_ids)
         assert all(math.isfinite(lp) and lp <= 0 for lp in completion.logprobs)
-        assert completion.text == tokenizer.decode(completion.token_ids)
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         assert completion.finish_reason in ("stop", "length")
 
 
