@@ -12,13 +12,11 @@ learner something to train.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 from pathlib import Path
 from typing import AsyncIterator, Literal
 
-log = logging.getLogger(__name__)
+from grpo_server.gate import Gate
 
 Schedule = Literal["auto", "overlap", "alternate"]
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the NVIDIA driver sees
@@ -34,15 +32,13 @@ def resolve_schedule(schedule: Schedule, remote_workers: bool) -> Literal["overl
 
 
 class ComputeTurns:
-    """A readers-writer lock with the writer first: any number of sampler calls at once, or one train
-    step. With `alternate` False both context managers do nothing."""
+    """Sampler calls share their turn; a train step has it alone and goes first (grpo_server/gate.py).
+    With `alternate` False nothing waits; sampler calls are counted either way."""
 
     def __init__(self, alternate: bool):
         self.alternate = alternate
+        self._gate = Gate()
         self._sampling = 0  # sampler calls running
-        self._training = False  # a train step running
-        self._trainers_waiting = 0
-        self._changed = asyncio.Condition()
 
     @property
     def sampling_calls(self) -> int:
@@ -51,39 +47,14 @@ class ComputeTurns:
 
     @contextlib.asynccontextmanager
     async def sampling(self) -> AsyncIterator[None]:
-        if not self.alternate:
+        async with (self._gate.shared() if self.alternate else contextlib.nullcontext()):
             self._sampling += 1
             try:
                 yield
             finally:
                 self._sampling -= 1
-            return
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._training and not self._trainers_waiting)
-            self._sampling += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._sampling -= 1
-                self._changed.notify_all()
 
     @contextlib.asynccontextmanager
     async def training(self) -> AsyncIterator[None]:
-        if not self.alternate:
+        async with (self._gate.exclusive() if self.alternate else contextlib.nullcontext()):
             yield
-            return
-        async with self._changed:
-            self._trainers_waiting += 1
-            try:
-                await self._changed.wait_for(lambda: not self._training and not self._sampling)
-            finally:
-                self._trainers_waiting -= 1
-                self._changed.notify_all()  # samplers held back by this waiter may go if it gave up
-            self._training = True
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._training = False
-                self._changed.notify_all()

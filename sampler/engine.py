@@ -10,12 +10,9 @@ No torch / vLLM import at module level: `create_engine` imports the chosen engin
 from __future__ import annotations
 
 import abc
-import asyncio
-import contextlib
 import importlib.util
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,75 +146,6 @@ def completion_text(tokenizer: Any, token_ids: list[int], stop_string: str | Non
         if cut >= 0:
             text = text[:cut]
     return text
-
-
-class Gate:
-    """Many shared holders at once, or one exclusive holder alone (the vLLM engine keeps its
-    prompt-logprob requests out of other requests' batches with it). An exclusive waiter goes
-    first: new shared holders wait behind it, so a stream of generations cannot starve it."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._waiting = 0
-
-    @contextlib.asynccontextmanager
-    async def shared(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            await self._release_shared()
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        await self._acquire_exclusive()
-        try:
-            yield
-        finally:
-            await self._release_exclusive()
-
-    @contextlib.asynccontextmanager
-    async def exclusive_then_shared(self, prepare: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
-        """Run `prepare` alone, then hold the gate shared, with no exclusive holder in between: what
-        `prepare` set up (the vLLM engine's merged weights) is still there for the body."""
-        await self._acquire_exclusive()
-        try:
-            await prepare()
-        except BaseException:
-            await self._release_exclusive()
-            raise
-        async with self._cond:  # exclusive -> shared in one step under the lock
-            self._exclusive = False
-            self._shared += 1
-            self._cond.notify_all()
-        try:
-            yield
-        finally:
-            await self._release_shared()
-
-    async def _acquire_exclusive(self) -> None:
-        async with self._cond:
-            self._waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._exclusive and not self._shared)
-            finally:
-                self._waiting -= 1
-                self._cond.notify_all()  # a cancelled waiter must not keep generations held back
-            self._exclusive = True
-
-    async def _release_exclusive(self) -> None:
-        async with self._cond:
-            self._exclusive = False
-            self._cond.notify_all()
-
-    async def _release_shared(self) -> None:
-        async with self._cond:
-            self._shared -= 1
-            self._cond.notify_all()
 
 
 def resolve_dtype(name: str) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_server.config import SamplerConfig
+from grpo_server.gate import Gate
 from grpo_server.wire import (
     AdapterRef,
     Completion,
@@ -51,7 +52,6 @@ from grpo_server.wire import (
 from sampler.engine import (
     Engine,
     EngineError,
-    Gate,
     adapter_not_loaded,
     check_adapter_dir,
     completion_text,

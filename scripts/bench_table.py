@@ -99,6 +99,12 @@ def _end_to_end_row(e2e: dict | None) -> tuple[str, str, str, str, str]:
     return (name, what, measured, target, verdict)
 
 
+def _rounds(fig: dict) -> str:
+    """The request mix and its alternating rounds, as the front-end and overlap figures run them."""
+    return (f"{fig['requests']} requests x n={fig['n']}, max_tokens {fig['max_tokens']}, concurrency "
+            f"{fig['concurrency']}; {fig['rounds']} rounds each, alternating")
+
+
 def render(results: dict) -> str:
     meta, figs = results["meta"], results["figures"]
     rows = []
@@ -111,9 +117,7 @@ def render(results: dict) -> str:
         rows.append(("front-end overhead",
                      f"completions tok/s through `POST /v1/experiments/bench1/completions` vs vLLM AsyncLLM "
                      f"in-process (sampler's engine args, same adapter v0, {fe.get('served_as', 'lora')} on both sides); "
-                     f"{fe['requests']} requests x n={fe['n']}, "
-                     f"max_tokens {fe['max_tokens']}, concurrency {fe['concurrency']}; {fe['rounds']} rounds "
-                     f"each, alternating",
+                     f"{_rounds(fe)}",
                      f"{_f(fe['server_tok_s'], 1)} vs {_f(fe['direct_tok_s'], 1)} tok/s: **{_f(fe['ratio'], 3)}** "
                      f"(per round {', '.join(_f(r, 2) for r in fe['round_ratios'])})",
                      ">= 0.95", _verdict(fe["ratio"], 0.95) + _spread(fe["round_ratios"])))
@@ -127,9 +131,7 @@ def render(results: dict) -> str:
                      f"completion tok/s through the server while the learner runs train steps back to back vs "
                      f"while it is idle (one process each, same box; the learner's train verb called directly, so "
                      f"the server's `schedule` does not keep them apart, as `alternate` does on a CPU host); "
-                     f"{ov['requests']} requests x n={ov['n']}, "
-                     f"max_tokens {ov['max_tokens']}, concurrency {ov['concurrency']}; {ov['rounds']} rounds "
-                     f"each, alternating",
+                     f"{_rounds(ov)}",
                      f"{_f(ov['busy_tok_s'], 1)} vs {_f(ov['idle_tok_s'], 1)} tok/s: **{_f(ov['ratio'], 2)}** "
                      f"({ov['train_steps_during_busy']} train steps meanwhile); sampling never stops",
                      "report", ""))
