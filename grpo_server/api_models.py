@@ -182,7 +182,7 @@ class VerificationResult(ApiModel):
     tokens: int
     ok: bool
     # trained_batch: the sampler's logprobs of completions the learner then trained on, against the
-    # learner's own; probe: two stored completions scored by both (grpo_server/verification.py).
+    # learner's own; probe: two stored completions scored by both (grpo_server/runtime/verification.py).
     checked_on: Literal["trained_batch", "probe"] = "probe"
 
 

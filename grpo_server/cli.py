@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
-    from grpo_server.model_prep import prepare_embedded_model
+    from grpo_server.workers.model_prep import prepare_embedded_model
 
     folder = prepare_embedded_model(force=args.force)
     print(folder)
@@ -21,7 +21,7 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from grpo_server.config import load_server_config
-    from grpo_server.launcher import RoleError, serve
+    from grpo_server.workers.roles import RoleError, serve
 
     try:
         config = load_server_config(

@@ -11,57 +11,19 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# LoraConfig and AlgorithmConfig are the learner's too, so they live with the workers' config.
+from grpo_server.protocol.worker_config import (AlgorithmConfig, DTypeName, LearnerOptions, LoraConfig, SamplerOptions,
+                                                StrictModel, load_yaml)
+
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 # ----------------------------------------------------------------------------------------------
-# Experiment
+# Experiment (its LoRA and algorithm sections are the learner's too: protocol/worker_config.py)
 # ----------------------------------------------------------------------------------------------
-
-
-class LoraConfig(StrictModel):
-    r: int = Field(16, ge=1, le=256, description="LoRA rank.")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input while training.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
-        min_length=1,
-        description="Linear layers that get an adapter (names as in the base model).",
-    )
-
-
-class AlgorithmConfig(StrictModel):
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
-        "grpo",
-        description="grpo: sequence-mean then batch-mean, advantages divided by the group std; "
-        "dr_grpo: no std division, constant normaliser; dapo: token-level mean over the batch; "
-        "gspo: sequence-level importance ratio.",
-    )
-    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate of the adapter.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0 = off).")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
-    clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
-    push_every: int = Field(1, ge=1, description="Optimizer steps between adapter versions.")
-    checkpoint_every: int = Field(1, ge=1, description=(
-        "Optimizer steps between checkpoints (weights, optimizer state, RNG, journal position); the learner "
-        "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
-    max_staleness: int = Field(
-        2, ge=0, description="Groups sampled more than this many versions ago are dropped."
-    )
-    skip_zero_variance: bool = Field(True, description="Skip groups whose rewards are all equal.")
 
 
 class SamplingConfig(StrictModel):
@@ -91,27 +53,12 @@ class ExperimentConfig(StrictModel):
 # Workers: the front end hands these down; shared fields are set once in ServerConfig.
 # ----------------------------------------------------------------------------------------------
 
-EngineName = Literal["vllm", "transformers", "auto"]
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-class SamplerSettings(StrictModel):
-    """Sampler options as written in the server config."""
+class SamplerSettings(SamplerOptions):
+    """Sampler options as written in the server config: the engine's (protocol/worker_config.py) and where
+    the replicas run."""
 
     replicas: int = Field(1, ge=1, le=64, description="Sampler processes (one per GPU on a GPU host).")
-    engine: EngineName = Field("auto", description="vllm, transformers, or auto (vllm when importable).")
     base_port: int = Field(0, ge=0, le=65535, description="Port of replica 0 (0 = pick free ports).")
-    max_loras: int = Field(2, ge=1, description="Most distinct adapters in one engine batch (vLLM).")
-    max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded in the engine's cache.")
-    max_lora_rank: int = Field(16, description="Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ...).")
-    gpu_memory_utilization: float = Field(
-        0.15, gt=0, le=1, description="Share of device memory vLLM reserves (of RAM on CPU)."
-    )
-    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine runs at once.")
-    merge_lone_adapter: bool = Field(True, description=(
-        "vLLM on CPU in float32: while one experiment is served, fold its adapter into the base weights "
-        "(base-model speed; LoRA again when a second experiment or an older version is asked for)."))
     devices: list[str] = Field(
         default_factory=list, description="CUDA device ids per replica, e.g. ['0', '1']; empty = inherit."
     )
@@ -126,15 +73,13 @@ class SamplerSettings(StrictModel):
         return [worker_url(url, f"sampler.urls[{i}]") for i, url in enumerate(urls)]
 
 
-class LearnerSettings(StrictModel):
+class LearnerSettings(LearnerOptions):
+    """Learner options as written in the server config: the learner's (protocol/worker_config.py) and where
+    it runs."""
+
     port: int = Field(0, ge=0, le=65535, description="Learner port (0 = pick a free port).")
-    zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage.")
     devices: str = Field("", description=(
         "CUDA_VISIBLE_DEVICES for the learner, e.g. '0,1'; rank i takes the i-th of them. Empty = inherit."))
-    ranks: int = Field(1, ge=1, le=64, description=(
-        "Data-parallel DeepSpeed ranks of the learner (one per GPU on a GPU host). The front end still talks "
-        "to one process, rank 0, which starts and drives the others; each trains on its share of a batch."))
-    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     url: str | None = Field(None, description=(
         "A remote learner (`grpo-server serve --role frontend`), e.g. 'http://learner:8102'; then `port` is not "
         "used and `--role learner` listens on this URL's port. None: the front end starts its own learner."))
@@ -151,45 +96,6 @@ class LearnerSettings(StrictModel):
             raise ValueError(f"learner.ranks is {self.ranks} but learner.devices lists {len(listed)} device(s) "
                              f"({self.devices!r}): each rank needs its own GPU")
         return self
-
-
-class SamplerConfig(StrictModel):
-    """What one sampler process reads (written by the front end into the run directory)."""
-
-    model_path: Path
-    run_dir: Path
-    host: str = "127.0.0.1"
-    port: int = Field(ge=1, le=65535)
-    replica: int = 0
-    engine: EngineName = "auto"
-    dtype: DTypeName = "auto"
-    max_model_len: int = Field(2048, ge=16)
-    seed: int = 0
-    max_loras: int = 2
-    max_cpu_loras: int = 16
-    max_lora_rank: int = 16
-    gpu_memory_utilization: float = 0.15
-    kv_cache_gib: float = 2.0
-    max_num_seqs: int = 64
-    merge_lone_adapter: bool = True
-
-
-class LearnerConfig(StrictModel):
-    """What the learner process reads (written by the front end into the run directory)."""
-
-    model_path: Path
-    run_dir: Path
-    host: str = "127.0.0.1"
-    port: int = Field(ge=1, le=65535)
-    dtype: DTypeName = "auto"
-    max_model_len: int = Field(2048, ge=16)
-    seed: int = 0
-    zero_stage: Literal[0, 1, 2] = 2
-    gradient_checkpointing: bool = False
-    ranks: int = Field(1, ge=1, le=64)  # data-parallel ranks; this process is rank 0 and starts the others
-    # Bounds every collective (a rank stuck inside a step fails the step rather than hang it), and a
-    # rank's start-up rendezvous.
-    collective_timeout_s: float = Field(300.0, gt=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +144,7 @@ class ServerConfig(BaseSettings):
         "auto", description="Sampling and training at the same time (overlap: the sampler and the learner have "
         "their own devices) or in turns (alternate: a train step waits for the sampler calls running and holds "
         "new ones until it ends, for a CPU host where they share the cores). auto: alternate when the workers "
-        "run on this machine and it has no NVIDIA GPU, overlap otherwise (grpo_server/turns.py).")
+        "run on this machine and it has no NVIDIA GPU, overlap otherwise (grpo_server/workers/pool.py).")
     verify_tolerance: float = Field(
         0.05, gt=0, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )
@@ -293,14 +199,6 @@ def worker_url(url: str, where: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def load_yaml(path: Path) -> dict[str, Any]:
-    with open(path) as handle:
-        data = yaml.safe_load(handle) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    return data
-
-
 def load_server_config(path: Path | None = None, **overrides: Any) -> ServerConfig:
     """Server config from an optional YAML file, then the environment, then explicit overrides."""
     data = load_yaml(path) if path else {}
@@ -312,10 +210,3 @@ def load_experiment_config(path: Path) -> ExperimentConfig:
     return ExperimentConfig.model_validate(load_yaml(path))
 
 
-def write_resolved(config: BaseModel, path: Path) -> None:
-    """Write a resolved config as YAML, secrets masked, atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = config.model_dump(mode="json")
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)

@@ -1,5 +1,5 @@
 """`grpo-server plot RUN_DIR`: one PNG per experiment, `RUN_DIR/plots/<name>.png`, from its metrics log
-(`RUN_DIR/metrics/<name>.jsonl`, see `grpo_server/metrics_log.py`), with three panels: mean reward per
+(`RUN_DIR/metrics/<name>.jsonl`, see `grpo_server/runtime/metrics_log.py`), with three panels: mean reward per
 learner step (with its spread across the batch), KL to the base model per step, and sampling throughput
 (completion tokens per second) over the run's wall-clock time.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from grpo_server.config import LearnerConfig, load_yaml, write_resolved
+from grpo_server.protocol.worker_config import LearnerConfig, load_yaml, write_resolved
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,18 +13,10 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.wire import (
-    MSGPACK,
-    AdapterVersion,
-    AddExperimentRequest,
-    LearnerStatus,
-    LogprobsRequest,
-    LogprobsResponse,
-    RemoveExperimentRequest,
-    SaveAdapterRequest,
-    TrainRequest,
-    pack,
-    unpack,
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.wire import (
+    AdapterVersion, AddExperimentRequest, LearnerStatus, LogprobsRequest, LogprobsResponse,
+    RemoveExperimentRequest, SaveAdapterRequest, TrainRequest,
 )
 from learner.errors import LearnerError, bad_request
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpo_server.config import AlgorithmConfig
+from grpo_server.protocol.worker_config import AlgorithmConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import signal
 import threading
 from typing import Any, Callable
 
-from grpo_server.config import LearnerConfig
+from grpo_server.protocol.worker_config import LearnerConfig
 from learner.lockstep import CommandChannel, LockstepTrainer, exit_now, follow
 from learner.ranks import Followers, RankEnv, host_store, init_process_group, join_store, read_master_port
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from grpo_server.wire import TrainMetrics
+from grpo_server.protocol.wire import TrainMetrics
 
 _SUM_KEYS = ("token_count", "seq_count", "clipped_count", "ratio_sum", "ratio_sq_sum", "kl_sum", "gap_sum",
              "gap_tokens")

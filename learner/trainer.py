@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
-from grpo_server.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
+from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig
+from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, checkpoint
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)

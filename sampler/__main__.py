@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from grpo_server.config import SamplerConfig, load_yaml, write_resolved
+from grpo_server.protocol.worker_config import SamplerConfig, load_yaml, write_resolved
 
 log = logging.getLogger("sampler")
 

@@ -1,6 +1,6 @@
 """The sampler's HTTP layer: msgpack verbs over one `Engine`.
 
-POST /generate /score /load_adapter /unload_adapter (msgpack bodies, `grpo_server.wire` models),
+POST /generate /score /load_adapter /unload_adapter (msgpack bodies, `grpo_server.protocol.wire` models),
 GET /health. Every error answers msgpack `{"error": {"code", "message"}}`: a body that does not
 validate is 400 bad_request, an `EngineError` carries its own code and status, anything else is a
 logged 500 with its message. The engine starts and stops with the app (a cleanup context), so the
@@ -15,15 +15,9 @@ from typing import Any, Awaitable, Callable, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.wire import (
-    MSGPACK,
-    GenerateRequest,
-    LoadAdapterRequest,
-    SamplerHealth,
-    ScoreRequest,
-    UnloadAdapterRequest,
-    pack,
-    unpack,
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.wire import (
+    GenerateRequest, LoadAdapterRequest, SamplerHealth, ScoreRequest, UnloadAdapterRequest,
 )
 from sampler.engine import Engine, EngineError
 

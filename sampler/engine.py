@@ -16,8 +16,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from grpo_server.config import SamplerConfig
-from grpo_server.wire import AdapterRef, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.protocol.wire import AdapterRef, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
 
 log = logging.getLogger(__name__)
 

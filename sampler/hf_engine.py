@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from grpo_server.config import SamplerConfig
-from grpo_server.wire import (
+from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.protocol.wire import (
     AdapterRef,
     Completion,
     GenerateRequest,

@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from grpo_server.wire import AdapterRef, ServedAs
+from grpo_server.protocol.wire import AdapterRef, ServedAs
 from sampler.engine import EngineError, adapter_not_loaded
 
 log = logging.getLogger(__name__)

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_server.config import SamplerConfig
-from grpo_server.gate import Gate
-from grpo_server.wire import (
+from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.protocol.gate import Gate
+from grpo_server.protocol.wire import (
     AdapterRef,
     Completion,
     GenerateRequest,

@@ -14,7 +14,7 @@ import aiohttp
 import msgpack
 from hypothesis import strategies as st
 
-from grpo_server.openapi import Endpoint, openapi_document
+from grpo_server.api.openapi import Endpoint, openapi_document
 from tests.serving import ADMIN_KEY
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from grpo_server.advantages import group_advantages, is_zero_variance, scale_by_std_for
+from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
 
 
 def test_grpo_scales_by_sample_std() -> None:
@@ -63,6 +63,6 @@ def test_non_finite_rewards_rejected() -> None:
 
 def test_no_numeric_imports() -> None:
     # The front end and client install have no numpy / torch: importing must not pull them in.
-    code = "import sys, grpo_server.advantages; print('numpy' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, grpo_server.runtime.advantages; print('numpy' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

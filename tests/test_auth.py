@@ -1,7 +1,7 @@
 """The auth matrix over real HTTP: every public route (the OpenAPI table, which a test holds equal to
 `app.routes()`) x {no key, wrong key, another experiment's key, the experiment's own key, the admin key}.
 
-Expected, from the route's `auth` in `grpo_server/openapi.py`:
+Expected, from the route's `auth` in `grpo_server/api/openapi.py`:
 - `public` (`/openapi.json`, `/v1/health`): the answer, whatever the key (a bad one is ignored);
 - otherwise no key or an unknown key: 401;
 - `key` (tokenize, the experiment list): any valid key succeeds; the list shows an experiment key its own only;
@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 from jsonschema import Draft202012Validator
 
-from grpo_server.app import routes
-from grpo_server.openapi import ENDPOINTS, Endpoint, openapi_document
+from grpo_server.api.app import routes
+from grpo_server.api.openapi import ENDPOINTS, Endpoint, openapi_document
 from tests.serving import ADMIN_KEY
 
 A, B = "auth-a", "auth-b"

@@ -3,21 +3,11 @@ No timing here: the figures belong to the benchmark."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+import importlib
 
 
 def _load(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))  # bench.py imports its sibling modules by name
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.benchmarks.{name}")  # __main__: the driver (scripts/bench)
 
 
 def _results(**figures) -> dict:
@@ -28,7 +18,7 @@ def _results(**figures) -> dict:
 
 
 def test_bench_imports_and_modes():
-    bench = _load("bench")
+    bench = _load("__main__")
     assert bench.QUICK.name == "quick" and bench.FULL.name == "full"
     assert 8 in bench.FULL.levels and 8 not in bench.QUICK.levels
     assert set(bench.FIGURES) == {"front_end", "overlap", "adapter", "push", "learner", "experiments", "memory",
@@ -37,7 +27,7 @@ def test_bench_imports_and_modes():
 
 
 def test_table_replaces_only_the_marked_block():
-    table = _load("bench_table")
+    table = _load("table")
     doc = "# Benchmarks\n\nMachine: a box.\nMore of it.\n\n## Old section\n\nkept\n"
     first = table.replace_block(doc, table.render(_results(front_end={"error": "boom"})))
     assert first.startswith("# Benchmarks\n\nMachine: a box.\nMore of it.\n\n" + table.START)
@@ -76,7 +66,7 @@ def _row(table, e2e) -> str:
 
 
 def test_table_end_to_end_row():
-    table = _load("bench_table")
+    table = _load("table")
     skipped = {"skipped": "not run in quick mode (takes up to ~55 minutes): scripts/bench --only end_to_end"}
     row = _row(table, skipped)
     assert "not run in quick mode" in row and "scripts/bench --only end_to_end" in row and ">= 2x faster" in row
@@ -104,7 +94,7 @@ def test_table_end_to_end_row():
 
 def test_end_to_end_race_window():
     """The race both sides share: the mean of the last `window` groups, only once there are that many."""
-    e2e = _load("bench_end_to_end")
+    e2e = _load("end_to_end")
     race = e2e.Race(target=0.5, window=3, time_limit_s=3600)
     race.start()
     assert not race.add(1.0, 0) and not race.add(1.0, 0)  # a lucky start is not the running mean yet

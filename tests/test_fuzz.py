@@ -25,7 +25,7 @@ import yarl
 from hypothesis import HealthCheck, given, settings
 from jsonschema import Draft202012Validator
 
-from grpo_server.openapi import ENDPOINTS, Endpoint
+from grpo_server.api.openapi import ENDPOINTS, Endpoint
 from tests.serving import ADMIN_KEY
 
 from tests.fuzz_strategies import (BEFORE, CHEAP, COUNTS, Case, DEFAULT_EXAMPLES, DOC, EXAMPLES, FUZZ_EXP, FUZZ_KEY, MSGPACK, STATUSES, TIMEOUT, cases)

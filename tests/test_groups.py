@@ -2,9 +2,9 @@ import time
 
 import pytest
 
-from grpo_server.errors import Conflict, NotFound
-from grpo_server.groups import Group, GroupStore
-from grpo_server.wire import Completion
+from grpo_server.protocol.errors import Conflict, NotFound
+from grpo_server.runtime.groups import Group, GroupStore
+from grpo_server.protocol.wire import Completion
 
 
 def make_group(store, experiment="a", created_at=0.0):
@@ -60,7 +60,7 @@ def test_pending_counts_follow_add_take_expire_and_drop():
 
 
 def test_journal_replays_after_a_position_and_compacts(tmp_path):
-    from grpo_server.journal import FeedbackJournal
+    from grpo_server.runtime.journal import FeedbackJournal
 
     journal = FeedbackJournal(tmp_path / "j.jsonl")
     groups = [make_group(GroupStore(ttl_s=10)) for _ in range(3)]

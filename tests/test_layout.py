@@ -13,7 +13,7 @@ def imported_after(module: str) -> set[str]:
     return set(out.split())
 
 
-@pytest.mark.parametrize("module", ["grpo_server.client", "grpo_server.cli", "grpo_server.app"])
+@pytest.mark.parametrize("module", ["grpo_server.client", "grpo_server.cli", "grpo_server.api.app"])
 def test_client_and_front_end_import_no_ml_package(module):
     assert not imported_after(module) & {"torch", "vllm", "deepspeed", "transformers", "peft", "sampler", "learner"}
 

@@ -23,8 +23,9 @@ import pytest
 import torch
 import yaml
 
-from grpo_server.config import AlgorithmConfig, LearnerConfig, LoraConfig
-from grpo_server.wire import MSGPACK, LogprobsRequest, TrainRequest, TrainSample, pack, unpack
+from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.wire import LogprobsRequest, TrainRequest, TrainSample
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -125,7 +126,7 @@ def test_advantage_sign_moves_the_completion_logprob(trainer, advantage):
 
 
 def test_a_step_compares_the_sampler_logprobs_of_the_version_it_starts_from(trainer):
-    """The free check (grpo_server/verification.py): samples of the version the weights are at have their
+    """The free check (grpo_server/runtime/verification.py): samples of the version the weights are at have their
     sampler logprobs compared with the learner's own; other versions' samples, and any sample once a step
     has moved the weights past the last saved version, are not."""
     def step(policy_version: int, offset: float):

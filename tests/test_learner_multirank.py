@@ -1,7 +1,7 @@
 """The learner as a multi-rank DeepSpeed job (2 CPU ranks over gloo), on the tiny Llama.
 
 Started and driven as the front end does it: `python -m learner --config` under the supervisor's
-WorkerProcess, verbs through the WorkerClient. Two ranks must train exactly like one: the same batch
+WorkerProcess, verbs through the LearnerClient. Two ranks must train exactly like one: the same batch
 (sequences of different lengths, two sampling temperatures, an odd split that leaves rank 1 a padding
 pass) gives the same adapter weights and metrics, for a sequence-normalised loss (grpo) and a
 token-normalised one with the KL term (dapo). A dead rank takes the job down, the supervisor restarts
@@ -27,11 +27,11 @@ import pytest
 import yaml
 
 from grpo_server.config import AlgorithmConfig, LoraConfig
-from grpo_server.errors import ApiError
-from grpo_server.supervisor import WorkerProcess
-from grpo_server.wire import (AddExperimentRequest, AdapterVersion, LogprobsRequest, LogprobsResponse, TrainMetrics,
-                              TrainRequest, TrainSample)
-from grpo_server.worker_client import WorkerClient
+from grpo_server.protocol.errors import ApiError
+from grpo_server.workers.processes import WorkerProcess
+from grpo_server.protocol.wire import (AddExperimentRequest, LogprobsRequest, TrainMetrics, TrainRequest, TrainSample)
+from grpo_server.protocol.verbs import LearnerClient, LearnerVerbs
+from grpo_server.workers.pool import WorkerConnection
 from learner.errors import LearnerError
 from learner.lockstep import CommandChannel, LockstepTrainer, follow
 from learner.ranks import RankEnv, host_store, join_store
@@ -110,12 +110,11 @@ def _batch(name: str, logprobs: list[list[float]], prompts: list[list[int]], com
     return TrainRequest(name=name, samples=samples, max_tokens=8)
 
 
-async def _current_logprobs(client: WorkerClient, name: str, prompts, completions) -> list[list[float]]:
+async def _current_logprobs(client: LearnerClient, name: str, prompts, completions) -> list[list[float]]:
     rows = []
     for (_, _, _, temperature), prompt, completion in zip(SHAPES, prompts, completions):
-        answer = await client.call("logprobs", LogprobsRequest(name=name, prompt_token_ids=prompt,
-                                                               completions_token_ids=[completion],
-                                                               temperature=temperature), LogprobsResponse)
+        answer = await client.logprobs(LogprobsRequest(name=name, prompt_token_ids=prompt,
+                                                       completions_token_ids=[completion], temperature=temperature))
         rows.append(answer.logprobs[0])
     return rows
 
@@ -126,9 +125,9 @@ def _load(path: str) -> dict:
     return load_file(str(Path(path) / "adapter_model.safetensors"))
 
 
-async def _train_both(clients: list[WorkerClient], batch: TrainRequest, step: int) -> TrainMetrics:
+async def _train_both(clients: list[LearnerClient], batch: TrainRequest, step: int) -> TrainMetrics:
     """One step on both jobs; their metrics must agree. Returns the 2-rank job's."""
-    m_one, m_two = [await c.call("train", batch, TrainMetrics) for c in clients]
+    m_one, m_two = [await c.train(batch) for c in clients]
     assert m_one.step == m_two.step == step and m_one.tokens == m_two.tokens == 16
     for field in ("loss", "grad_norm", "ratio_mean", "ratio_std", "clipped_fraction", "kl", "ratio_min", "ratio_max"):
         a, b = getattr(m_one, field), getattr(m_two, field)
@@ -137,9 +136,9 @@ async def _train_both(clients: list[WorkerClient], batch: TrainRequest, step: in
     return m_two
 
 
-async def _assert_same_adapters(clients: list[WorkerClient], name: str, version: int, before: str) -> None:
+async def _assert_same_adapters(clients: list[LearnerClient], name: str, version: int, before: str) -> None:
     """Both jobs save `version`; the weights agree to float noise and moved well beyond it since `before`."""
-    saved = [await c.call("save_adapter", {"name": name}, AdapterVersion) for c in clients]
+    saved = [await c.save_adapter(name) for c in clients]
     assert [v.version for v in saved] == [version, version]
     w_one, w_two, w_before = _load(saved[0].path), _load(saved[1].path), _load(before)
     assert w_one.keys() == w_two.keys() == w_before.keys()
@@ -170,13 +169,12 @@ async def test_two_ranks_train_exactly_like_one_and_recover_together(tiny_model_
             await asyncio.gather(one.start(), two.start())
             pids = _job_pids(two_config)
             assert set(pids) == {"rank0", "rank1"}, pids
-            clients = [WorkerClient(one, session, 300), WorkerClient(two, session, 300)]
+            clients = [LearnerClient(WorkerConnection(worker, session, 300)) for worker in (one, two)]
 
             # Bad requests are answered by rank 0 as usual and leave the ranks in step (trained below).
             with pytest.raises(ApiError) as err:
-                await clients[1].call("train", _batch("ghost", [[-1.0] * c for _, c, _, _ in SHAPES],
-                                                      [[5] * p for p, _, _, _ in SHAPES],
-                                                      [[6] * c for _, c, _, _ in SHAPES]))
+                await clients[1].train(_batch("ghost", [[-1.0] * c for _, c, _, _ in SHAPES],
+                                              [[5] * p for p, _, _, _ in SHAPES], [[6] * c for _, c, _, _ in SHAPES]))
             assert (err.value.status, err.value.code) == (404, "not_found")
 
             prompts = [[(97 * i + 13 * k) % 4000 + 3 for k in range(p)] for i, (p, _, _, _) in enumerate(SHAPES)]
@@ -184,10 +182,10 @@ async def test_two_ranks_train_exactly_like_one_and_recover_together(tiny_model_
             batches = {}
             for name, algorithm in ALGORITHMS.items():
                 request = AddExperimentRequest(name=name, lora=LORA, algorithm=algorithm)
-                v0 = [await c.call("add_experiment", request, AdapterVersion) for c in clients]
+                v0 = [await c.transport.request(LearnerVerbs.add_experiment, request) for c in clients]
                 assert [v.version for v in v0] == [0, 0]
                 with pytest.raises(ApiError) as err:  # the same LearnerError on every rank: a normal answer
-                    await clients[1].call("add_experiment", request)
+                    await clients[1].transport.request(LearnerVerbs.add_experiment, request)
                 assert (err.value.status, err.value.code) == (409, "exists")
                 batches[name] = _batch(name, await _current_logprobs(clients[0], name, prompts, completions),
                                        prompts, completions)
@@ -215,8 +213,8 @@ async def test_two_ranks_train_exactly_like_one_and_recover_together(tiny_model_
             assert "rank 1 exited with code -9" in (two_config.parent / "learner.log").read_text()
             pids = _job_pids(two_config)
             for name, algorithm in ALGORITHMS.items():
-                resumed = await clients[1].call("add_experiment", AddExperimentRequest(
-                    name=name, lora=LORA, algorithm=algorithm), AdapterVersion)
+                resumed = await clients[1].transport.request(LearnerVerbs.add_experiment, AddExperimentRequest(
+                    name=name, lora=LORA, algorithm=algorithm))
                 assert (resumed.step, resumed.version) == (2, 1)
                 await _train_both(clients, batches[name], 3)
                 await _assert_same_adapters(clients, name, 2, before=resumed.path)

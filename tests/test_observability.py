@@ -16,14 +16,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from grpo_server import supervisor
+from grpo_server.workers import processes as supervisor
 from grpo_server.api_models import ExperimentCounters, VerificationResult
 from grpo_server.cli import main as cli_main
-from grpo_server.metrics_log import MetricsLog, metrics_log_path
+from grpo_server.runtime.metrics_log import MetricsLog, metrics_log_path
 from grpo_server.plot import load_series
-from grpo_server.supervisor import WorkerProcess
-from grpo_server.wire import TrainMetrics
-from grpo_server.worker_set import free_port
+from grpo_server.workers.processes import WorkerProcess
+from grpo_server.protocol.wire import TrainMetrics
+from grpo_server.workers.launch import free_port
 from tests.serving import ADMIN_KEY, headers, wait_for
 
 EXP = "obs-page"
@@ -132,7 +132,7 @@ async def test_startup_says_it_is_waiting_for_a_worker(tmp_path, monkeypatch, ca
     port = free_port()
     worker = WorkerProcess("slow", [sys.executable, "-c", SLOW_WORKER, str(port)], f"http://127.0.0.1:{port}",
                            tmp_path / "slow.log", startup_timeout_s=60)
-    with caplog.at_level(logging.INFO, logger="grpo_server.supervisor"):
+    with caplog.at_level(logging.INFO, logger="grpo_server.workers.processes"):
         await worker.start()
     await worker.stop()
     messages = [r.getMessage() for r in caplog.records]

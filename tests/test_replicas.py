@@ -17,9 +17,9 @@ import yaml
 from aiohttp import web
 
 from grpo_server.client import AsyncClient
-from grpo_server.workers import WorkerPool
-from grpo_server.worker_client import WorkerClient
-from grpo_server.wire import MSGPACK, pack, unpack
+from grpo_server.protocol.verbs import SamplerVerbs
+from grpo_server.workers.pool import WorkerConnection, WorkerPool
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
 from tests.serving import complete_when_admitted, free_port, start_server, stop_server, train_one_version, wait_for
 
 # --- the balancer on its own: real HTTP, fake workers that only echo -----------------------------------
@@ -44,7 +44,8 @@ async def echo_worker(name: str, delay_s: float = 0.0) -> tuple[web.AppRunner, s
     async def generate(request: web.Request) -> web.Response:
         unpack(await request.read())
         await asyncio.sleep(delay_s)
-        return web.Response(body=pack({"replica": name}), content_type=MSGPACK)
+        completion = {"text": name, "token_ids": [], "logprobs": [], "finish_reason": "stop"}
+        return web.Response(body=pack({"prompt_token_ids": [], "completions": [completion]}), content_type=MSGPACK)
 
     app = web.Application()
     app.add_routes([web.post("/generate", generate)])
@@ -76,16 +77,16 @@ async def test_balancer_spreads_requests_and_skips_a_replica_it_cannot_reach():
             for name in ("a", "b"):
                 runner, url = await echo_worker(name, delay_s=0.2)
                 runners.append(runner)
-                live.append(WorkerClient(Up(f"sampler-{name}", url), session, 30))
+                live.append(WorkerConnection(Up(f"sampler-{name}", url), session, 30))
             a, b = live
-            dead = WorkerClient(Up("sampler-dead", f"http://127.0.0.1:{free_port()}"), session, 30)  # nobody listens
+            dead = WorkerConnection(Up("sampler-dead", f"http://127.0.0.1:{free_port()}"), session, 30)  # nobody listens
             resetter, reset_url = await resetting_worker()
-            dying = WorkerClient(Up("sampler-dying", reset_url), session, 30)
+            dying = WorkerConnection(Up("sampler-dying", reset_url), session, 30)
             pool = WorkerPool([a, dead, dying, b], learner=None)
 
             async def one() -> str:
                 async with pool.sampler() as sampler:
-                    return (await sampler.call("generate", {}))["replica"]
+                    return (await sampler.transport.request(SamplerVerbs.generate, {})).completions[0].text
 
             # Eight at once: each goes to a replica with the fewest in flight. The dead and the dying one are
             # "ready" as far as the pool knows (nobody noticed yet), so some land on them and are sent on.

@@ -17,12 +17,14 @@ import aiohttp
 import pytest
 import yaml
 
-from grpo_server import cli, remote_worker
+from grpo_server import cli
+from grpo_server.workers import remote as remote_worker
 from grpo_server.client import AsyncClient, GrpoServerError
-from grpo_server.errors import Unavailable
-from grpo_server.remote_worker import RemoteWorker
-from grpo_server.worker_client import WorkerClient
-from grpo_server.wire import unpack
+from grpo_server.protocol.errors import Unavailable
+from grpo_server.workers.remote import RemoteWorker
+from grpo_server.protocol.verbs import LearnerVerbs
+from grpo_server.workers.pool import WorkerConnection
+from grpo_server.protocol.codec import unpack
 from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, train_one_version, wait_for
 
 # --- wrong role for the config: a message that says what to set, before anything starts ----------------
@@ -84,7 +86,7 @@ async def test_remote_worker_leaves_rotation_when_down_and_resyncs_when_back(mon
     async with aiohttp.ClientSession() as session:
         worker = RemoteWorker("learner", f"http://127.0.0.1:{port}", session, startup_timeout_s=60,
                               reset=reset, on_restart=on_restart)
-        client = WorkerClient(worker, session, timeout_s=5)
+        client = WorkerConnection(worker, session, timeout_s=5)
         try:
             await worker.start()
             assert worker.state == "ready"
@@ -94,7 +96,7 @@ async def test_remote_worker_leaves_rotation_when_down_and_resyncs_when_back(mon
             process.wait()
             await wait_for(lambda: state_is(worker, "down"), timeout_s=30, interval_s=0.05)
             with pytest.raises(Unavailable) as info:  # clients get a 503 at once, not a hang
-                await client.call("train", {})
+                await client.request(LearnerVerbs.train, {})
             assert info.value.status == 503 and "learner is down" in info.value.message
             assert "unreachable" in worker.last_error
 
@@ -270,7 +272,7 @@ def test_compose_needs_the_admin_key():
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.stem)
 def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file):
     from grpo_server.config import load_server_config
-    from grpo_server.launcher import ROLES, check_role
+    from grpo_server.workers.roles import ROLES, check_role
 
     env = {**read_env_file(env_file), "GRPO_SERVER_API_KEY": "x"}
     gpus = int(env_file.stem.removeprefix("gpus-"))

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from grpo_server.wire import MSGPACK, pack, unpack
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ["vllm", "transformers"]
@@ -237,8 +237,8 @@ def test_eos_ends_completion_and_stays_in_token_ids(tiny_model_dir: Path, tmp_pa
     import torch
     from safetensors.torch import load_file, save_file
 
-    from grpo_server.config import SamplerConfig
-    from grpo_server.wire import GenerateRequest
+    from grpo_server.protocol.worker_config import SamplerConfig
+    from grpo_server.protocol.wire import GenerateRequest
     from sampler.hf_engine import HfEngine
 
     from transformers import AutoModelForCausalLM

@@ -1,5 +1,5 @@
-"""The front end's training loop (grpo_server/training.py) and its checks of pushed versions
-(grpo_server/verification.py) on their own: when the learner and the samplers are called, and in what
+"""The front end's training loop (grpo_server/runtime/training.py) and its checks of pushed versions
+(grpo_server/runtime/verification.py) on their own: when the learner and the samplers are called, and in what
 order. The workers here are recorders with controllable timing; the real learner and vLLM sampler run the
 same loop in tests/test_learning.py and tests/test_faults.py, and the learner's side of the free check is
 tested in tests/test_learner.py.
@@ -11,13 +11,13 @@ import asyncio
 import contextlib
 
 from grpo_server.config import ExperimentConfig
-from grpo_server.experiments import Experiment
-from grpo_server.groups import Group
-from grpo_server.metrics_log import MetricsLog
-from grpo_server import training
-from grpo_server.training import ExperimentTrainer, report_training_crash
-from grpo_server.turns import ComputeTurns
-from grpo_server.wire import AdapterVersion, Completion, ScoreResponse, TrainMetrics
+from grpo_server.runtime.experiment import Experiment
+from grpo_server.runtime.groups import Group
+from grpo_server.runtime.metrics_log import MetricsLog
+from grpo_server.runtime import training
+from grpo_server.runtime.training import ExperimentTrainer, report_training_crash
+from grpo_server.workers.pool import ComputeTurns
+from grpo_server.protocol.wire import AdapterVersion, Completion, SaveAdapterRequest, ScoreResponse, TrainMetrics
 
 LOGPROBS = [[-0.5, -1.0], [-0.25, -2.0]]
 
@@ -28,7 +28,13 @@ class FakeLearner:
     def __init__(self, calls: list[str]):
         self.calls, self.step, self.version, self.weights_version = calls, 0, 0, 0
 
-    async def call(self, verb, request, response_type, timeout_s=None):
+    async def train(self, request, timeout_s=None):
+        return await self.call("train", request)
+
+    async def save_adapter(self, name, probe=None):
+        return await self.call("save_adapter", SaveAdapterRequest(name=name, probe=probe))
+
+    async def call(self, verb, request):
         self.calls.append(verb)
         if verb == "train":
             self.step += 1
@@ -55,8 +61,7 @@ class FakeSampler:
         self.calls, self.offset = calls, score_offset
         self.release_scores = asyncio.Event()
 
-    async def call(self, verb, request, response_type, timeout_s=None):
-        assert verb == "score"
+    async def score(self, request):
         self.calls.append(f"score v{request.adapter.version}")
         await self.release_scores.wait()
         return ScoreResponse(logprobs=[[x + self.offset for x in row] for row in LOGPROBS])

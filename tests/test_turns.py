@@ -1,4 +1,4 @@
-"""grpo_server/turns.py: sampling and training take turns (schedule: alternate) or overlap."""
+"""grpo_server/workers/pool.py: sampling and training take turns (schedule: alternate) or overlap."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from grpo_server import turns
-from grpo_server.turns import ComputeTurns, resolve_schedule
+from grpo_server.workers import pool as turns
+from grpo_server.workers.pool import ComputeTurns, resolve_schedule
 
 
 async def hold(cm, log: list[str], name: str, release: asyncio.Event) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from grpo_server.model_prep import prepare_embedded_model
+from grpo_server.workers.model_prep import prepare_embedded_model
 
 TINY_LAYERS = 2
 TINY_HIDDEN = 128

@@ -11,7 +11,7 @@ class Gate:
     """Many shared holders at once, or one exclusive holder alone. An exclusive waiter goes first: new
     shared holders wait behind it, so a stream of shared holders cannot starve it. The vLLM sampler keeps
     its prompt-logprob requests out of other requests' batches with it (sampler/vllm_engine.py); the front
-    end lets sampling and training take turns with it (grpo_server/turns.py)."""
+    end lets sampling and training take turns with it (grpo_server/workers/pool.py)."""
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()

@@ -12,8 +12,8 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from grpo_server.errors import Conflict, NotFound
-from grpo_server.wire import Completion
+from grpo_server.protocol.errors import Conflict, NotFound
+from grpo_server.protocol.wire import Completion
 
 
 @dataclass

@@ -91,7 +91,7 @@ def serve(config: ServerConfig, role: str = "all", replica: int | None = None) -
 def run_worker(config: ServerConfig, role: str, replica: int) -> NoReturn:
     """Become the worker process (exec): the same command, config file and environment the front end of
     `--role all` would use, so signals (docker stop) and the exit code are the worker's own."""
-    from grpo_server.worker_set import WorkerSet
+    from grpo_server.workers.launch import WorkerSet
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if role == "learner" and config.learner.url is not None:
@@ -106,7 +106,7 @@ def run_worker(config: ServerConfig, role: str, replica: int) -> NoReturn:
 
 
 def serve_front_end(config: ServerConfig) -> int:
-    from grpo_server.app import create_app
+    from grpo_server.api.app import create_app
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config.run_dir.mkdir(parents=True, exist_ok=True)

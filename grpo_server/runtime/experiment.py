@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_server.api_models import ExperimentCounters, ExperimentStatus, VerificationResult
 from grpo_server.config import ExperimentConfig
-from grpo_server.groups import Group
-from grpo_server.journal import FeedbackJournal
-from grpo_server.wire import AdapterRef
+from grpo_server.runtime.groups import Group
+from grpo_server.runtime.journal import FeedbackJournal
+from grpo_server.protocol.wire import AdapterRef
 
 if TYPE_CHECKING:
-    from grpo_server.workers import WorkerPool
+    from grpo_server.workers.pool import WorkerPool
 
 RECENT_GROUPS = 32  # the window of "recent reward mean"
 MAX_ERRORS_SHOWN = 20

@@ -1,16 +1,21 @@
-"""Public request/response encoding: JSON, or msgpack when the client says so; errors as JSON bodies."""
+"""The request edge of the public API: bodies in and out (JSON, or msgpack when the client says so), errors as
+JSON bodies, and bearer keys (the admin key manages everything; an experiment's own key reaches that
+experiment only; keys are compared in constant time and never logged)."""
 
 from __future__ import annotations
 
+import hmac
 import json
-from typing import Any, TypeVar
+from typing import Any, Iterable, TypeVar
 
 import msgpack
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.errors import ApiError, BadRequest, PayloadTooLarge, Unprocessable
-from grpo_server.wire import MSGPACK
+from grpo_server.config import ExperimentConfig
+from grpo_server.protocol.codec import MSGPACK
+from grpo_server.protocol.errors import (ApiError, BadRequest, Forbidden, PayloadTooLarge, Unauthorized,
+                                        Unprocessable)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -86,3 +91,43 @@ def respond(request: web.Request, payload: BaseModel | dict[str, Any], status: i
 def error_response(error: ApiError) -> web.Response:
     headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
     return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+# --- keys ---------------------------------------------------------------------------------------------
+
+ADMIN = "admin"
+
+
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("missing 'Authorization: Bearer <key>' header", code="missing_key")
+    return token.strip()
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def principal(request: web.Request, admin_key: str, experiments: Iterable[ExperimentConfig]) -> str:
+    """ADMIN, or the name of the experiment whose key was given. 401 for an unknown key."""
+    token = _bearer(request)
+    if _same(token, admin_key):
+        return ADMIN
+    found = None
+    for config in experiments:  # every key is compared, so timing does not reveal which matched
+        if config.api_key is not None and _same(token, config.api_key.get_secret_value()):
+            found = config.name
+    if found is None:
+        raise Unauthorized("invalid API key", code="invalid_key")
+    return found
+
+
+def require(who: str, experiment: str | None = None, admin_only: bool = False) -> None:
+    if who == ADMIN:
+        return
+    if admin_only:
+        raise Forbidden("this call needs the admin key", code="admin_only")
+    if experiment is not None and who != experiment:
+        raise Forbidden("this key does not grant access to that experiment", code="wrong_experiment")

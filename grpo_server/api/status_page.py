@@ -25,7 +25,7 @@ def _sha256_source(block: str) -> str:
 
 @functools.cache
 def page_and_policy() -> tuple[bytes, str]:
-    html = (resources.files("grpo_server") / "static" / PAGE).read_text(encoding="utf-8")
+    html = (resources.files("grpo_server.api") / "static" / PAGE).read_text(encoding="utf-8")
     scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
     styles = re.findall(r"<style>(.*?)</style>", html, flags=re.S)
     policy = "; ".join([

@@ -9,22 +9,20 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from grpo_server.advantages import group_advantages, is_zero_variance, scale_by_std_for
+from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentStatus,
                                     ExternalCompletion, FeedbackRequest, FeedbackResponse, TokenizeRequest,
                                     TokenizeResponse)
 from grpo_server.config import ExperimentConfig, ServerConfig
-from grpo_server.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
-from grpo_server.experiments import Experiment, retire_unused_versions
-from grpo_server.groups import Group, GroupStore
-from grpo_server.journal import ExperimentRegistry, FeedbackJournal
-from grpo_server.metrics_log import MetricsLog, metrics_log_path
-from grpo_server.prompts import PromptBuilder
-from grpo_server.training import ExperimentTrainer, report_training_crash
-from grpo_server.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, Completion, GenerateRequest,
-                              GenerateResponse, LoadAdapterRequest, RemoveExperimentRequest, ScoreRequest,
-                              ScoreResponse)
-from grpo_server.workers import WorkerPool
+from grpo_server.protocol.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
+from grpo_server.runtime.experiment import Experiment, retire_unused_versions
+from grpo_server.runtime.groups import Group, GroupStore
+from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
+from grpo_server.runtime.metrics_log import MetricsLog, metrics_log_path
+from grpo_server.runtime.prompts import PromptBuilder
+from grpo_server.runtime.training import ExperimentTrainer, report_training_crash
+from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, Completion, GenerateRequest, ScoreRequest)
+from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +66,11 @@ class Orchestrator:
                                     f"max_tokens {self.config.max_tokens})", code="over_limit")
             exp = Experiment(config=config)
             # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
-            first: AdapterVersion = await self.workers.learner.call(
-                "add_experiment", AddExperimentRequest(name=config.name, lora=config.lora,
-                                                       algorithm=config.algorithm), AdapterVersion)
+            first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
             try:
                 await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path)
             except ApiError:
-                await self.workers.learner.call("remove_experiment", RemoveExperimentRequest(name=config.name))
+                await self.workers.learner.remove_experiment(config.name)
                 raise
             exp.serving_version = exp.learner_version = first.version
             exp.adapter_paths[first.version] = first.path
@@ -104,7 +100,7 @@ class Orchestrator:
             for version in list(exp.adapter_paths):
                 await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
             try:
-                await self.workers.learner.call("remove_experiment", RemoveExperimentRequest(name=name))
+                await self.workers.learner.remove_experiment(name)
             except ApiError as exc:  # the learner may be restarting; it will not re-add a deleted one
                 log.warning("remove_experiment %s: %s", name, exc.message)
             log.info("experiment %s deleted (its adapters stay on disk)", name)
@@ -169,11 +165,11 @@ class Orchestrator:
         with self.sampling_request(exp):
             async with self.workers.sampler() as sampler:
                 with self.pinned_serving_version(exp) as version:
-                    result: GenerateResponse = await sampler.call("generate", GenerateRequest(
+                    result = await sampler.generate(GenerateRequest(
                         prompt_token_ids=prompt_ids, n=n, temperature=temperature,
                         top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
                         seed=request.seed, adapter=AdapterRef(name=name, version=version),
-                    ), GenerateResponse)
+                    ))
         group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
@@ -263,10 +259,10 @@ class Orchestrator:
         with self.sampling_request(exp):
             async with self.workers.sampler() as sampler:
                 with self.pinned_serving_version(exp) as version:
-                    scored: ScoreResponse = await sampler.call("score", ScoreRequest(
+                    scored = await sampler.score(ScoreRequest(
                         prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
                         temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
-                    ), ScoreResponse)
+                    ))
         return version, [Completion(text=self.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
                                     finish_reason="external")
                          for ids, logprobs in zip(token_ids, scored.logprobs)]
@@ -282,11 +278,10 @@ class Orchestrator:
 
     async def resync_sampler(self, sampler_index: int) -> None:
         """After a sampler restart: load every live version again."""
-        sampler = self.workers.samplers[sampler_index]
+        sampler = self.workers.replica(sampler_index)
         for exp in list(self.experiments.values()):
             for version, path in list(exp.adapter_paths.items()):
-                await sampler.call("load_adapter", LoadAdapterRequest(
-                    adapter=AdapterRef(name=exp.name, version=version), path=path), syncing_ok=True)
+                await sampler.load_adapter(AdapterRef(name=exp.name, version=version), path, syncing_ok=True)
         log.info("%s re-loaded %d experiments' adapters", sampler.name, len(self.experiments))
 
     async def resync_learner(self) -> None:
@@ -294,10 +289,8 @@ class Orchestrator:
         on disk (optimizer state starts fresh)."""
         async with self._lock:
             for exp in list(self.experiments.values()):
-                resumed: AdapterVersion = await self.workers.learner.call(
-                    "add_experiment", AddExperimentRequest(name=exp.name, lora=exp.config.lora,
-                                                           algorithm=exp.config.algorithm), AdapterVersion,
-                    syncing_ok=True)
+                resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
+                                                                    syncing_ok=True)
                 exp.learner_version = resumed.version
                 self._resume_from_learner(exp, resumed)
                 exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "

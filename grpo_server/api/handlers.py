@@ -9,14 +9,14 @@ import tarfile
 from aiohttp import web
 
 from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health, TokenizeRequest
-from grpo_server.auth import ADMIN, principal, require
+from grpo_server.api.http import ADMIN, principal, require
 from grpo_server.config import ExperimentConfig
-from grpo_server.errors import BadRequest, Conflict
-from grpo_server.http_io import parse_body, respond
-from grpo_server import metrics as prometheus
-from grpo_server.keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
-from grpo_server.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
-from grpo_server.openapi import METRICS_LIMIT_DEFAULT, openapi_json
+from grpo_server.protocol.errors import BadRequest, Conflict
+from grpo_server.api.http import parse_body, respond
+from grpo_server.api import prometheus
+from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
+from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
+from grpo_server.api.openapi import METRICS_LIMIT_DEFAULT, openapi_json
 
 
 def _who(request: web.Request) -> str:

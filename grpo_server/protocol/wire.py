@@ -14,23 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo_server.config import AlgorithmConfig, LoraConfig
-
-MSGPACK = "application/msgpack"
-
-
-def pack(obj: Any) -> bytes:
-    if isinstance(obj, BaseModel):
-        obj = obj.model_dump(mode="json")
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
+from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
 class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -177,7 +163,7 @@ class TrainMetrics(WireModel):
 
 
 class VersionProbe(WireModel):
-    """Completions whose logprobs under a saved version are compared on both sides (grpo_server/verification.py)."""
+    """Completions whose logprobs under a saved version are compared on both sides (grpo_server/runtime/verification.py)."""
     prompt_token_ids: list[int]
     completions_token_ids: list[list[int]] = Field(min_length=1)
     temperature: float = 1.0

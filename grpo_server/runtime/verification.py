@@ -27,12 +27,12 @@ import logging
 from dataclasses import dataclass
 
 from grpo_server.api_models import VerificationResult
-from grpo_server.errors import ApiError
-from grpo_server.experiments import Experiment, retire_unused_versions
-from grpo_server.groups import Group
-from grpo_server.metrics_log import MetricsLog
-from grpo_server.wire import AdapterRef, ScoreRequest, ScoreResponse, TrainMetrics, VersionProbe
-from grpo_server.workers import WorkerPool
+from grpo_server.protocol.errors import ApiError
+from grpo_server.runtime.experiment import Experiment, retire_unused_versions
+from grpo_server.runtime.groups import Group
+from grpo_server.runtime.metrics_log import MetricsLog
+from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, VersionProbe
+from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,8 @@ class VersionChecks:
             # the samplers are idle and score it at once. Queued for a sampling turn it would run amid the
             # next generations, and its pass alone would make them drain first.
             async with self.workers.sampler(take_turn=False) as sampler:
-                scored: ScoreResponse = await sampler.call("score", ScoreRequest(
-                    **probe.model_dump(), adapter=AdapterRef(name=exp.name, version=pushed.version)), ScoreResponse)
+                scored = await sampler.score(ScoreRequest(
+                    **probe.model_dump(), adapter=AdapterRef(name=exp.name, version=pushed.version)))
             diffs = [abs(a - b) for s_row, l_row in zip(scored.logprobs, pushed.learner_logprobs)
                      for a, b in zip(s_row, l_row)]
             mean = sum(diffs) / max(len(diffs), 1)

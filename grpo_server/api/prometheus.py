@@ -12,7 +12,7 @@ import math
 from collections import Counter
 from typing import Iterable
 
-from grpo_server.experiments import Experiment
+from grpo_server.runtime.experiment import Experiment
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
 

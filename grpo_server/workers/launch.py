@@ -17,14 +17,14 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from grpo_server.config import LearnerConfig, SamplerConfig, ServerConfig, write_resolved
-from grpo_server.model_prep import resolve_model
-from grpo_server.remote_worker import RemoteWorker
-from grpo_server.supervisor import WorkerProcess
-from grpo_server.turns import ComputeTurns, resolve_schedule
-from grpo_server.wire import AdapterRef, LearnerStatus, RemoveExperimentRequest, SamplerHealth, UnloadAdapterRequest
-from grpo_server.worker_client import Worker, WorkerClient
-from grpo_server.workers import WorkerPool
+from grpo_server.config import ServerConfig
+from grpo_server.protocol.verbs import LearnerClient, SamplerClient
+from grpo_server.protocol.worker_config import LearnerConfig, SamplerConfig, fill, write_resolved
+from grpo_server.workers.model_prep import resolve_model
+from grpo_server.workers.remote import RemoteWorker
+from grpo_server.workers.processes import WorkerProcess
+from grpo_server.protocol.wire import AdapterRef
+from grpo_server.workers.pool import ComputeTurns, Worker, WorkerConnection, WorkerPool, resolve_schedule
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ class WorkerSet:
         self.processes: list[Worker] = []
         self.schedule = resolve_schedule(config.schedule, config.remote_workers)
 
+    def _process_fields(self, port: int) -> dict:
+        """What every worker process's config takes from the server config, beside its own options."""
+        c = self.config
+        return dict(model_path=self.model_dir, run_dir=c.run_dir.resolve(), host=self.worker_host, port=port,
+                    dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed)
+
     def _sampler_port(self, replica: int) -> int:
         s = self.config.sampler
         if s.urls:  # a replica run on its own listens where the front end will look for it
@@ -54,14 +60,7 @@ class WorkerSet:
     def _sampler_process(self, replica: int, on_restart: Callable[[], Awaitable[None]] | None) -> WorkerProcess:
         c, s = self.config, self.config.sampler
         port = self._sampler_port(replica)
-        worker = SamplerConfig(
-            model_path=self.model_dir, run_dir=c.run_dir.resolve(), host=self.worker_host, port=port,
-            replica=replica, engine=s.engine,
-            dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed, max_loras=s.max_loras,
-            max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
-            gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_gib=s.kv_cache_gib,
-            max_num_seqs=s.max_num_seqs, merge_lone_adapter=s.merge_lone_adapter,
-        )
+        worker = fill(SamplerConfig, s, **self._process_fields(port), replica=replica)
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)
         env = {"CUDA_VISIBLE_DEVICES": s.devices[replica]} if replica < len(s.devices) else None
@@ -74,11 +73,7 @@ class WorkerSet:
     def _learner_process(self, on_restart: Callable[[], Awaitable[None]]) -> WorkerProcess:
         c = self.config
         port = c.learner.port or free_port()
-        worker = LearnerConfig(
-            model_path=self.model_dir, run_dir=c.run_dir.resolve(), host=self.worker_host, port=port, dtype=c.dtype,
-            max_model_len=c.max_model_len, seed=c.seed, zero_stage=c.learner.zero_stage,
-            gradient_checkpointing=c.learner.gradient_checkpointing, ranks=c.learner.ranks,
-        )
+        worker = fill(LearnerConfig, c.learner, **self._process_fields(port))
         path = c.run_dir / "config" / "learner.yaml"
         write_resolved(worker, path)
         env = {"CUDA_VISIBLE_DEVICES": c.learner.devices} if c.learner.devices else None
@@ -107,9 +102,9 @@ class WorkerSet:
             log.info("connecting to %d sampler(s) and the learner: %s", len(samplers),
                      ", ".join(c.process.url for c in [*samplers, learner]))
         else:
-            samplers = [WorkerClient(self._sampler_process(i, (lambda i=i: on_sampler_restart(i))), session, timeout)
+            samplers = [WorkerConnection(self._sampler_process(i, (lambda i=i: on_sampler_restart(i))), session, timeout)
                         for i in range(self.config.sampler.replicas)]
-            learner = WorkerClient(self._learner_process(on_learner_restart), session, timeout)
+            learner = WorkerConnection(self._learner_process(on_learner_restart), session, timeout)
             log.info("starting %d sampler(s) and the learner on %s (logs in %s)", len(samplers),
                      self.model_dir, self.config.run_dir / "logs")
         self.processes = [c.process for c in [*samplers, learner]]
@@ -124,13 +119,13 @@ class WorkerSet:
 
     def _remote_workers(self, session: aiohttp.ClientSession,
                         on_sampler_restart: Callable[[int], Awaitable[None]],
-                        on_learner_restart: Callable[[], Awaitable[None]]) -> tuple[list[WorkerClient], WorkerClient]:
+                        on_learner_restart: Callable[[], Awaitable[None]]) -> tuple[list[WorkerConnection], WorkerConnection]:
         c = self.config
 
-        def connect(name: str, url: str, reset: Callable[[WorkerClient], Awaitable[None]],
-                    on_restart: Callable[[], Awaitable[None]]) -> WorkerClient:
+        def connect(name: str, url: str, reset: Callable[[WorkerConnection], Awaitable[None]],
+                    on_restart: Callable[[], Awaitable[None]]) -> WorkerConnection:
             worker = RemoteWorker(name, url, session, startup_timeout_s=c.startup_timeout_s, on_restart=on_restart)
-            client = WorkerClient(worker, session, c.worker_timeout_s)
+            client = WorkerConnection(worker, session, c.worker_timeout_s)
             worker.reset = lambda: reset(client)  # runs on each (re)connect, through the client's verbs
             return client
 
@@ -150,20 +145,21 @@ class WorkerSet:
 # the journal replays the groups since, exactly as after a learner restart.
 
 
-async def unload_all_adapters(sampler: WorkerClient) -> None:
-    health = await sampler.get("health", SamplerHealth, syncing_ok=True)
+async def unload_all_adapters(connection: WorkerConnection) -> None:
+    sampler = SamplerClient(connection)
+    health = await sampler.health(syncing_ok=True)
     for key in health.adapters:
         name, _, version = key.rpartition("@v")  # AdapterRef.key is "<name>@v<version>"
-        adapter = AdapterRef(name=name, version=int(version))
-        await sampler.call("unload_adapter", UnloadAdapterRequest(adapter=adapter), syncing_ok=True)
+        await sampler.unload_adapter(AdapterRef(name=name, version=int(version)), syncing_ok=True)
     if health.adapters:
         log.info("%s: unloaded %d adapters left from before", sampler.name, len(health.adapters))
 
 
-async def forget_learner_experiments(learner: WorkerClient) -> None:
-    status = await learner.get("status", LearnerStatus, syncing_ok=True)
+async def forget_learner_experiments(connection: WorkerConnection) -> None:
+    learner = LearnerClient(connection)
+    status = await learner.status(syncing_ok=True)
     for name in status.experiments:
-        await learner.call("remove_experiment", RemoveExperimentRequest(name=name), syncing_ok=True)
+        await learner.remove_experiment(name, syncing_ok=True)
     if status.experiments:
         log.info("learner: released %d experiments left from before (they resume from their checkpoints)",
                  len(status.experiments))

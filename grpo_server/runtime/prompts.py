@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from grpo_server.api_models import ChatMessage, ExternalCompletion, PromptFields
-from grpo_server.errors import BadRequest
+from grpo_server.protocol.errors import BadRequest
 
 # Stand-ins for an earlier exchange when rendering only the turns that follow it.
 _EARLIER_USER = "\x00earlier user turn\x00"

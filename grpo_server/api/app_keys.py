@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from grpo_server.metrics import HttpCounter
-    from grpo_server.service import Orchestrator
+    from grpo_server.api.prometheus import HttpCounter
+    from grpo_server.runtime.orchestrator import Orchestrator
 
 ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
 ADMIN_KEY: web.AppKey[str] = web.AppKey("admin_key", str)

@@ -9,7 +9,7 @@ Every line has `time` (wall clock, seconds since the epoch) and `kind`:
   verification.py): `checked_version`, `sampler_gap_tokens`, `sampler_gap_mean`, `sampler_gap_max`.
 - `push`: a new version served: `version`, `step`, `push_seconds`, and its check against the learner:
   `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`, `checked_on`
-  (`trained_batch` or `probe`: grpo_server/verification.py). Written when the check is done.
+  (`trained_batch` or `probe`: grpo_server/runtime/verification.py). Written when the check is done.
 - `sampling`: what was sampled since the previous sampling line, every `SAMPLING_INTERVAL_S` while the
   experiment samples (an idle interval writes nothing): `interval_s`, `groups`, `completions`,
   `completion_tokens`, `tokens_per_s`.
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field
 
 from grpo_server.api_models import ExperimentCounters, VerificationResult
-from grpo_server.wire import TrainMetrics
+from grpo_server.protocol.wire import TrainMetrics
 
 if TYPE_CHECKING:
-    from grpo_server.service import Orchestrator
+    from grpo_server.runtime.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class MetricsHistory(BaseModel):
 
     name: str
     records: list[dict[str, Any]] = Field(
-        description="Lines of the experiment's metrics log (`grpo_server/metrics_log.py` lists their fields); "
+        description="Lines of the experiment's metrics log (`grpo_server/runtime/metrics_log.py` lists their fields); "
                     "each has `time` (seconds since the epoch) and `kind` (`train`, `push` or `sampling`).")
 
 

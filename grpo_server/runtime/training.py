@@ -1,5 +1,5 @@
 """The learning side of one experiment: batches of rated groups to the learner, versioned pushes to the
-samplers, and (grpo_server/verification.py) the check that the samplers serve what the learner trained.
+samplers, and (grpo_server/runtime/verification.py) the check that the samplers serve what the learner trained.
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import logging
 import math
 import time
 
-from grpo_server.errors import ApiError
-from grpo_server.experiments import Experiment, retire_unused_versions
-from grpo_server.groups import Group
-from grpo_server.metrics_log import MetricsLog
-from grpo_server.verification import IDLE_CHECK_S, VersionChecks, probe_of
-from grpo_server.wire import AdapterRef, AdapterVersion, SaveAdapterRequest, TrainMetrics, TrainRequest, TrainSample
-from grpo_server.workers import WorkerPool
+from grpo_server.protocol.errors import ApiError
+from grpo_server.runtime.experiment import Experiment, retire_unused_versions
+from grpo_server.runtime.groups import Group
+from grpo_server.runtime.metrics_log import MetricsLog
+from grpo_server.runtime.verification import IDLE_CHECK_S, VersionChecks, probe_of
+from grpo_server.protocol.wire import AdapterRef, TrainMetrics, TrainRequest, TrainSample
+from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +91,13 @@ class ExperimentTrainer:
         # request runs that could free one (a probe keeps a version loaded, and needs a sampling turn).
         pushing = (exp.step + 1) % exp.config.algorithm.push_every == 0
         slot = await self._version_slot() if pushing else False
-        # The step and the push that follows it, in one turn (grpo_server/turns.py): when sampling takes
+        # The step and the push that follows it, in one turn (grpo_server/workers/pool.py): when sampling takes
         # turns with training, what it samples next comes from the new version.
         async with self.workers.turns.training():
             if exp.queue_generation != generation:
                 return  # the learner restarted meanwhile and these groups were queued again from the journal
             try:
-                metrics: TrainMetrics = await self.workers.learner.call(
-                    "train", request, TrainMetrics, timeout_s=self.train_timeout_s)
+                metrics = await self.workers.learner.train(request, timeout_s=self.train_timeout_s)
             except ApiError as exc:
                 # Not trained, visibly (status and log carry the error). If the learner crashed, its restart
                 # queues these groups again from the journal.
@@ -136,8 +135,7 @@ class ExperimentTrainer:
             return
         try:
             probe = probe_of(exp.probe)
-            saved: AdapterVersion = await self.workers.learner.call(
-                "save_adapter", SaveAdapterRequest(name=exp.name, probe=probe), AdapterVersion)
+            saved = await self.workers.learner.save_adapter(exp.name, probe)
             exp.learner_version = saved.version
             await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path)
         except ApiError as exc:

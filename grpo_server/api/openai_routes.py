@@ -10,11 +10,11 @@ from typing import Callable
 from aiohttp import web
 
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
-from grpo_server.auth import require
-from grpo_server.handlers import _who
-from grpo_server.http_io import parse_body, respond
-from grpo_server.keys import ORCHESTRATOR
-from grpo_server.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, chat_response,
+from grpo_server.api.http import require
+from grpo_server.api.handlers import _who
+from grpo_server.api.http import parse_body, respond
+from grpo_server.api.app_keys import ORCHESTRATOR
+from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, chat_response,
                                     chat_to_request, completion_response, completion_to_request)
 
 

@@ -10,18 +10,18 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from grpo_server import handlers
-from grpo_server import openai_handlers
-from grpo_server import status_page
+from grpo_server.api import handlers
+from grpo_server.api import openai_routes
+from grpo_server.api import status_page
 from grpo_server.config import ServerConfig
-from grpo_server.errors import ApiError, PayloadTooLarge
-from grpo_server.http_io import error_response
-from grpo_server.keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
-from grpo_server.metrics import HttpCounter
-from grpo_server.metrics_log import log_sampling_forever
-from grpo_server.worker_set import WorkerSet
-from grpo_server.prompts import PromptBuilder
-from grpo_server.service import Orchestrator
+from grpo_server.protocol.errors import ApiError, PayloadTooLarge
+from grpo_server.api.http import error_response
+from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api.prometheus import HttpCounter
+from grpo_server.runtime.metrics_log import log_sampling_forever
+from grpo_server.workers.launch import WorkerSet
+from grpo_server.runtime.prompts import PromptBuilder
+from grpo_server.runtime.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def routes() -> list[web.RouteDef]:
         web.post(exp + "/feedback", handlers.feedback),
         web.get(exp + "/adapter", handlers.download_adapter),
         web.get(exp + "/metrics", handlers.experiment_metrics),
-        web.post("/v1/chat/completions", openai_handlers.chat_completions),
-        web.post("/v1/completions", openai_handlers.completions),
+        web.post("/v1/chat/completions", openai_routes.chat_completions),
+        web.post("/v1/completions", openai_routes.completions),
     ]
 
 

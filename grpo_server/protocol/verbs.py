@@ -1,0 +1,144 @@
+"""Every worker verb, typed once: its name (the path), its request model and its answer model; and the
+front end's typed clients, `SamplerClient` and `LearnerClient`, one method per verb.
+
+A client sends through a `Transport` (the front end's is `grpo_server/workers/pool.py`: one replica's HTTP
+connection, or the balanced set of sampler replicas). The worker's side of the same table is
+`protocol/dispatch.py`. Bodies are msgpack (`protocol/codec.py`); errors are `protocol/errors.py`'s shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest,
+                                       GenerateResponse, LearnerStatus, LoadAdapterRequest, LogprobsRequest,
+                                       LogprobsResponse, RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest,
+                                       ScoreRequest, ScoreResponse, TrainMetrics, TrainRequest, UnloadAdapterRequest,
+                                       VersionProbe, WireModel)
+from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
+
+Req = TypeVar("Req", bound=BaseModel)
+Ans = TypeVar("Ans", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Verb(Generic[Req, Ans]):
+    """POST /<name> with a `request` body, or GET /<name> when `request` is None; answers `answer`."""
+
+    name: str
+    request: type[Req] | None
+    answer: type[Ans]
+
+    @property
+    def method(self) -> str:
+        return "GET" if self.request is None else "POST"
+
+
+class AdapterList(WireModel):
+    """The adapters a sampler holds after a load or an unload (`AdapterRef.key`s)."""
+
+    adapters: list[str]
+
+
+class Removed(WireModel):
+    removed: str
+
+
+class Healthy(WireModel):
+    status: str
+
+
+class SamplerVerbs:
+    generate = Verb("generate", GenerateRequest, GenerateResponse)
+    score = Verb("score", ScoreRequest, ScoreResponse)
+    load_adapter = Verb("load_adapter", LoadAdapterRequest, AdapterList)
+    unload_adapter = Verb("unload_adapter", UnloadAdapterRequest, AdapterList)
+    health = Verb("health", None, SamplerHealth)
+    ALL = (generate, score, load_adapter, unload_adapter, health)
+
+
+class LearnerVerbs:
+    add_experiment = Verb("add_experiment", AddExperimentRequest, AdapterVersion)
+    train = Verb("train", TrainRequest, TrainMetrics)
+    save_adapter = Verb("save_adapter", SaveAdapterRequest, AdapterVersion)
+    logprobs = Verb("logprobs", LogprobsRequest, LogprobsResponse)
+    remove_experiment = Verb("remove_experiment", RemoveExperimentRequest, Removed)
+    status = Verb("status", None, LearnerStatus)
+    health = Verb("health", None, Healthy)
+    ALL = (add_experiment, train, save_adapter, logprobs, remove_experiment, status, health)
+
+
+class Transport(Protocol):
+    """Sends one verb and returns its validated answer. `syncing_ok`: the call re-syncs a restarted worker,
+    so it may reach the worker before clients do. `timeout_s` None: the transport's default."""
+
+    name: str
+
+    async def request(self, verb: Verb[Any, Ans], body: BaseModel | None, *, timeout_s: float | None = None,
+                      syncing_ok: bool = False) -> Ans: ...
+
+
+class SamplerClient:
+    """A sampler replica, or the balanced set of them, as typed methods."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    @property
+    def name(self) -> str:
+        return self.transport.name
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        return await self.transport.request(SamplerVerbs.generate, request)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        return await self.transport.request(SamplerVerbs.score, request)
+
+    async def load_adapter(self, adapter: AdapterRef, path: str, *, syncing_ok: bool = False) -> AdapterList:
+        return await self.transport.request(SamplerVerbs.load_adapter, LoadAdapterRequest(adapter=adapter, path=path),
+                                            syncing_ok=syncing_ok)
+
+    async def unload_adapter(self, adapter: AdapterRef, *, syncing_ok: bool = False) -> AdapterList:
+        return await self.transport.request(SamplerVerbs.unload_adapter, UnloadAdapterRequest(adapter=adapter),
+                                            syncing_ok=syncing_ok)
+
+    async def health(self, *, syncing_ok: bool = False) -> SamplerHealth:
+        return await self.transport.request(SamplerVerbs.health, None, syncing_ok=syncing_ok)
+
+
+class LearnerClient:
+    """The learner (its rank 0) as typed methods."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    @property
+    def name(self) -> str:
+        return self.transport.name
+
+    async def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig, *,
+                             syncing_ok: bool = False) -> AdapterVersion:
+        """Version 0 of a new adapter (LoRA B = 0: the base model), or the newest one on disk, resumed."""
+        return await self.transport.request(
+            LearnerVerbs.add_experiment, AddExperimentRequest(name=name, lora=lora, algorithm=algorithm),
+            syncing_ok=syncing_ok)
+
+    async def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainMetrics:
+        return await self.transport.request(LearnerVerbs.train, request, timeout_s=timeout_s)
+
+    async def save_adapter(self, name: str, probe: VersionProbe | None = None) -> AdapterVersion:
+        """Write the next version; with `probe`, also its logprobs under exactly the saved weights."""
+        return await self.transport.request(LearnerVerbs.save_adapter, SaveAdapterRequest(name=name, probe=probe))
+
+    async def logprobs(self, request: LogprobsRequest) -> LogprobsResponse:
+        return await self.transport.request(LearnerVerbs.logprobs, request)
+
+    async def remove_experiment(self, name: str, *, syncing_ok: bool = False) -> Removed:
+        return await self.transport.request(LearnerVerbs.remove_experiment, RemoveExperimentRequest(name=name),
+                                            syncing_ok=syncing_ok)
+
+    async def status(self, *, syncing_ok: bool = False) -> LearnerStatus:
+        return await self.transport.request(LearnerVerbs.status, None, syncing_ok=syncing_ok)

@@ -1,0 +1,141 @@
+"""The configuration the workers read: an experiment's LoRA and algorithm, and each worker process's options.
+
+Each field is written once. `SamplerOptions` and `LearnerOptions` are the worker options a user sets in
+the server config (`grpo_server/config.py` extends them with where the workers run); `SamplerConfig` and
+`LearnerConfig` add what one process needs (model, run directory, port, ...), and `fill` builds them
+from the options. Nothing here imports an ML package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(StrictModel):
+    r: int = Field(16, ge=1, le=256, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+        min_length=1,
+        description="Linear layers that get an adapter (names as in the base model).",
+    )
+
+
+class AlgorithmConfig(StrictModel):
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
+        "grpo",
+        description="grpo: sequence-mean then batch-mean, advantages divided by the group std; "
+        "dr_grpo: no std division, constant normaliser; dapo: token-level mean over the batch; "
+        "gspo: sequence-level importance ratio.",
+    )
+    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate of the adapter.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0 = off).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
+    push_every: int = Field(1, ge=1, description="Optimizer steps between adapter versions.")
+    checkpoint_every: int = Field(1, ge=1, description=(
+        "Optimizer steps between checkpoints (weights, optimizer state, RNG, journal position); the learner "
+        "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
+    max_staleness: int = Field(
+        2, ge=0, description="Groups sampled more than this many versions ago are dropped."
+    )
+    skip_zero_variance: bool = Field(True, description="Skip groups whose rewards are all equal.")
+
+
+EngineName = Literal["vllm", "transformers", "auto"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class SamplerOptions(StrictModel):
+    """Sampler engine options, the same for every replica."""
+
+    engine: EngineName = Field("auto", description="vllm, transformers, or auto (vllm when importable).")
+    max_loras: int = Field(2, ge=1, description="Most distinct adapters in one engine batch (vLLM).")
+    max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded in the engine's cache.")
+    max_lora_rank: int = Field(16, description="Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ...).")
+    gpu_memory_utilization: float = Field(
+        0.15, gt=0, le=1, description="Share of device memory vLLM reserves (of RAM on CPU)."
+    )
+    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine runs at once.")
+    merge_lone_adapter: bool = Field(True, description=(
+        "vLLM on CPU in float32: while one experiment is served, fold its adapter into the base weights "
+        "(base-model speed; LoRA again when a second experiment or an older version is asked for)."))
+
+
+class LearnerOptions(StrictModel):
+    """Learner options."""
+
+    zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage.")
+    ranks: int = Field(1, ge=1, le=64, description=(
+        "Data-parallel DeepSpeed ranks of the learner (one per GPU on a GPU host). The front end still talks "
+        "to one process, rank 0, which starts and drives the others; each trains on its share of a batch."))
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+
+
+class WorkerProcessConfig(StrictModel):
+    """What every worker process needs beside its options (written by the front end into the run directory)."""
+
+    model_path: Path
+    run_dir: Path
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    dtype: DTypeName = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    seed: int = 0
+
+
+class SamplerConfig(WorkerProcessConfig, SamplerOptions):
+    """What one sampler process reads."""
+
+    replica: int = 0
+
+
+class LearnerConfig(WorkerProcessConfig, LearnerOptions):
+    """What the learner process reads."""
+
+    # Bounds every collective (a rank stuck inside a step fails the step rather than hang it), and a
+    # rank's start-up rendezvous.
+    collective_timeout_s: float = Field(300.0, gt=0)
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def fill(config_type: type[C], options: BaseModel, **process: Any) -> C:
+    """A worker's config: the fields of `options` that `config_type` declares, then `process`'s (which win:
+    the server config's learner `port` of 0, say, becomes the port picked for the process)."""
+    shared = {k: v for k, v in options.model_dump().items() if k in config_type.model_fields and k not in process}
+    return config_type(**shared, **process)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as handle:
+        data = yaml.safe_load(handle) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def write_resolved(config: BaseModel, path: Path) -> None:
+    """Write a resolved config as YAML, secrets masked, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = config.model_dump(mode="json")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,265 @@
+"""The front end's handles on its workers: the HTTP connection to each, the choice of sampler replica, and
+the turns that sampling and training take on a CPU host.
+
+**Connections.** A worker that is down or restarting answers 503 at once (no connection attempt, no hang);
+a worker's 4xx passes through with its code and message; a worker's 5xx becomes 502 with its message. A
+connection that fails (refused, reset, dropped before the answer) is a `WorkerUnreachable` (503): the
+worker died or is not there, so a caller whose verb has no side effects may send it to another replica.
+
+**Replicas.** Requests go to the ready replica with the least outstanding work (ties in turn, so a trickle
+of requests spreads too); a replica that cannot be reached is skipped for the next one. An adapter version
+is loaded on every replica before it is served, so any replica can serve any live version; a replica that
+comes back from a restart is re-synced with the live versions before it serves again.
+
+**Turns** (`schedule` in the server config). On GPUs the sampler and the learner each have their own
+device, and sampling while the learner trains is pure gain. On a CPU host they share the cores: vLLM's
+CPU worker computes on one core and its scheduler process busy-polls another, the learner's threads want
+every core, and running both at once made each train step 2-3x slower here than the same step alone
+(BENCHMARKS.md, "End to end"). There they take turns instead: a train step waits until no sampler call
+runs, and sampler calls that arrive while a train step waits or runs wait for it to end. Training goes
+first, so a busy sampler cannot starve it; sampling cannot be starved either, because only rated groups
+(which sampling makes) give the learner something to train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal, Protocol, TypeVar
+
+import aiohttp
+from pydantic import BaseModel
+
+from grpo_server.api_models import ReplicaHealth
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed
+from grpo_server.protocol.gate import Gate
+from grpo_server.protocol.verbs import LearnerClient, SamplerClient, Verb
+from grpo_server.protocol.wire import AdapterRef
+
+Ans = TypeVar("Ans", bound=BaseModel)
+
+# States in which a worker is expected back: a train batch waits for it rather than failing.
+COMING_BACK = ("starting", "restarting", "syncing", "down")
+
+
+# --- one worker's connection --------------------------------------------------------------------------
+
+
+class Worker(Protocol):
+    """What the front end needs of a worker, whether it started the process (`processes.WorkerProcess`)
+    or only connects to it (`remote.RemoteWorker`). `state` is starting | ready | syncing (back after a
+    restart, being re-synced: only re-sync calls reach it) | restarting | down | failed | stopped."""
+
+    name: str
+    url: str
+    state: str
+    last_error: str | None
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class WorkerUnreachable(Unavailable):
+    """The connection failed or dropped before an answer: the worker died or is not there (yet)."""
+
+
+class WorkerConnection:
+    """One worker's verbs over HTTP (a `protocol.verbs.Transport`)."""
+
+    def __init__(self, process: Worker, session: aiohttp.ClientSession, timeout_s: float):
+        self.process = process
+        self.session = session
+        self.timeout_s = timeout_s
+
+    @property
+    def name(self) -> str:
+        return self.process.name
+
+    async def request(self, verb: Verb[Any, Ans], body: BaseModel | dict | None, *, timeout_s: float | None = None,
+                      syncing_ok: bool = False) -> Ans:
+        if not (self.process.ready or (syncing_ok and self.process.state == "syncing")):
+            raise Unavailable(f"{self.name} is {self.process.state}", retry_after=5.0, code="worker_unavailable")
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            async with self.session.request(
+                verb.method, f"{self.process.url}/{verb.name}", data=None if body is None else pack(body),
+                headers={"Content-Type": MSGPACK}, timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                payload = unpack(await response.read())
+                status = response.status
+        except asyncio.TimeoutError as exc:
+            raise Unavailable(f"{self.name} did not answer {verb.name} within {timeout_s:.0f} s",
+                              code="worker_timeout") from exc
+        except aiohttp.ClientConnectionError as exc:  # refused, reset (a reused connection to a dead worker), dropped
+            raise WorkerUnreachable(f"{self.name} is unreachable: {exc}", code="worker_unavailable") from exc
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"{self.name} is unreachable: {exc}", code="worker_unavailable") from exc
+        if status >= 400:
+            error = payload.get("error", {}) if isinstance(payload, dict) else {}
+            message = f"{self.name}: {error.get('message', payload)}"
+            if status >= 500:
+                raise WorkerFailed(message)
+            raise ApiError(message, code=error.get("code", "bad_request"), status=status)
+        return verb.answer.model_validate(payload)
+
+
+# --- sampling and training turns -----------------------------------------------------------------------
+
+Schedule = Literal["auto", "overlap", "alternate"]
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the NVIDIA driver sees
+
+
+def resolve_schedule(schedule: Schedule, remote_workers: bool) -> Literal["overlap", "alternate"]:
+    """`auto`: alternate when the workers run on this machine and it has no NVIDIA GPU (they share its
+    CPU cores), overlap otherwise."""
+    if schedule != "auto":
+        return schedule
+    has_gpu = NVIDIA_GPUS.is_dir() and any(NVIDIA_GPUS.iterdir())
+    return "overlap" if remote_workers or has_gpu else "alternate"
+
+
+class ComputeTurns:
+    """Sampler calls share their turn; a train step has it alone and goes first (protocol/gate.py).
+    With `alternate` False nothing waits; sampler calls are counted either way."""
+
+    def __init__(self, alternate: bool):
+        self.alternate = alternate
+        self._gate = Gate()
+        self._sampling = 0  # sampler calls running
+
+    @property
+    def sampling_calls(self) -> int:
+        """Sampler calls running now (counted in both modes)."""
+        return self._sampling
+
+    @contextlib.asynccontextmanager
+    async def sampling(self) -> AsyncIterator[None]:
+        async with (self._gate.shared() if self.alternate else contextlib.nullcontext()):
+            self._sampling += 1
+            try:
+                yield
+            finally:
+                self._sampling -= 1
+
+    @contextlib.asynccontextmanager
+    async def training(self) -> AsyncIterator[None]:
+        async with (self._gate.exclusive() if self.alternate else contextlib.nullcontext()):
+            yield
+
+
+# --- the pool --------------------------------------------------------------------------------------------
+
+
+class ReplicaLoad:
+    """Requests of one replica: in flight now, and routed to it since the front end started."""
+
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.requests = 0
+
+
+class BalancedReplicas:
+    """A `Transport` whose calls go to the least-loaded ready replica, and to the next one when the chosen
+    replica cannot be reached. Sampler verbs have no side effects, so a request that never reached a
+    replica (or lost it mid-way) is safe to send again."""
+
+    name = "samplers"
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    async def request(self, verb: Verb[Any, Ans], body: BaseModel | dict | None, *, timeout_s: float | None = None,
+                      syncing_ok: bool = False) -> Ans:
+        tried: set[int] = set()
+        while True:
+            replica = self.pool.pick_replica(exclude=tried)
+            tried.add(id(replica))
+            load = self.pool.load[id(replica)]
+            load.outstanding += 1
+            load.requests += 1
+            try:
+                return await replica.request(verb, body, timeout_s=timeout_s, syncing_ok=syncing_ok)
+            except WorkerUnreachable:
+                if not [s for s in self.pool.ready_samplers() if id(s) not in tried]:
+                    raise
+            finally:
+                load.outstanding -= 1
+
+
+class WorkerPool:
+    def __init__(self, samplers: list[WorkerConnection], learner: WorkerConnection | None,
+                 turns: ComputeTurns | None = None):
+        self.samplers = samplers  # one connection per replica
+        self.learner_connection = learner
+        self.learner = LearnerClient(learner) if learner is not None else None
+        self.turns = turns or ComputeTurns(alternate=False)  # held by sampler calls and train steps
+        self.load = {id(s): ReplicaLoad() for s in samplers}
+        self._turn = itertools.count()
+
+    def ready_samplers(self) -> list[WorkerConnection]:
+        return [s for s in self.samplers if s.process.ready]
+
+    def pick_replica(self, exclude: set[int] = frozenset()) -> WorkerConnection:
+        """The ready replica with the fewest requests in flight; among equals, each in turn."""
+        ready = [s for s in self.ready_samplers() if id(s) not in exclude]
+        if not ready:
+            raise self._none_ready()
+        start = next(self._turn) % len(ready)
+        rotated = ready[start:] + ready[:start]
+        return min(rotated, key=lambda s: self.load[id(s)].outstanding)
+
+    def replica(self, index: int) -> SamplerClient:
+        """One replica's verbs (a re-sync after its restart)."""
+        return SamplerClient(self.samplers[index])
+
+    @contextlib.asynccontextmanager
+    async def sampler(self, take_turn: bool = True) -> AsyncIterator[SamplerClient]:
+        """A client whose calls go to the least-loaded ready replica (see `BalancedReplicas`), held during a
+        sampling turn (it may first wait for a train step to end) unless `take_turn` is False. Raises 503 at
+        once when no replica is ready."""
+        if not self.ready_samplers():
+            raise self._none_ready()
+        async with (self.turns.sampling() if take_turn else contextlib.nullcontext()):
+            yield SamplerClient(BalancedReplicas(self))
+
+    def _none_ready(self) -> Unavailable:
+        states = ", ".join(f"{s.name}: {s.process.state}" for s in self.samplers)
+        return Unavailable(f"no sampler is ready ({states}); retry shortly", code="sampler_unavailable")
+
+    async def load_everywhere(self, adapter: AdapterRef, path: str) -> None:
+        """Load a version on every replica; raises if any ready replica fails. A replica that is
+        re-syncing after a restart gets it too (its re-sync may have listed versions before this one),
+        and so does one that became ready or re-syncing while the others loaded: the caller records
+        the version (which later re-syncs then list) right after this returns, so no replica that
+        serves can miss it."""
+        done: set[int] = set()
+        while targets := [s for s in self.samplers if s.process.state in ("ready", "syncing") and id(s) not in done]:
+            await asyncio.gather(*(SamplerClient(s).load_adapter(adapter, path, syncing_ok=True) for s in targets))
+            done.update(id(s) for s in targets)
+
+    async def unload_everywhere(self, adapter: AdapterRef) -> None:
+        # A replica that already lost it (restart) is fine: unloading is best effort.
+        targets = [s for s in self.samplers if s.process.state in ("ready", "syncing")]
+        await asyncio.gather(*(SamplerClient(s).unload_adapter(adapter, syncing_ok=True) for s in targets),
+                             return_exceptions=True)
+
+    async def wait_learner_ready(self, timeout_s: float) -> None:
+        """Let a restarting learner come back before a batch is sent (rather than losing the batch)."""
+        deadline = time.monotonic() + timeout_s
+        while self.learner_connection.process.state in COMING_BACK and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+
+    def states(self) -> dict[str, str]:
+        return {w.name: w.process.state for w in [*self.samplers, self.learner_connection]}
+
+    def replica_health(self) -> dict[str, ReplicaHealth]:
+        return {s.name: ReplicaHealth(state=s.process.state, outstanding=self.load[id(s)].outstanding,
+                                      requests=self.load[id(s)].requests) for s in self.samplers}
