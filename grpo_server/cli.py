@@ -21,7 +21,7 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from grpo_server.config import load_server_config
-    from grpo_server.workers.roles import RoleError, serve
+    from grpo_server.serve import RoleError, serve
 
     try:
         config = load_server_config(

@@ -15,7 +15,7 @@ from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime import training
-from grpo_server.runtime.training import ExperimentTrainer, report_training_crash
+from grpo_server.runtime.training import ExperimentTrainer
 from grpo_server.workers.pool import ComputeTurns
 from grpo_server.protocol.wire import AdapterVersion, Completion, SaveAdapterRequest, ScoreResponse, TrainMetrics
 
@@ -99,7 +99,7 @@ def rated_group(seq: int, policy_version: int = 0) -> Group:
 
 def trainer_for(tmp_path, workers: FakeWorkers) -> tuple[Experiment, ExperimentTrainer]:
     exp = Experiment(config=ExperimentConfig.model_validate(
-        {"name": "exp", "algorithm": {"batch_groups": 1, "max_staleness": 100}}))
+        {"name": "exp", "algorithm": {"batch_groups": 1, "max_staleness": 100}}), workers=workers)
     exp.adapter_paths[0] = "/adapters/v0"
     log = MetricsLog(tmp_path / "metrics" / "exp.jsonl")
     return exp, ExperimentTrainer(exp, workers, verify_tolerance=0.05, train_timeout_s=5.0, max_loaded_versions=8,
@@ -198,8 +198,7 @@ async def test_a_crashed_training_task_is_reported(tmp_path):
         raise KeyError("boom")
 
     trainer.train = broken_train
-    exp.training_task = asyncio.create_task(trainer.run())
-    exp.training_task.add_done_callback(lambda t: report_training_crash(exp, t))
+    exp.start_training(trainer.run())
     exp.queue.append(rated_group(1))
     exp.queue_changed.set()
     await asyncio.gather(exp.training_task, return_exceptions=True)

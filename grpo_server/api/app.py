@@ -18,7 +18,6 @@ from grpo_server.protocol.errors import ApiError, PayloadTooLarge
 from grpo_server.api.http import error_response
 from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
 from grpo_server.api.prometheus import HttpCounter
-from grpo_server.runtime.metrics_log import log_sampling_forever
 from grpo_server.workers.launch import WorkerSet
 from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.runtime.orchestrator import Orchestrator
@@ -106,12 +105,9 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             names = {e.name for e in resumed}
             for experiment in resumed + [e for e in config.experiments if e.name not in names]:
                 await orchestrator.create(experiment)
-            expiry = asyncio.create_task(orchestrator.expire_groups_forever())
-            sampling_log = asyncio.create_task(log_sampling_forever(orchestrator))
+            orchestrator.start_upkeep()
             log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)
             yield
-            expiry.cancel()
-            sampling_log.cancel()
         finally:
             if orchestrator is not None:
                 await orchestrator.close()

@@ -22,22 +22,18 @@ as its version numbers continue too.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from grpo_server.api_models import ExperimentCounters, VerificationResult
 from grpo_server.protocol.wire import TrainMetrics
-
-if TYPE_CHECKING:
-    from grpo_server.runtime.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +144,3 @@ class MetricsLog:
 
 def metrics_log_path(run_dir: Path, name: str) -> Path:
     return run_dir / "metrics" / f"{name}.jsonl"
-
-
-async def log_sampling_forever(orchestrator: "Orchestrator", interval_s: float = SAMPLING_INTERVAL_S) -> None:
-    """Every interval, a `sampling` line for each experiment that sampled in it."""
-    while True:
-        await asyncio.sleep(interval_s)
-        for name, exp in list(orchestrator.experiments.items()):
-            metrics_log = orchestrator.metrics_logs.get(name)
-            if metrics_log is not None:
-                metrics_log.sampling(exp.counters)

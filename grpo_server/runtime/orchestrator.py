@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 from pathlib import Path
-from typing import Iterator
 
 from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentStatus,
@@ -15,13 +12,13 @@ from grpo_server.api_models import (CompletionOut, CompletionsRequest, Completio
                                     TokenizeResponse)
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
-from grpo_server.runtime.experiment import Experiment, retire_unused_versions
+from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
-from grpo_server.runtime.metrics_log import MetricsLog, metrics_log_path
+from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
-from grpo_server.runtime.training import ExperimentTrainer, report_training_crash
-from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, Completion, GenerateRequest, ScoreRequest)
+from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.protocol.wire import (AdapterRef, Completion, GenerateRequest, ScoreRequest)
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -39,6 +36,7 @@ class Orchestrator:
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
+        self._upkeep: list[asyncio.Task] = []
 
     # --- experiments ---------------------------------------------------------------------------
 
@@ -64,7 +62,6 @@ class Orchestrator:
             if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
                 raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
                                     f"max_tokens {self.config.max_tokens})", code="over_limit")
-            exp = Experiment(config=config)
             # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
             first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
             try:
@@ -72,17 +69,16 @@ class Orchestrator:
             except ApiError:
                 await self.workers.learner.remove_experiment(config.name)
                 raise
-            exp.serving_version = exp.learner_version = first.version
-            exp.adapter_paths[first.version] = first.path
-            exp.journal = FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl")
-            self._resume_from_learner(exp, first)
+            exp = Experiment(config=config, workers=self.workers,
+                             journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
+            exp.resume_from(first)
+            exp.serve(first.version, first.path)
             self.registry.save(config)
             metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name))
             self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log)
-            exp.training_task = asyncio.create_task(trainer.run(), name=f"train-{config.name}")
-            exp.training_task.add_done_callback(functools.partial(report_training_crash, exp))
+            exp.start_training(trainer.run())
             self.experiments[config.name] = exp
             log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train",
                      config.name, first.version, first.step, len(exp.queue))
@@ -93,8 +89,7 @@ class Orchestrator:
             exp = self.get(name)
             del self.experiments[name]
             self.registry.remove(name)
-            exp.journal.close()
-            exp.training_task.cancel()
+            await exp.stop()
             self.metrics_logs.pop(name).close()  # the file stays
             self.groups.drop_experiment(name)
             for version in list(exp.adapter_paths):
@@ -112,29 +107,6 @@ class Orchestrator:
         if not (folder / "adapter_config.json").is_file():
             raise NotFound(f"experiment {name!r} has no adapter version {version}", code="version_not_found")
         return folder
-
-    @staticmethod
-    @contextlib.contextmanager
-    def sampling_request(exp: Experiment) -> Iterator[None]:
-        """Counts a sampler request of `exp` from its admission (it may wait for a sampling turn) to its end."""
-        exp.sampling_requests += 1
-        try:
-            yield
-        finally:
-            exp.sampling_requests -= 1
-
-    @contextlib.contextmanager
-    def pinned_serving_version(self, exp: Experiment) -> Iterator[int]:
-        """The serving version, kept loaded on the samplers until the block ends even if a push
-        replaces it meanwhile."""
-        version = exp.serving_version
-        exp.inflight[version] += 1
-        try:
-            yield version
-        finally:
-            exp.inflight[version] -= 1
-            if version != exp.serving_version:
-                retire_unused_versions(exp, self.workers)
 
     # --- sampling ------------------------------------------------------------------------------
 
@@ -162,9 +134,9 @@ class Orchestrator:
         temperature = defaults.temperature if request.temperature is None else request.temperature
         # The version is chosen once the sampling turn starts: a request that waited for a train step
         # samples the version that step pushed.
-        with self.sampling_request(exp):
+        with exp.sampling_request():
             async with self.workers.sampler() as sampler:
-                with self.pinned_serving_version(exp) as version:
+                with exp.pinned_serving_version() as version:
                     result = await sampler.generate(GenerateRequest(
                         prompt_token_ids=prompt_ids, n=n, temperature=temperature,
                         top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
@@ -174,10 +146,7 @@ class Orchestrator:
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
         self.groups.add(group)
-        exp.last_served_as = result.served_as
-        exp.counters.groups_sampled += 1
-        exp.counters.completions_sampled += len(result.completions)
-        exp.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
+        exp.sampled(len(result.completions), sum(len(c.token_ids) for c in result.completions), result.served_as)
         return CompletionsResponse(
             group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
             completions=[CompletionOut(**c.model_dump()) for c in result.completions],
@@ -227,21 +196,16 @@ class Orchestrator:
         # Nothing below can fail for the request's sake: the group is only taken now.
         if request.group_id is not None:
             self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
-        exp.counters.groups_received += 1
-        exp.recent_rewards.append(sum(request.rewards) / len(request.rewards))
+        exp.rated(request.rewards, zero_variance=skipped is not None)
         response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
                                     external_logprobs=external_logprobs, skipped=skipped)
         if skipped:
-            exp.counters.groups_zero_variance += 1
             return response
         if external:
             group.completions = group.completions + added
             group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
-            exp.counters.completions_external += len(added)
         group.rewards, group.advantages = list(request.rewards), advantages
-        exp.journal.append(group)  # durable before the 202
-        exp.queue.append(group)
-        exp.queue_changed.set()
+        exp.enqueue(group, external_completions=len(external))  # durable before the 202
         return response
 
     def _external_token_ids(self, group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
@@ -256,9 +220,9 @@ class Orchestrator:
                               token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
         """Score completions the model did not sample under the serving version: those logprobs are
         their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
-        with self.sampling_request(exp):
+        with exp.sampling_request():
             async with self.workers.sampler() as sampler:
-                with self.pinned_serving_version(exp) as version:
+                with exp.pinned_serving_version() as version:
                     scored = await sampler.score(ScoreRequest(
                         prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
                         temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
@@ -274,7 +238,7 @@ class Orchestrator:
             await asyncio.sleep(EXPIRY_INTERVAL_S)
             for name, count in self.groups.expire().items():
                 if name in self.experiments:
-                    self.experiments[name].counters.groups_expired += count
+                    self.experiments[name].expired(count)
 
     async def resync_sampler(self, sampler_index: int) -> None:
         """After a sampler restart: load every live version again."""
@@ -291,31 +255,32 @@ class Orchestrator:
             for exp in list(self.experiments.values()):
                 resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
                                                                     syncing_ok=True)
-                exp.learner_version = resumed.version
-                self._resume_from_learner(exp, resumed)
+                exp.resume_from(resumed)
                 exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
                                  f"{len(exp.queue)} journalled groups queued to train")
                 if resumed.version != exp.serving_version:
                     await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
                                                        resumed.path)
-                    exp.adapter_paths[resumed.version] = resumed.path
-                    exp.serving_version = resumed.version
-                    retire_unused_versions(exp, self.workers)
+                    exp.serve(resumed.version, resumed.path)
 
-    @staticmethod
-    def _resume_from_learner(exp: Experiment, state: AdapterVersion) -> None:
-        """Take the learner's durable position: every journalled group after it is queued (again)."""
-        exp.step = state.step
-        exp.counters.groups_trained = state.groups_trained
-        exp.queue[:] = exp.journal.pending(after_seq=state.journal_seq)
-        exp.queue_generation += 1
-        exp.queue_changed.set()
+    async def log_sampling_forever(self, interval_s: float = SAMPLING_INTERVAL_S) -> None:
+        """Every interval, a `sampling` line in the metrics log of each experiment that sampled in it."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for name, exp in list(self.experiments.items()):
+                metrics_log = self.metrics_logs.get(name)
+                if metrics_log is not None:
+                    metrics_log.sampling(exp.counters)
+
+    def start_upkeep(self) -> None:
+        """Group expiry and the sampling lines of the metrics logs, until `close`."""
+        self._upkeep = [asyncio.create_task(self.expire_groups_forever(), name="expire-groups"),
+                        asyncio.create_task(self.log_sampling_forever(), name="log-sampling")]
 
     async def close(self) -> None:
-        for exp in self.experiments.values():
-            if exp.training_task is not None:
-                exp.training_task.cancel()
-            if exp.journal is not None:
-                exp.journal.close()
+        for task in self._upkeep:
+            task.cancel()
+        await asyncio.gather(*self._upkeep, return_exceptions=True)
+        await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))
         for metrics_log in self.metrics_logs.values():
             metrics_log.close()

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 from grpo_server.protocol.errors import ApiError
-from grpo_server.runtime.experiment import Experiment, retire_unused_versions
+from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.verification import IDLE_CHECK_S, VersionChecks, probe_of
@@ -55,25 +54,13 @@ class ExperimentTrainer:
         try:
             while True:
                 # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
-                while self._drop_stale() < batch_groups:
-                    exp.queue_changed.clear()
-                    try:
-                        await asyncio.wait_for(exp.queue_changed.wait(), IDLE_CHECK_S)
-                    except asyncio.TimeoutError:  # no step soon to check the newest version
+                while exp.drop_stale() < batch_groups:
+                    if not await exp.queue_grew(IDLE_CHECK_S):  # no step soon to check the newest version
                         if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
                             self.checks.probe_unchecked()
-                batch, exp.queue[:batch_groups] = exp.queue[:batch_groups], []
-                await self.train(batch, exp.queue_generation)
+                await self.train(*exp.take_batch(batch_groups))
         finally:  # the experiment was deleted or the server stops
             self.checks.close()
-
-    def _drop_stale(self) -> int:
-        """Drop queued groups sampled more than max_staleness versions ago; return how many remain."""
-        exp, limit = self.exp, self.exp.config.algorithm.max_staleness
-        fresh = [g for g in exp.queue if exp.learner_version - g.policy_version <= limit]
-        exp.counters.groups_dropped_stale += len(exp.queue) - len(fresh)
-        exp.queue[:] = fresh
-        return len(fresh)
 
     async def train(self, groups: list[Group], generation: int) -> None:
         exp = self.exp
@@ -110,15 +97,7 @@ class ExperimentTrainer:
 
     def _trained(self, groups: list[Group], metrics: TrainMetrics) -> None:
         exp = self.exp
-        exp.step = metrics.step
-        exp.counters.groups_trained += len(groups)
-        exp.staleness.update(exp.learner_version - g.policy_version for g in groups)
-        if metrics.checkpointed_journal_seq is not None:
-            exp.journal.compact(through_seq=metrics.checkpointed_journal_seq)
-        # JSON has no inf/NaN: a non-finite metric (say, an empty ratio range) is shown as null.
-        exp.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                            for k, v in metrics.model_dump().items()}
-        exp.probe = groups[-1]
+        exp.trained(groups, metrics)
         self.metrics_log.train(metrics, policy_version=exp.serving_version, groups=len(groups))
         self.checks.trained(metrics)
         log.info("%s: step %d loss %.4f reward %.3f kl %.4f clipped %.3f", exp.name, metrics.step,
@@ -136,17 +115,14 @@ class ExperimentTrainer:
         try:
             probe = probe_of(exp.probe)
             saved = await self.workers.learner.save_adapter(exp.name, probe)
-            exp.learner_version = saved.version
+            exp.learned(saved.version)
             await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path)
         except ApiError as exc:
             exp.record_error(f"push failed: {exc.message}")
             log.error("%s: push failed: %s", exp.name, exc.message)
             return
-        exp.adapter_paths[saved.version] = saved.path
-        exp.serving_version = saved.version
-        exp.last_push_at = time.time()
-        exp.last_push_seconds = time.monotonic() - started
-        retire_unused_versions(exp, self.workers)
+        exp.pushed(seconds=time.monotonic() - started, at=time.time())
+        exp.serve(saved.version, saved.path)
         self.checks.pushed(saved.version, exp.last_push_seconds, probe, saved.probe_logprobs)
 
     async def _version_slot(self) -> bool:
@@ -158,13 +134,3 @@ class ExperimentTrainer:
             await asyncio.sleep(0.05)
         return True
 
-
-def report_training_crash(exp: Experiment, task: asyncio.Task) -> None:
-    """Done-callback of an experiment's training task: it only ends by cancellation (deleted, server
-    stopping), so anything else is a bug that must show in the log and the status, not vanish."""
-    if task.cancelled() or task.exception() is None:
-        return
-    exc = task.exception()
-    log.error("%s: training stopped by an internal error", exp.name, exc_info=exc)
-    exp.record_error(f"training stopped by an internal error ({type(exc).__name__}: {exc}); feedback is still "
-                     "journalled, and a server restart resumes training from it")

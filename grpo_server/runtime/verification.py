@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from grpo_server.api_models import VerificationResult
 from grpo_server.protocol.errors import ApiError
-from grpo_server.runtime.experiment import Experiment, retire_unused_versions
+from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, VersionProbe
@@ -70,7 +70,7 @@ class VersionChecks:
         """`version` is served; `probe` was scored by the learner as it saved it (`learner_logprobs`)."""
         self._give_up_unchecked()
         self.unchecked = Pushed(version, self.exp.step, push_seconds, probe, learner_logprobs)
-        self.exp.versions_in_check.add(version)  # stays loaded on the samplers until checked
+        self.exp.keep_for_check(version)  # stays loaded on the samplers until checked
 
     def trained(self, metrics: TrainMetrics) -> None:
         """A step's answer: its free check, and the probe of the unchecked version if that was not it."""
@@ -94,7 +94,7 @@ class VersionChecks:
         if pushed.probe is None or pushed.learner_logprobs is None:
             self._done(pushed, None)
             return
-        self._probing = asyncio.create_task(self._probe(pushed), name=f"verify-{self.exp.name}-v{pushed.version}")
+        self._probing = self.exp.spawn(self._probe(pushed), f"verify-{self.exp.name}-v{pushed.version}")
 
     def close(self) -> None:
         if self._probing is not None:
@@ -131,8 +131,7 @@ class VersionChecks:
 
     def _record(self, result: VerificationResult) -> None:
         exp = self.exp
-        if exp.last_verification is None or exp.last_verification.version <= result.version:
-            exp.last_verification = result
+        exp.verified(result)
         if not result.ok:
             message = (f"v{result.version}: sampler and learner logprobs differ by {result.mean_abs_diff:.4f} nats "
                        f"on average over {result.tokens} tokens (tolerance {self.tolerance})")
@@ -140,6 +139,5 @@ class VersionChecks:
             log.error("%s: verification failed: %s", exp.name, message)
 
     def _done(self, pushed: Pushed, result: VerificationResult | None) -> None:
-        self.exp.versions_in_check.discard(pushed.version)
-        retire_unused_versions(self.exp, self.workers)
+        self.exp.checked(pushed.version)
         self.metrics_log.push(pushed.version, pushed.step, pushed.push_seconds, result)
