@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.errors import bad_request
+from grpo_server.protocol.errors import BadRequest
 
 
 @dataclass(frozen=True)
@@ -59,24 +59,24 @@ def check_sequence(seq: Sequence, vocab_size: int, max_model_len: int, where: st
     """Reject what would crash the model or silently train on garbage, with a message naming it."""
     if not seq.prompt:
         # The first completion token needs a position before it that predicts it.
-        raise bad_request(f"{where}: prompt_token_ids is empty (at least one prompt token is needed)")
+        raise BadRequest(f"{where}: prompt_token_ids is empty (at least one prompt token is needed)")
     if not seq.completion:
-        raise bad_request(f"{where}: the completion is empty")
+        raise BadRequest(f"{where}: the completion is empty")
     total = len(seq.prompt) + len(seq.completion)
     if total > max_model_len:
-        raise bad_request(f"{where}: prompt + completion is {total} tokens, over max_model_len {max_model_len}")
+        raise BadRequest(f"{where}: prompt + completion is {total} tokens, over max_model_len {max_model_len}")
     for label, ids in (("prompt", seq.prompt), ("completion", seq.completion)):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise bad_request(f"{where}: {label} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            raise BadRequest(f"{where}: {label} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(seq.old_logp) != len(seq.completion):
-        raise bad_request(
+        raise BadRequest(
             f"{where}: {len(seq.old_logp)} sampler_logprobs for {len(seq.completion)} completion tokens"
         )
     if not all(math.isfinite(x) and x <= 0.0 for x in seq.old_logp):
-        raise bad_request(f"{where}: sampler_logprobs must be finite and <= 0")
+        raise BadRequest(f"{where}: sampler_logprobs must be finite and <= 0")
     if not math.isfinite(seq.advantage):
-        raise bad_request(f"{where}: advantage is not finite")
+        raise BadRequest(f"{where}: advantage is not finite")
 
 
 def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatch:

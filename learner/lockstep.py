@@ -8,7 +8,7 @@ or its error. Inside a verb the ranks keep step through the verb's own collectiv
 reduction, the checkpoint's optimizer shards). Verbs that only read (logprobs, status) run on rank 0 alone.
 
 Failures:
-  * a LearnerError (a bad request, an unknown experiment) is raised alike by every rank, from the same
+  * an ApiError (a bad request, an unknown experiment) is raised alike by every rank, from the same
     state and before any collective: it is answered as usual and the job goes on;
   * anything else, on any rank, may have left the ranks out of step (one rank's optimizer stepped, a
     collective half done): it is answered with a 500 naming each rank's error, and the job exits so that
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from learner.errors import LearnerError
+from grpo_server.protocol.errors import ApiError
 from learner.ranks import Followers
 
 log = logging.getLogger(__name__)
@@ -43,25 +43,26 @@ _POLL_S = (0.005, 0.2)  # rank 0 looks for outcomes (and dead followers) this of
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one rank's run of a verb ended. Plain fields, not the exception: LearnerError does not pickle."""
+    """How one rank's run of a verb ended. Plain fields, not the exception: only its code, message and status
+    cross the store."""
 
     rank: int
-    learner_error: tuple[str, str, int] | None = None  # (code, message, status): every rank raises it alike
+    api_error: tuple[str, str, int] | None = None  # (code, message, status): every rank raises it alike
     failure: str | None = None  # anything else: "TypeName: message"
 
     @classmethod
     def of(cls, rank: int, exc: BaseException | None) -> "Outcome":
         if exc is None:
             return cls(rank)
-        if isinstance(exc, LearnerError):
-            return cls(rank, learner_error=(exc.code, exc.message, exc.status))
+        if isinstance(exc, ApiError):
+            return cls(rank, api_error=(exc.code, exc.message, exc.status))
         return cls(rank, failure=f"{type(exc).__name__}: {exc}")
 
     def describe(self) -> str:
         if self.failure:
             return f"rank {self.rank}: {self.failure}"
-        if self.learner_error:
-            return f"rank {self.rank}: {self.learner_error[0]}: {self.learner_error[1]}"
+        if self.api_error:
+            return f"rank {self.rank}: {self.api_error[0]}: {self.api_error[1]}"
         return f"rank {self.rank}: ok"
 
 
@@ -170,7 +171,7 @@ class LockstepTrainer:
     def _everywhere(self, verb: str, *args: Any) -> Any:
         with self._lock:
             if self.broken is not None:
-                raise LearnerError("learner_broken", f"the learner is restarting: {self.broken}", 503)
+                raise ApiError(f"the learner is restarting: {self.broken}", code="learner_broken", status=503)
             seq = self._seq
             self._seq += 1
             self.channel.publish(seq, verb, args)
@@ -178,15 +179,15 @@ class LockstepTrainer:
             try:
                 result = getattr(self.trainer, verb)(*args)
             except BaseException as exc:  # judged with the other ranks' outcomes below
-                if not isinstance(exc, LearnerError):
+                if not isinstance(exc, ApiError):
                     log.exception("rank 0: %s failed", verb)
                 mine = exc
             own = Outcome.of(0, mine)
             # A failure of rank 0's own may leave the followers in a collective that never completes:
             # take what they have posted (or that they died), without waiting for the rest.
             outcomes = [own, *self._collect(seq, wait=own.failure is None)]
-            # The same LearnerError everywhere (compared by code and status) is a normal answer.
-            errors = {(o.learner_error[0], o.learner_error[2]) if o.learner_error else None for o in outcomes}
+            # The same ApiError everywhere (compared by code and status) is a normal answer.
+            errors = {(o.api_error[0], o.api_error[2]) if o.api_error else None for o in outcomes}
             if all(o.failure is None for o in outcomes) and len(errors) == 1:
                 self.channel.forget(seq, self.followers.ranks)
                 if mine is not None:
@@ -196,7 +197,7 @@ class LockstepTrainer:
             self.broken = reason
             log.error("%s; the ranks may be out of step: the learner exits to restart from its checkpoints", reason)
             self.on_broken(reason)
-            raise LearnerError("rank_failed", reason + "; the learner restarts from its checkpoints", 500)
+            raise ApiError(reason + "; the learner restarts from its checkpoints", code="rank_failed", status=500)
 
     def _collect(self, seq: int, wait: bool) -> list[Outcome]:
         outcomes = []
@@ -239,7 +240,7 @@ def follow(trainer: Any, channel: CommandChannel, rank: int) -> int:
             return 1
         try:
             getattr(trainer, verb)(*args)
-        except LearnerError as exc:  # rank 0 raises it too, from the same state: the job goes on
+        except ApiError as exc:  # rank 0 raises it too, from the same state: the job goes on
             channel.post(seq, Outcome.of(rank, exc))
         except BaseException as exc:  # reported to rank 0; then this rank leaves the job
             log.exception("rank %d: %s failed; leaving the job", rank, verb)

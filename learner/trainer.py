@@ -6,10 +6,9 @@ shares the module, so the active adapter and the trainable flags are set again b
 
 Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (learner/checkpoint.py):
 weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps
-and at shutdown. Adding an experiment that has a checkpoint (a restarted learner or server, a re-created
-experiment) resumes from it exactly; one with versions but no checkpoint (written before checkpoints
-existed, or removed) resumes the newest version's weights with a fresh optimizer. Version numbers always
-continue past the newest on disk: no number is ever written twice.
+and at shutdown. Adding an experiment whose name has either on disk resumes it (learner/resume.py: from
+its newest checkpoint exactly, else from its newest version's weights); version numbers always continue
+past the newest on disk.
 
 With N ranks (learner/ranks.py, learner/lockstep.py) every rank holds the same trainer and runs the same
 state-changing verbs in the same order; a train step splits the batch's sequences over the ranks
@@ -32,12 +31,12 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig
+from grpo_server.protocol.errors import ApiError, BadRequest, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
-from learner import adapter_io, checkpoint
+from learner import adapter_io, checkpoint, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
 from learner.engine import make_engine, optimizer_step, release_engine
-from learner.errors import LearnerError, bad_request, not_found
 from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
 from learner.metrics import StepStats
 from learner.sharding import RankShare, rank_share
@@ -48,7 +47,9 @@ _NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
 
 
 @dataclass
-class Experiment:
+class AdapterUnderTraining:
+    """One experiment in the learner: its peft adapter, DeepSpeed engine (and optimizer) and counters."""
+
     name: str
     adapter: str  # peft adapter name: "exp_" + name, never a substring of peft's "lora_" key prefix
     algorithm: AlgorithmConfig
@@ -64,7 +65,8 @@ class Experiment:
     weights_version: int | None = None
 
 
-def resolve_dtype(name: str, cuda: bool) -> torch.dtype:
+def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
+    """The torch dtype that `LearnerConfig.dtype` names ("auto": bfloat16 on CUDA, float32 on the CPU)."""
     if name == "auto":
         return torch.bfloat16 if cuda else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -77,7 +79,7 @@ class MultiAdapterTrainer:
         self.config = config
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-        self.dtype = resolve_dtype(config.dtype, cuda)
+        self.dtype = torch_dtype_for(config.dtype, cuda)
         # Here, not at the first add_experiment: the first call JIT-builds DeepSpeed's shm comm op
         # (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
         # (A no-op wrapper when learner/ranks.py set up the process group already.)
@@ -95,7 +97,7 @@ class MultiAdapterTrainer:
         # Recorded before peft wraps the layers: the names LoRA may target.
         self.linear_names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
         self.model: Any = None  # the PeftModel, once the first adapter exists
-        self.experiments: dict[str, Experiment] = {}
+        self.experiments: dict[str, AdapterUnderTraining] = {}
         self._lora_configs: dict[str, LoraConfig] = {}
         log.info("base model %s on %s in %s, vocabulary %d, ZeRO stage %d, rank %d of %d", config.model_path,
                  self.device, self.dtype, self.vocab_size, config.zero_stage, self.rank, self.world_size)
@@ -104,19 +106,17 @@ class MultiAdapterTrainer:
 
     def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig) -> AdapterVersion:
         if not _NAME_RE.match(name):
-            raise bad_request(f"experiment name {name!r} must match {_NAME_RE.pattern}")
+            raise BadRequest(f"experiment name {name!r} must match {_NAME_RE.pattern}")
         if name in self.experiments:
-            raise LearnerError("exists", f"experiment {name!r} is already loaded in the learner", 409)
+            raise ApiError(f"experiment {name!r} is already loaded in the learner", code="exists", status=409)
         missing = sorted(set(lora.target_modules) - self.linear_names)
         if missing:
-            raise bad_request(f"target_modules {missing} are not linear layers of the model "
-                              f"(it has {sorted(self.linear_names)})")
+            raise BadRequest(f"target_modules {missing} are not linear layers of the model "
+                             f"(it has {sorted(self.linear_names)})")
         peft_config = self._peft_config(lora)
-        latest = adapter_io.latest_version(self.config.run_dir, name)
-        saved = None
-        if latest is not None:  # read and check before touching the model, so a bad folder fails cleanly
-            saved = adapter_io.read_version(adapter_io.version_dir(self.config.run_dir, name, latest))
-            _check_compatible(saved[0], peft_config, name, latest)
+        # Read and checked before the model is touched, so that a bad folder fails cleanly.
+        found = resume.find(self.config.run_dir, name, peft_config, self.rank, self.world_size)
+        start = found.start()
         adapter = f"exp_{name}"
         # LoRA A's init draws from the global generator: seed it per experiment, so an experiment's v0
         # depends on (seed, name), not on which experiments were created before it.
@@ -125,51 +125,31 @@ class MultiAdapterTrainer:
         self._add_peft_adapter(adapter, peft_config)
         if self.rank > 0:  # the same init on every rank (above); from here each draws its own dropout masks
             torch.manual_seed(experiment_seed + self.rank)
-        resumed = checkpoint.read_latest(self.config.run_dir, name, self.rank, self.world_size)
-        if resumed is not None:
-            _check_compatible(resumed.state.lora | {"lora_alpha": resumed.state.lora.get("alpha")}, peft_config,
-                              name, resumed.state.version)
         # Every rank has read the disk before rank 0 writes to it (v0, or a resumed version's new number):
         # a rank reading after the write would start from another version than the others.
         self._all_ranks_here()
         try:
             params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
             self._activate(adapter)
-            if saved is None and resumed is None:
-                step, version = 0, 0
-                self._write_version(adapter, name, version, step)  # peft init: B = 0, the base model
-            elif resumed is None:
-                step, version = saved[2], latest
-                self._load_weights(adapter, saved[1], name, latest)
-            else:
-                step, version = resumed.state.step, max(resumed.state.version, latest or 0)
-                self._load_weights(adapter, resumed.weights, name, version)
-                if saved is None or saved[2] != step:
-                    # Versions were pushed after the checkpoint (their steps are lost): serve the resumed
-                    # weights under a new number, so the samplers and the learner agree again.
-                    version += 1
-                    self._write_version(adapter, name, version, step)
+            if start.weights is not None:
+                resume.load_weights(self.model, adapter, start.weights, name, start.loaded_version)
+            if start.write_version:
+                self._write_version(adapter, name, start.version, start.step)
             engine = make_engine(self.model, params, algorithm, self.config.zero_stage, self.dtype)
-            if resumed is not None and resumed.optimizer is not None:
-                checkpoint.load_optimizer_state(engine.optimizer, resumed.optimizer, self.world_size)
-                torch.set_rng_state(resumed.rng)
-            elif resumed is not None:
-                log.warning("%s: the checkpoint at step %d was written by %d learner ranks, this learner has %d: "
-                            "resuming its weights with a fresh optimizer", name, resumed.state.step,
-                            resumed.state.ranks, self.world_size)
+            found.restore_optimizer(engine, self.world_size, name)
         except BaseException:
             self.model.delete_adapter(adapter)
             raise
-        exp = Experiment(name, adapter, algorithm, params, engine, step, version, weights_version=version)
-        if resumed is not None:
-            exp.journal_seq, exp.groups_trained = resumed.state.journal_seq, resumed.state.groups_trained
-            exp.checkpointed_step = step
+        exp = AdapterUnderTraining(name, adapter, algorithm, params, engine, start.step, start.version,
+                                   weights_version=start.version)
+        if found.resumed is not None:
+            exp.journal_seq, exp.groups_trained = found.resumed.state.journal_seq, found.resumed.state.groups_trained
+            exp.checkpointed_step = start.step
         self.experiments[name] = exp
         self._lora_configs[name] = lora
-        how = "fresh" if saved is None and resumed is None else "checkpoint" if resumed else "newest version"
         log.info("experiment %s: adapter r=%d on %s, from %s at v%d (step %d, journal %d)", name, lora.r,
-                 lora.target_modules, how, version, step, exp.journal_seq)
-        return self._version_ref(name, version)
+                 lora.target_modules, found.source, start.version, start.step, exp.journal_seq)
+        return self._version_ref(name, start.version)
 
     def train(self, request: TrainRequest) -> TrainMetrics:
         started = time.perf_counter()
@@ -277,10 +257,10 @@ class MultiAdapterTrainer:
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _get(self, name: str) -> Experiment:
+    def _get(self, name: str) -> AdapterUnderTraining:
         exp = self.experiments.get(name)
         if exp is None:
-            raise not_found(name)
+            raise NotFound(f"experiment {name!r} is not loaded in the learner")
         return exp
 
     def _version_ref(self, name: str, version: int) -> AdapterVersion:
@@ -311,15 +291,6 @@ class MultiAdapterTrainer:
         for n, p in self.model.named_parameters():
             p.requires_grad_("lora_" in n and f".{adapter}." in n)
 
-    def _load_weights(self, adapter: str, tensors: dict[str, torch.Tensor], name: str, version: int) -> None:
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(self.model, tensors, adapter_name=adapter)
-        missing = [k for k in result.missing_keys if f".{adapter}." in k]
-        if missing or result.unexpected_keys:
-            raise LearnerError("adapter_mismatch", f"{name} v{version} on disk does not fit the adapter: "
-                               f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}", 409)
-
     def _write_version(self, adapter: str, name: str, version: int, step: int) -> None:
         """Rank 0 writes; the other ranks hold the same weights and only count the version."""
         from peft import get_peft_model_state_dict
@@ -331,7 +302,7 @@ class MultiAdapterTrainer:
         config["inference_mode"] = True  # as peft's save_pretrained writes it
         adapter_io.write_version(adapter_io.version_dir(self.config.run_dir, name, version), config, tensors, step)
 
-    def _accumulate_and_step(self, exp: Experiment, share: RankShare, settings: LossSettings,
+    def _accumulate_and_step(self, exp: AdapterUnderTraining, share: RankShare, settings: LossSettings,
                              norm: BatchNormalizer) -> tuple[StepStats, float]:
         self._activate(exp.adapter)
         self.model.train()
@@ -368,7 +339,7 @@ class MultiAdapterTrainer:
         dist.gather_object(_to_cpu(own), gathered, dst=0, group=self._cpu_group)
         return gathered or []
 
-    def _reset_engine(self, exp: Experiment) -> None:
+    def _reset_engine(self, exp: AdapterUnderTraining) -> None:
         release_engine(exp.engine)
         for param in exp.params:
             param.grad = None
@@ -407,15 +378,5 @@ def _to_cpu(value: Any) -> Any:
 
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
-        raise bad_request(f"temperature must be > 0 to score tokens, got {temperature}")
+        raise BadRequest(f"temperature must be > 0 to score tokens, got {temperature}")
 
-
-def _check_compatible(saved_config: dict[str, Any], peft_config: Any, name: str, version: int) -> None:
-    """The newest version on disk must have the shape and scaling of the adapter asked for."""
-    want = {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha,
-            "target_modules": sorted(peft_config.target_modules)}
-    have = {"r": saved_config.get("r"), "lora_alpha": saved_config.get("lora_alpha"),
-            "target_modules": sorted(saved_config.get("target_modules") or [])}
-    if want != have:
-        raise LearnerError("adapter_mismatch", f"experiment {name!r} has v{version} on disk with {have}, but the "
-                           f"request asks for {want}; use another name or remove the old adapters", 409)

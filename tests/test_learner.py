@@ -311,7 +311,7 @@ def test_save_adapter_bumps_version_and_loads_in_peft_with_the_same_logprobs(tra
 
 
 def test_readding_a_removed_experiment_resumes_its_latest_version(trainer):
-    from learner.errors import LearnerError
+    from grpo_server.protocol.errors import ApiError
 
     trainer.add_experiment("resume", LORA, AlgorithmConfig(learning_rate=1e-2))
     trainer.train(TrainRequest(name="resume", samples=[_sample(PROMPT, COMPLETION, _lp(trainer, "resume")[0], 1.0)]))
@@ -320,10 +320,10 @@ def test_readding_a_removed_experiment_resumes_its_latest_version(trainer):
     trainer.remove_experiment("resume")
     assert "resume" not in trainer.status() and "exp_resume" not in trainer.model.peft_config
     assert (Path(saved.path) / "adapter_model.safetensors").is_file()  # the files stay
-    with pytest.raises(LearnerError) as err:
+    with pytest.raises(ApiError) as err:
         _lp(trainer, "resume")
     assert err.value.status == 404
-    with pytest.raises(LearnerError) as err:  # another shape than the adapter on disk
+    with pytest.raises(ApiError) as err:  # another shape than the adapter on disk
         trainer.add_experiment("resume", LoraConfig(r=4, alpha=16, target_modules=TARGETS), AlgorithmConfig())
     assert (err.value.code, err.value.status) == ("adapter_mismatch", 409)
 
@@ -336,10 +336,10 @@ def test_readding_a_removed_experiment_resumes_its_latest_version(trainer):
 
 
 def test_bad_requests_get_the_right_error_codes(trainer):
-    from learner.errors import LearnerError
+    from grpo_server.protocol.errors import ApiError
 
     def code_of(fn, *args):
-        with pytest.raises(LearnerError) as err:
+        with pytest.raises(ApiError) as err:
             fn(*args)
         return err.value.code, err.value.status
 

@@ -32,7 +32,6 @@ from grpo_server.workers.processes import WorkerProcess
 from grpo_server.protocol.wire import (AddExperimentRequest, LogprobsRequest, TrainMetrics, TrainRequest, TrainSample)
 from grpo_server.protocol.verbs import LearnerClient, LearnerVerbs
 from grpo_server.workers.pool import WorkerConnection
-from learner.errors import LearnerError
 from learner.lockstep import CommandChannel, LockstepTrainer, follow
 from learner.ranks import RankEnv, host_store, join_store
 from tests.serving import free_port
@@ -184,7 +183,7 @@ async def test_two_ranks_train_exactly_like_one_and_recover_together(tiny_model_
                 request = AddExperimentRequest(name=name, lora=LORA, algorithm=algorithm)
                 v0 = [await c.transport.request(LearnerVerbs.add_experiment, request) for c in clients]
                 assert [v.version for v in v0] == [0, 0]
-                with pytest.raises(ApiError) as err:  # the same LearnerError on every rank: a normal answer
+                with pytest.raises(ApiError) as err:  # the same ApiError on every rank: a normal answer
                     await clients[1].transport.request(LearnerVerbs.add_experiment, request)
                 assert (err.value.status, err.value.code) == (409, "exists")
                 batches[name] = _batch(name, await _current_logprobs(clients[0], name, prompts, completions),
@@ -276,7 +275,7 @@ class _FakeTrainer:
     def add_experiment(self, name: str) -> str:
         self.calls.append(("add_experiment", name))
         if name == "taken":
-            raise LearnerError("exists", f"experiment {name!r} is already loaded in the learner", 409)
+            raise ApiError(f"experiment {name!r} is already loaded in the learner", code="exists", status=409)
         return f"added {name}"
 
     def train(self, batch: str) -> str:
@@ -313,11 +312,11 @@ def test_lockstep_answers_errors_all_ranks_share_and_reports_a_rank_that_fails_a
     lockstep = LockstepTrainer(_FakeTrainer(), CommandChannel(store), _ThreadFollower(thread, exit_codes),
                                on_broken=broken.append, outcome_timeout_s=30)
     assert lockstep.add_experiment("a") == "added a"
-    with pytest.raises(LearnerError) as err:  # every rank raises it: a normal answer, the job goes on
+    with pytest.raises(ApiError) as err:  # every rank raises it: a normal answer, the job goes on
         lockstep.add_experiment("taken")
     assert (err.value.code, err.value.status, broken) == ("exists", 409, [])
 
-    with pytest.raises(LearnerError) as err:  # only rank 1 fails: reported with its error, the job breaks
+    with pytest.raises(ApiError) as err:  # only rank 1 fails: reported with its error, the job breaks
         lockstep.train("batch")
     assert (err.value.code, err.value.status) == ("rank_failed", 500)
     assert "rank 0: ok; rank 1: MemoryError: injected: out of memory on this rank" in err.value.message
@@ -325,6 +324,6 @@ def test_lockstep_answers_errors_all_ranks_share_and_reports_a_rank_that_fails_a
     thread.join(timeout=30)
     assert exit_codes == [1]  # the failed rank left the job
     assert follower_trainer.calls == [("add_experiment", "a"), ("add_experiment", "taken"), ("train", "batch")]
-    with pytest.raises(LearnerError) as err:  # nothing more reaches the ranks of a broken job
+    with pytest.raises(ApiError) as err:  # nothing more reaches the ranks of a broken job
         lockstep.train("another")
     assert err.value.status == 503

@@ -71,14 +71,14 @@ async def completions(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require(_who(request), name)
     body = await parse_body(request, CompletionsRequest)
-    return respond(request, await request.app[ORCHESTRATOR].complete(name, body))
+    return respond(request, await request.app[ORCHESTRATOR].get(name).complete(body))
 
 
 async def feedback(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require(_who(request), name)
     body = await parse_body(request, FeedbackRequest)
-    return respond(request, await request.app[ORCHESTRATOR].feedback(name, body), status=202)
+    return respond(request, await request.app[ORCHESTRATOR].get(name).feedback(body), status=202)
 
 
 async def tokenize(request: web.Request) -> web.Response:

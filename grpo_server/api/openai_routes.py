@@ -21,9 +21,8 @@ from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequ
 async def _sample(request: web.Request, who: str, body: OpenAIRequest,
                   convert: Callable[..., CompletionsRequest]) -> CompletionsResponse:
     require(who, body.model)
-    orchestrator = request.app[ORCHESTRATOR]
-    orchestrator.get(body.model)  # 404 experiment_not_found before anything else about the body
-    return await orchestrator.complete(body.model, convert(body))
+    experiment = request.app[ORCHESTRATOR].get(body.model)  # 404 experiment_not_found before anything else
+    return await experiment.complete(convert(body))
 
 
 def _token_text(request: web.Request, result: CompletionsResponse) -> dict[int, str]:

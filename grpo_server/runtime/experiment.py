@@ -1,9 +1,10 @@
 """One experiment's owner in the front end: the only code that changes its serving version, its loaded
-adapter versions, its queue of rated groups, its counters and its background tasks.
+adapter versions, its groups (pending and queued for training), its counters and its background tasks.
 
-The orchestrator creates it, the request handlers call its methods, its training task
-(`runtime/training.py`) and version checks (`runtime/verification.py`) report to it, and `stop` cancels and
-awaits every task it started. Everything else reads it (status, /metrics) and never writes it.
+Requests come in through `complete` and `feedback`; its training task (`runtime/training.py`) takes
+batches, and reports trained steps and pushed versions back through the methods below, as its version
+checks (`runtime/verification.py`) do; `stop` cancels and awaits every task it started. Everything else
+(status, /metrics, the orchestrator's re-syncs) reads it and calls its methods, never writes its fields.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Coroutine, Iterator
 
-from grpo_server.api_models import ExperimentCounters, ExperimentStatus, VerificationResult
-from grpo_server.config import ExperimentConfig
-from grpo_server.runtime.groups import Group
+from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentCounters,
+                                    ExperimentStatus, ExternalCompletion, FeedbackRequest, FeedbackResponse,
+                                    VerificationResult)
+from grpo_server.config import ExperimentConfig, ServerConfig
+from grpo_server.protocol.errors import TooManyRequests, Unprocessable
+from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, Completion, GenerateRequest, ScoreRequest,
+                                       TrainMetrics)
+from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
+from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import FeedbackJournal
-from grpo_server.protocol.wire import AdapterRef, AdapterVersion, TrainMetrics
+from grpo_server.runtime.tasks import OwnedTasks
 
 if TYPE_CHECKING:
+    from grpo_server.runtime.prompts import PromptBuilder
     from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,12 @@ MAX_ERRORS_SHOWN = 20
 @dataclass(eq=False)
 class Experiment:
     config: ExperimentConfig
+    # What it works with (the orchestrator's; None in tests that drive only its training side).
+    workers: "WorkerPool | None" = None
+    server: ServerConfig | None = None  # the server's limits
+    prompts: "PromptBuilder | None" = None
+    groups: GroupStore | None = None  # sampled groups awaiting feedback (the server's store, by experiment)
+    journal: FeedbackJournal | None = None
     serving_version: int = 0  # the version new completions are sampled from
     learner_version: int = 0  # the newest version the learner has written
     step: int = 0
@@ -47,7 +61,6 @@ class Experiment:
     # Bumped when the queue is rebuilt from the journal (a learner restart): a batch taken before
     # that is in the new queue again and must not be sent as well.
     queue_generation: int = 0
-    journal: FeedbackJournal | None = None
     queue_changed: asyncio.Event = field(default_factory=asyncio.Event)
     recent_rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUPS))
     last_metrics: dict[str, Any] | None = None
@@ -59,8 +72,10 @@ class Experiment:
     versions_in_check: set[int] = field(default_factory=set)  # kept loaded until the samplers scored them
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
-    workers: "WorkerPool | None" = None  # unloads retired versions
-    tasks: set[asyncio.Task] = field(default_factory=set)  # background work besides training (unloads, probes)
+    tasks: OwnedTasks = field(init=False)  # background work besides training: unloads, probes
+
+    def __post_init__(self) -> None:
+        self.tasks = OwnedTasks(self.name, on_error=self.record_error)
 
     @property
     def name(self) -> str:
@@ -93,6 +108,126 @@ class Experiment:
             config=self.config.public_dict(),
         )
 
+    # --- requests ------------------------------------------------------------------------------------
+
+    async def complete(self, request: CompletionsRequest) -> CompletionsResponse:
+        """A group of completions under the serving version, kept for its feedback."""
+        name, limits = self.name, self.server
+        # Requests still sampling count too: their groups reach the queue later, and admitting them all
+        # while the queue looks short only makes groups that go stale before the learner gets to them.
+        backlog = limits.max_queued_batches * self.config.algorithm.batch_groups
+        in_pipeline = len(self.queue) + self.sampling_requests
+        if in_pipeline >= backlog:
+            raise TooManyRequests(f"{in_pipeline} groups of {name!r} are being sampled or wait for the learner "
+                                  f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
+                                  code="learner_behind", retry_after=2.0)
+        if self.groups.pending_count(name) >= limits.max_pending_groups:
+            raise TooManyRequests(f"{limits.max_pending_groups} groups of {name!r} await feedback "
+                                  "(max_pending_groups); post feedback or let them expire",
+                                  code="too_many_pending_groups", retry_after=5.0)
+        defaults = self.config.sampling
+        n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
+        if n > limits.max_n or max_tokens > limits.max_tokens:
+            raise Unprocessable(f"n {n} / max_tokens {max_tokens} exceed the server's limits (max_n "
+                                f"{limits.max_n}, max_tokens {limits.max_tokens})", code="over_limit")
+        prompt_ids = self.prompts.token_ids(request)
+        self.prompts.check_fits(len(prompt_ids), max_tokens)
+        temperature = defaults.temperature if request.temperature is None else request.temperature
+        # The version is chosen once the sampling turn starts: a request that waited for a train step
+        # samples the version that step pushed.
+        with self.sampling_request():
+            async with self.workers.sampler() as sampler:
+                with self.pinned_serving_version() as version:
+                    result = await sampler.generate(GenerateRequest(
+                        prompt_token_ids=prompt_ids, n=n, temperature=temperature,
+                        top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
+                        seed=request.seed, adapter=AdapterRef(name=name, version=version),
+                    ))
+        group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
+                      completions=result.completions, policy_version=version, temperature=temperature,
+                      max_tokens=max_tokens)
+        self.groups.add(group)
+        self.last_served_as = result.served_as
+        self.counters.groups_sampled += 1
+        self.counters.completions_sampled += len(result.completions)
+        self.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
+        return CompletionsResponse(
+            group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
+            completions=[CompletionOut(**c.model_dump()) for c in result.completions],
+        )
+
+    async def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
+        """Rewards for a sampled group, possibly with external completions added to it, or for a group of
+        external completions only. Everything is checked before the group is taken, so a 4xx loses nothing."""
+        name = self.name
+        if request.group_id is None:
+            prompt_ids = self.prompts.token_ids(request)
+            group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
+                          completions=[], policy_version=self.serving_version,
+                          temperature=self.config.sampling.temperature, max_tokens=self.config.sampling.max_tokens)
+            external = request.completions
+        else:
+            group = self.groups.peek(name, request.group_id)
+            external = request.extra_completions or []
+            if len(request.rewards) != len(group.completions) + len(external):
+                raise Unprocessable(
+                    f"group {group.group_id} has {len(group.completions)} completions"
+                    + (f" + {len(external)} extra" if external else "")
+                    + f" but {len(request.rewards)} rewards were sent", code="reward_count_mismatch")
+        if group.temperature == 0:
+            raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
+                                "sample with temperature > 0 to give feedback", code="greedy_group")
+        algorithm = self.config.algorithm
+        skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
+        advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        external_ids = self._external_token_ids(group, external)  # 400s for bad ones, skipped or not
+        scored_version, external_logprobs = None, None
+        if external_ids and skipped is None:
+            scored_version, added = await self._score_external(group, external_ids)
+            external_logprobs = [c.logprobs for c in added]
+        # Nothing below can fail for the request's sake: the group is only taken now.
+        if request.group_id is not None:
+            self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
+        self.counters.groups_received += 1
+        self.recent_rewards.append(sum(request.rewards) / len(request.rewards))
+        response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
+                                    external_logprobs=external_logprobs, skipped=skipped)
+        if skipped:
+            self.counters.groups_zero_variance += 1
+            return response
+        if external:
+            group.completions = group.completions + added
+            group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
+            self.counters.completions_external += len(added)
+        group.rewards, group.advantages = list(request.rewards), advantages
+        self.journal.append(group)  # durable before the 202
+        self.queue.append(group)
+        self.queue_changed.set()
+        return response
+
+    def _external_token_ids(self, group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
+        token_ids = []
+        for i, completion in enumerate(external):
+            ids = self.prompts.external_completion_ids(completion, f"completions[{i}]")
+            self.prompts.check_fits(len(group.prompt_token_ids), len(ids), f"completions[{i}]")
+            token_ids.append(ids)
+        return token_ids
+
+    async def _score_external(self, group: Group, token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
+        """Score completions the model did not sample under the serving version: those logprobs are
+        their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
+        name = self.name
+        with self.sampling_request():
+            async with self.workers.sampler() as sampler:
+                with self.pinned_serving_version() as version:
+                    scored = await sampler.score(ScoreRequest(
+                        prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
+                        temperature=group.temperature, adapter=AdapterRef(name=name, version=version),
+                    ))
+        return version, [Completion(text=self.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
+                                    finish_reason="external")
+                         for ids, logprobs in zip(token_ids, scored.logprobs)]
+
     # --- versions on the samplers ---------------------------------------------------------------------
 
     def serve(self, version: int, path: str) -> None:
@@ -123,8 +258,8 @@ class Experiment:
             del self.adapter_paths[version]
             self.inflight.pop(version, None)
             if self.workers is not None:
-                self.spawn(self.workers.unload_everywhere(AdapterRef(name=self.name, version=version)),
-                           f"unload-{self.name}-v{version}", finish_on_stop=True)
+                self.tasks.spawn(self.workers.unload_everywhere(AdapterRef(name=self.name, version=version)),
+                                 f"unload-{self.name}-v{version}", finish_on_stop=True)
 
     @contextlib.contextmanager
     def sampling_request(self) -> Iterator[None]:
@@ -147,29 +282,11 @@ class Experiment:
             if version != self.serving_version:
                 self.retire_unused_versions()
 
-    # --- groups and counters --------------------------------------------------------------------------
-
-    def sampled(self, completions: int, tokens: int, served_as: str) -> None:
-        self.last_served_as = served_as
-        self.counters.groups_sampled += 1
-        self.counters.completions_sampled += completions
-        self.counters.tokens_sampled += tokens
-
-    def rated(self, rewards: list[float], zero_variance: bool) -> None:
-        self.counters.groups_received += 1
-        self.recent_rewards.append(sum(rewards) / len(rewards))
-        if zero_variance:
-            self.counters.groups_zero_variance += 1
-
-    def enqueue(self, group: Group, external_completions: int = 0) -> None:
-        """A rated group for training: journalled (durable before the client's 202), then queued."""
-        self.counters.completions_external += external_completions
-        self.journal.append(group)
-        self.queue.append(group)
-        self.queue_changed.set()
-
     def expired(self, count: int) -> None:
+        """`count` of its pending groups expired without feedback (the group store dropped them)."""
         self.counters.groups_expired += count
+
+    # --- training: the training task's side of the queue ---------------------------------------------
 
     def resume_from(self, state: AdapterVersion) -> None:
         """Take the learner's durable position: every journalled group after it is queued (again)."""
@@ -223,22 +340,6 @@ class Experiment:
         self.training_task = asyncio.create_task(run, name=f"train-{self.name}")
         self.training_task.add_done_callback(self._training_ended)
 
-    def spawn(self, work: Coroutine[Any, Any, Any], name: str, finish_on_stop: bool = False) -> asyncio.Task:
-        """Background work this experiment owns: kept until done, its error reported; `stop` cancels it, or
-        with `finish_on_stop` (a short unload that must not be cut off) awaits it."""
-        task = asyncio.create_task(work, name=name)
-        task.finish_on_stop = finish_on_stop  # type: ignore[attr-defined]
-        self.tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
-            log.error("%s: %s failed", self.name, task.get_name(), exc_info=exc)
-            self.record_error(f"{task.get_name()} failed: {type(exc).__name__}: {exc}")
-
     def _training_ended(self, task: asyncio.Task) -> None:
         """The training task only ends by cancellation (deleted, server stopping), so anything else is a bug
         that must show in the log and the status, not vanish."""
@@ -249,12 +350,15 @@ class Experiment:
         self.record_error(f"training stopped by an internal error ({type(exc).__name__}: {exc}); feedback is still "
                           "journalled, and a server restart resumes training from it")
 
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str, finish_on_stop: bool = False) -> asyncio.Task:
+        """Background work this experiment owns (runtime/tasks.py)."""
+        return self.tasks.spawn(work, name, finish_on_stop)
+
     async def stop(self) -> None:
         """Cancel and await the training task and every background task; close the journal."""
-        tasks = [t for t in [self.training_task, *self.tasks] if t is not None]
-        for task in tasks:
-            if not getattr(task, "finish_on_stop", False):
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.training_task is not None:
+            self.training_task.cancel()
+            await asyncio.gather(self.training_task, return_exceptions=True)
+        await self.tasks.stop()
         if self.journal is not None:
             self.journal.close()

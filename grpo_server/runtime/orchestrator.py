@@ -1,4 +1,6 @@
-"""The orchestrator: experiments, completions and feedback. Handlers call this; it calls the workers."""
+"""The server's experiments: create, look up, delete, re-sync after a worker restarts, and the upkeep loops
+(group expiry, the metrics logs' sampling lines). A request for one experiment goes to its owner
+(`runtime/experiment.py`) once `get` found it."""
 
 from __future__ import annotations
 
@@ -6,19 +8,17 @@ import asyncio
 import logging
 from pathlib import Path
 
-from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
-from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentStatus,
-                                    ExternalCompletion, FeedbackRequest, FeedbackResponse, TokenizeRequest,
-                                    TokenizeResponse)
+from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeResponse
 from grpo_server.config import ExperimentConfig, ServerConfig
-from grpo_server.protocol.errors import ApiError, Conflict, NotFound, TooManyRequests, Unprocessable
+from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
+from grpo_server.protocol.wire import AdapterRef
 from grpo_server.runtime.experiment import Experiment
-from grpo_server.runtime.groups import Group, GroupStore
+from grpo_server.runtime.groups import GroupStore
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
+from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.training import ExperimentTrainer
-from grpo_server.protocol.wire import (AdapterRef, Completion, GenerateRequest, ScoreRequest)
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Orchestrator:
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
-        self._upkeep: list[asyncio.Task] = []
+        self.upkeep = OwnedTasks("orchestrator")
 
     # --- experiments ---------------------------------------------------------------------------
 
@@ -69,7 +69,8 @@ class Orchestrator:
             except ApiError:
                 await self.workers.learner.remove_experiment(config.name)
                 raise
-            exp = Experiment(config=config, workers=self.workers,
+            exp = Experiment(config=config, workers=self.workers, server=self.config, prompts=self.prompts,
+                             groups=self.groups,
                              journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
             exp.resume_from(first)
             exp.serve(first.version, first.path)
@@ -108,50 +109,6 @@ class Orchestrator:
             raise NotFound(f"experiment {name!r} has no adapter version {version}", code="version_not_found")
         return folder
 
-    # --- sampling ------------------------------------------------------------------------------
-
-    async def complete(self, name: str, request: CompletionsRequest) -> CompletionsResponse:
-        exp = self.get(name)
-        # Requests still sampling count too: their groups reach the queue later, and admitting them all
-        # while the queue looks short only makes groups that go stale before the learner gets to them.
-        backlog = self.config.max_queued_batches * exp.config.algorithm.batch_groups
-        in_pipeline = len(exp.queue) + exp.sampling_requests
-        if in_pipeline >= backlog:
-            raise TooManyRequests(f"{in_pipeline} groups of {name!r} are being sampled or wait for the learner "
-                                  f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
-                                  code="learner_behind", retry_after=2.0)
-        if self.groups.pending_count(name) >= self.config.max_pending_groups:
-            raise TooManyRequests(f"{self.config.max_pending_groups} groups of {name!r} await feedback "
-                                  "(max_pending_groups); post feedback or let them expire",
-                                  code="too_many_pending_groups", retry_after=5.0)
-        defaults = exp.config.sampling
-        n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
-        if n > self.config.max_n or max_tokens > self.config.max_tokens:
-            raise Unprocessable(f"n {n} / max_tokens {max_tokens} exceed the server's limits (max_n "
-                                f"{self.config.max_n}, max_tokens {self.config.max_tokens})", code="over_limit")
-        prompt_ids = self.prompts.token_ids(request)
-        self.prompts.check_fits(len(prompt_ids), max_tokens)
-        temperature = defaults.temperature if request.temperature is None else request.temperature
-        # The version is chosen once the sampling turn starts: a request that waited for a train step
-        # samples the version that step pushed.
-        with exp.sampling_request():
-            async with self.workers.sampler() as sampler:
-                with exp.pinned_serving_version() as version:
-                    result = await sampler.generate(GenerateRequest(
-                        prompt_token_ids=prompt_ids, n=n, temperature=temperature,
-                        top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
-                        seed=request.seed, adapter=AdapterRef(name=name, version=version),
-                    ))
-        group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
-                      completions=result.completions, policy_version=version, temperature=temperature,
-                      max_tokens=max_tokens)
-        self.groups.add(group)
-        exp.sampled(len(result.completions), sum(len(c.token_ids) for c in result.completions), result.served_as)
-        return CompletionsResponse(
-            group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
-            completions=[CompletionOut(**c.model_dump()) for c in result.completions],
-        )
-
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         if request.continue_from is not None:
             ids = self.prompts.continue_conversation(request.continue_from, request.messages,
@@ -161,75 +118,6 @@ class Orchestrator:
         else:
             ids = self.prompts.token_ids(request)
         return TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.prompts.max_model_len)
-
-    # --- feedback ------------------------------------------------------------------------------
-
-    async def feedback(self, name: str, request: FeedbackRequest) -> FeedbackResponse:
-        """Rewards for a sampled group, possibly with external completions added to it, or for a group of
-        external completions only. Everything is checked before the group is taken, so a 4xx loses nothing."""
-        exp = self.get(name)
-        if request.group_id is None:
-            prompt_ids = self.prompts.token_ids(request)
-            group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
-                          completions=[], policy_version=exp.serving_version,
-                          temperature=exp.config.sampling.temperature, max_tokens=exp.config.sampling.max_tokens)
-            external = request.completions
-        else:
-            group = self.groups.peek(name, request.group_id)
-            external = request.extra_completions or []
-            if len(request.rewards) != len(group.completions) + len(external):
-                raise Unprocessable(
-                    f"group {group.group_id} has {len(group.completions)} completions"
-                    + (f" + {len(external)} extra" if external else "")
-                    + f" but {len(request.rewards)} rewards were sent", code="reward_count_mismatch")
-        if group.temperature == 0:
-            raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
-                                "sample with temperature > 0 to give feedback", code="greedy_group")
-        algorithm = exp.config.algorithm
-        skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
-        advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
-        external_ids = self._external_token_ids(group, external)  # 400s for bad ones, skipped or not
-        scored_version, external_logprobs = None, None
-        if external_ids and skipped is None:
-            scored_version, added = await self._score_external(exp, group, external_ids)
-            external_logprobs = [c.logprobs for c in added]
-        # Nothing below can fail for the request's sake: the group is only taken now.
-        if request.group_id is not None:
-            self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
-        exp.rated(request.rewards, zero_variance=skipped is not None)
-        response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
-                                    external_logprobs=external_logprobs, skipped=skipped)
-        if skipped:
-            return response
-        if external:
-            group.completions = group.completions + added
-            group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
-        group.rewards, group.advantages = list(request.rewards), advantages
-        exp.enqueue(group, external_completions=len(external))  # durable before the 202
-        return response
-
-    def _external_token_ids(self, group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
-        token_ids = []
-        for i, completion in enumerate(external):
-            ids = self.prompts.external_completion_ids(completion, f"completions[{i}]")
-            self.prompts.check_fits(len(group.prompt_token_ids), len(ids), f"completions[{i}]")
-            token_ids.append(ids)
-        return token_ids
-
-    async def _score_external(self, exp: Experiment, group: Group,
-                              token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
-        """Score completions the model did not sample under the serving version: those logprobs are
-        their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
-        with exp.sampling_request():
-            async with self.workers.sampler() as sampler:
-                with exp.pinned_serving_version() as version:
-                    scored = await sampler.score(ScoreRequest(
-                        prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
-                        temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
-                    ))
-        return version, [Completion(text=self.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
-                                    finish_reason="external")
-                         for ids, logprobs in zip(token_ids, scored.logprobs)]
 
     # --- background upkeep ---------------------------------------------------------------------
 
@@ -274,13 +162,11 @@ class Orchestrator:
 
     def start_upkeep(self) -> None:
         """Group expiry and the sampling lines of the metrics logs, until `close`."""
-        self._upkeep = [asyncio.create_task(self.expire_groups_forever(), name="expire-groups"),
-                        asyncio.create_task(self.log_sampling_forever(), name="log-sampling")]
+        self.upkeep.spawn(self.expire_groups_forever(), "expire-groups")
+        self.upkeep.spawn(self.log_sampling_forever(), "log-sampling")
 
     async def close(self) -> None:
-        for task in self._upkeep:
-            task.cancel()
-        await asyncio.gather(*self._upkeep, return_exceptions=True)
+        await self.upkeep.stop()
         await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))
         for metrics_log in self.metrics_logs.values():
             metrics_log.close()

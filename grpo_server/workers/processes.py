@@ -169,6 +169,7 @@ class WorkerProcess:
                 self._kill_group(signal.SIGKILL)
                 await asyncio.to_thread(self._proc.wait)
         self._kill_leftovers()
-        if self._watcher is not None:
+        if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         self.state = "stopped"
