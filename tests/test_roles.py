@@ -272,7 +272,7 @@ def test_compose_needs_the_admin_key():
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.stem)
 def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file):
     from grpo_server.config import load_server_config
-    from grpo_server.workers.roles import ROLES, check_role
+    from grpo_server.serve import ROLES, check_role
 
     env = {**read_env_file(env_file), "GRPO_SERVER_API_KEY": "x"}
     gpus = int(env_file.stem.removeprefix("gpus-"))
