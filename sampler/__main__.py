@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
     from sampler.app import create_app
-    from sampler.engine import create_engine
+    from sampler.engines import create_engine
 
     engine = create_engine(config)
     log.info("sampler replica %d: %s engine on %s:%d", config.replica, engine.name, config.host, config.port)

@@ -2,20 +2,19 @@
 
 Two engines implement it: `VllmEngine` (vLLM's in-process async engine, LoRA enabled) and `HfEngine`
 (transformers + peft, for machines without vLLM). Both check requests here first, so they refuse the
-same inputs with the same codes, and both report the same `max_model_len`.
-
-No torch / vLLM import at module level: `create_engine` imports the chosen engine only.
+same inputs with the same codes (`grpo_server/protocol/errors.py`'s `ApiError` kinds), and both report the
+same `max_model_len`. Which one runs is sampler/engines.py's choice; this module imports neither.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib.util
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from grpo_server.protocol.errors import BadRequest, NotFound
 from grpo_server.protocol.worker_config import SamplerConfig
 from grpo_server.protocol.wire import AdapterRef, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
 
@@ -25,18 +24,8 @@ log = logging.getLogger(__name__)
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
-class EngineError(Exception):
-    """A domain error that reaches the caller as `{"error": {"code", "message"}}` with `status`."""
-
-    def __init__(self, code: str, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = status
-
-
-def adapter_not_loaded(adapter: AdapterRef) -> EngineError:
-    return EngineError("adapter_not_loaded", f"adapter {adapter.key} is not loaded on this sampler", 404)
+def adapter_not_loaded(adapter: AdapterRef) -> NotFound:
+    return NotFound(f"adapter {adapter.key} is not loaded on this sampler", code="adapter_not_loaded")
 
 
 class ModelLimits:
@@ -64,28 +53,25 @@ class ModelLimits:
     def check_ids(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if i < 0 or i >= self.vocab_size]
         if bad:
-            raise EngineError(
-                "bad_request", f"{what}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+            raise BadRequest(f"{what}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def check_generate(self, req: GenerateRequest) -> None:
         self.check_ids(req.prompt_token_ids, "prompt_token_ids")
         if req.temperature < 0:
-            raise EngineError("bad_request", "temperature must be >= 0")
+            raise BadRequest("temperature must be >= 0")
         if not 0 < req.top_p <= 1:
-            raise EngineError("bad_request", "top_p must be in (0, 1]")
+            raise BadRequest("top_p must be in (0, 1]")
         if req.stop and any(not s for s in req.stop):
-            raise EngineError("bad_request", "stop strings must be non-empty")
+            raise BadRequest("stop strings must be non-empty")
         prompt_len = len(req.prompt_token_ids)
         if prompt_len >= self.max_model_len:
-            raise EngineError(
-                "prompt_too_long",
+            raise BadRequest(
                 f"the prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} "
                 "(prompt + max_tokens must fit)",
+                code="prompt_too_long",
             )
         if prompt_len + req.max_tokens > self.max_model_len:
-            raise EngineError(
-                "bad_request",
+            raise BadRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({req.max_tokens}) is over "
                 f"max_model_len ({self.max_model_len})",
             )
@@ -93,16 +79,16 @@ class ModelLimits:
     def check_score(self, req: ScoreRequest) -> None:
         self.check_ids(req.prompt_token_ids, "prompt_token_ids")
         if req.temperature < 0:
-            raise EngineError("bad_request", "temperature must be >= 0")
+            raise BadRequest("temperature must be >= 0")
         for i, completion in enumerate(req.completions_token_ids):
             self.check_ids(completion, f"completions_token_ids[{i}]")
             total = len(req.prompt_token_ids) + len(completion)
             if total > self.max_model_len:
                 code = "prompt_too_long" if len(req.prompt_token_ids) >= self.max_model_len else "bad_request"
-                raise EngineError(
-                    code,
+                raise BadRequest(
                     f"prompt + completions_token_ids[{i}] is {total} tokens; "
                     f"max_model_len is {self.max_model_len}",
+                    code=code,
                 )
 
 
@@ -114,21 +100,22 @@ def check_adapter_dir(path: str, max_rank: int) -> dict[str, Any]:
     folder = Path(path)
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
-        raise EngineError("bad_adapter", f"{path}: no adapter_config.json (expected a peft adapter folder)")
+        raise BadRequest(f"{path}: no adapter_config.json (expected a peft adapter folder)", code="bad_adapter")
     if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise EngineError("bad_adapter", f"{path}: no adapter_model.safetensors")
+        raise BadRequest(f"{path}: no adapter_model.safetensors", code="bad_adapter")
     try:
         config = json.loads(config_file.read_text())
     except ValueError as exc:
-        raise EngineError("bad_adapter", f"{config_file}: {exc}") from exc
+        raise BadRequest(f"{config_file}: {exc}", code="bad_adapter") from exc
     targets = config.get("target_modules") or []
     names = targets if isinstance(targets, list) else [targets]
     # vLLM leaves an lm_head LoRA out of prompt logprobs (vllm#51594): scores would silently differ.
     if any(part in str(name) for name in names for part in ("lm_head", "embed_tokens")):
-        raise EngineError("bad_adapter", f"{path}: LoRA on lm_head / embed_tokens is not served (targets {targets})")
+        raise BadRequest(f"{path}: LoRA on lm_head / embed_tokens is not served (targets {targets})",
+                         code="bad_adapter")
     ranks = [int(config.get("r") or 0), *map(int, (config.get("rank_pattern") or {}).values())]
     if max(ranks) > max_rank:
-        raise EngineError("bad_adapter", f"{path}: LoRA rank {max(ranks)} is over max_lora_rank {max_rank}")
+        raise BadRequest(f"{path}: LoRA rank {max(ranks)} is over max_lora_rank {max_rank}", code="bad_adapter")
     return config
 
 
@@ -148,8 +135,9 @@ def completion_text(tokenizer: Any, token_ids: list[int], stop_string: str | Non
     return text
 
 
-def resolve_dtype(name: str) -> str:
-    """'auto' is float32 on CPU (exact agreement with the learner) and bfloat16 on CUDA."""
+def torch_dtype_name(name: str) -> str:
+    """The torch dtype (its name: "float32", "bfloat16", ...) a configured `dtype` means for both engines:
+    'auto' is float32 on CPU (exact agreement with the learner) and bfloat16 on CUDA."""
     if name != "auto":
         return name
     import torch
@@ -158,7 +146,7 @@ def resolve_dtype(name: str) -> str:
 
 
 class Engine(abc.ABC):
-    """The sampler's verbs. Implementations raise `EngineError` for anything the caller got wrong."""
+    """The sampler's verbs. Implementations raise `ApiError` kinds for anything the caller got wrong."""
 
     name: str
 
@@ -195,20 +183,3 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None: ...
 
-
-def pick_engine_name(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-
-
-def create_engine(config: SamplerConfig) -> Engine:
-    """The engine `config.engine` names; `auto` is vLLM when it is installed, else transformers."""
-    name = pick_engine_name(config.engine)
-    if name == "vllm":
-        from sampler.vllm_engine import VllmEngine
-
-        return VllmEngine(config)
-    from sampler.hf_engine import HfEngine
-
-    return HfEngine(config)

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from grpo_server.protocol.errors import BadRequest, Conflict
 from grpo_server.protocol.worker_config import SamplerConfig
 from grpo_server.protocol.wire import (
     AdapterRef,
@@ -31,11 +32,10 @@ from grpo_server.protocol.wire import (
 )
 from sampler.engine import (
     Engine,
-    EngineError,
     adapter_not_loaded,
     check_adapter_dir,
     completion_text,
-    resolve_dtype,
+    torch_dtype_name,
 )
 
 
@@ -102,7 +102,7 @@ class HfEngine(Engine):
 
         path = str(self.config.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
-        dtype = getattr(torch, resolve_dtype(self.config.dtype))
+        dtype = getattr(torch, torch_dtype_name(self.config.dtype))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         self._eos = _eos_ids(self.config.model_path, self._tokenizer)
@@ -238,14 +238,13 @@ class HfEngine(Engine):
         if existing is not None:
             if existing[1] == path:
                 return  # a retried push: already there
-            raise EngineError(
-                "adapter_exists",
+            raise Conflict(
                 f"{adapter.key} is already loaded from {existing[1]}; a new version needs a new version number",
-                409,
+                code="adapter_exists",
             )
         if len(self._adapters) >= self.config.max_cpu_loras:
-            raise EngineError(
-                "too_many_adapters", f"{len(self._adapters)} adapters are loaded (max_cpu_loras); unload one first", 409
+            raise Conflict(
+                f"{len(self._adapters)} adapters are loaded (max_cpu_loras); unload one first", code="too_many_adapters"
             )
         # peft names become module keys (no dots allowed): use a fresh internal name per version.
         name = f"v{self._next_name}"
@@ -256,7 +255,7 @@ class HfEngine(Engine):
             else:
                 self._model = PeftModel.from_pretrained(self._model, path, adapter_name=name).eval()
         except Exception as exc:  # peft raises ValueError/KeyError/RuntimeError for a bad folder
-            raise EngineError("bad_adapter", f"peft could not load {path}: {exc}") from exc
+            raise BadRequest(f"peft could not load {path}: {exc}", code="bad_adapter") from exc
         self._adapters[adapter.key] = (name, path)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:

@@ -16,8 +16,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.wire import AdapterRef, ServedAs
-from sampler.engine import EngineError, adapter_not_loaded
+from sampler.engine import adapter_not_loaded
 
 log = logging.getLogger(__name__)
 
@@ -97,4 +98,4 @@ class MergedServing:
             if await self._llm.reset_prefix_cache():
                 return
             await asyncio.sleep(0.02)
-        raise EngineError("engine_busy", "vLLM kept refusing to reset its prefix cache after a weight change", 503)
+        raise Unavailable("vLLM kept refusing to reset its prefix cache after a weight change", code="engine_busy")

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.protocol.errors import BadRequest, Conflict, Unavailable
 from grpo_server.protocol.gate import Gate
+from grpo_server.protocol.worker_config import SamplerConfig
 from grpo_server.protocol.wire import (
     AdapterRef,
     Completion,
@@ -51,11 +52,10 @@ from grpo_server.protocol.wire import (
 )
 from sampler.engine import (
     Engine,
-    EngineError,
     adapter_not_loaded,
     check_adapter_dir,
     completion_text,
-    resolve_dtype,
+    torch_dtype_name,
 )
 from sampler.merged_serving import MergedServing
 
@@ -81,7 +81,7 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
 
     return AsyncEngineArgs(
         model=str(cfg.model_path),
-        dtype=resolve_dtype(cfg.dtype),
+        dtype=torch_dtype_name(cfg.dtype),
         # +1: room for the one token vLLM insists on generating after a scored sequence.
         max_model_len=max_model_len + 1,
         seed=cfg.seed,
@@ -141,7 +141,7 @@ class VllmEngine(MergedServing, Engine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._llm is None:
-            raise EngineError("engine_stopped", "the engine is not running", 503)
+            raise Unavailable("the engine is not running", code="engine_stopped")
         entry = None
         if adapter is not None:
             entry = self._adapters.get(adapter.key)
@@ -161,16 +161,16 @@ class VllmEngine(MergedServing, Engine):
             ):
                 final = out
         except (VLLMClientError, ValueError) as exc:
-            raise EngineError("bad_request", str(exc)) from exc
+            raise BadRequest(str(exc)) from exc
         except EngineDeadError as exc:
-            raise EngineError("engine_dead", f"the vLLM engine died: {exc}", 503) from exc
+            raise Unavailable(f"the vLLM engine died: {exc}", code="engine_dead") from exc
         finally:
             if entry is not None:
                 entry.inflight -= 1
                 if entry.inflight == 0:
                     entry.idle.set()
         if final is None or not final.finished:
-            raise EngineError("aborted", "vLLM ended the request without a result", 503)
+            raise Unavailable("vLLM ended the request without a result", code="aborted")
         return final
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
@@ -199,7 +199,7 @@ class VllmEngine(MergedServing, Engine):
 
     def _completion(self, c: Any) -> Completion:
         if c.finish_reason not in ("stop", "length"):
-            raise EngineError("aborted", f"vLLM finished a completion with {c.finish_reason!r}", 503)
+            raise Unavailable(f"vLLM finished a completion with {c.finish_reason!r}", code="aborted")
         token_ids = list(c.token_ids)
         # logprobs[j] holds the sampled token (logprobs=0); processed = after temperature and top-p.
         logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
@@ -289,16 +289,14 @@ class VllmEngine(MergedServing, Engine):
             if existing is not None:
                 if existing.path == path:
                     return  # a retried push: already there
-                raise EngineError(
-                    "adapter_exists",
+                raise Conflict(
                     f"{adapter.key} is already loaded from {existing.path}; a new version needs a new version number",
-                    409,
+                    code="adapter_exists",
                 )
             if len(self._adapters) >= self.config.max_cpu_loras:
-                raise EngineError(
-                    "too_many_adapters",
+                raise Conflict(
                     f"{len(self._adapters)} adapters are loaded (max_cpu_loras); unload one first",
-                    409,
+                    code="too_many_adapters",
                 )
             request = LoRARequest(lora_name=adapter.key, lora_int_id=self._next_lora_id, lora_path=path)
             self._next_lora_id += 1
@@ -306,9 +304,9 @@ class VllmEngine(MergedServing, Engine):
                 # Eager: the first generation request then does not pay for reading the adapter.
                 await self._llm.add_lora(request)
             except EngineDeadError as exc:
-                raise EngineError("engine_dead", f"the vLLM engine died: {exc}", 503) from exc
+                raise Unavailable(f"the vLLM engine died: {exc}", code="engine_dead") from exc
             except Exception as exc:  # vLLM reports worker-side load failures as a bare Exception
-                raise EngineError("bad_adapter", f"vLLM could not load {path}: {exc}") from exc
+                raise BadRequest(f"vLLM could not load {path}: {exc}", code="bad_adapter") from exc
             entry = _Loaded(ref=adapter, request=request, path=path)
             entry.idle.set()
             self._adapters[adapter.key] = entry
