@@ -4,8 +4,8 @@ mapping from errors to answers.
 Each verb's route parses its msgpack body into the verb's request model, awaits the handler's method of
 the same name, and packs what it returns. Every error answers msgpack `{"error": {"code", "message"}}`:
 an `ApiError` with its own code and status, a body that is not msgpack or does not validate 400
-bad_request, aiohttp's own (unknown route, wrong method, body too large) with their status, anything else
-a logged 500 with its message.
+bad_request, a body over the limit 413 payload_too_large, aiohttp's own others (unknown route, wrong
+method) with their status, anything else a logged 500 with its message.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
-from grpo_server.protocol.errors import ApiError, BadRequest
+from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge
 from grpo_server.protocol.verbs import Verb
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ async def error_middleware(request: web.Request,
         return error_reply(exc)
     except ValidationError as exc:
         return error_reply(BadRequest(describe(exc)))
+    except web.HTTPRequestEntityTooLarge as exc:  # the front end's code for it too
+        return error_reply(PayloadTooLarge(exc.text or "request body too large"))
     except web.HTTPException as exc:
         return error_reply(ApiError(exc.text or exc.reason, code=exc.reason.lower().replace(" ", "_"),
                                     status=exc.status))
