@@ -75,7 +75,7 @@ class _Loaded:
 
 
 def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
-    """vLLM's engine arguments for a sampler config (also used by scripts/bench_completions.py, so the
+    """vLLM's engine arguments for a sampler config (also used by scripts/benchmarks/front_end.py, so the
     benchmark's "vLLM directly" runs the very same engine)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 

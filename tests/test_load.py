@@ -1,5 +1,5 @@
 """A bounded load test against the session's real server: 50 concurrent clients for 15 s, each looping
-completions then feedback (scripts/bench_load.py's `run_load`). Correctness under concurrency only: no
+completions then feedback (scripts/benchmarks/load.py's `run_load`). Correctness under concurrency only: no
 answer other than 2xx or 429, none past its timeout, the server healthy afterwards. Timing figures belong
 to the benchmark (BENCHMARKS.md), not here."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_load.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmarks" / "load.py"
 CLIENTS = 50
 DURATION_S = 15.0
 TIMEOUT_S = 30.0

@@ -1,8 +1,10 @@
-"""vLLM sampling throughput with and without a LoRA adapter, float32 and bfloat16, on the sampler's own
+"""Adapter sampling: vLLM tok/s with a LoRA adapter vs without, and as the sampler serves a lone experiment.
+
+vLLM sampling throughput with and without a LoRA adapter, float32 and bfloat16, on the sampler's own
 engine arguments: the cost the adapter path adds on this machine, and what the sampler's engine
 delivers for a lone experiment (merged into the weights where that is exact: float32 on CPU).
 
-    .venv/bin/python scripts/bench_lora_overhead.py [--model smollm2-135m-instruct]
+    .venv/bin/python -m scripts.benchmarks.adapter [--model smollm2-135m-instruct]
 
 Each configuration runs in a fresh process (vLLM keeps global state): 4 concurrent requests x n=8,
 64 tokens each with ignore_eos, a 60-token prompt, after one warm-up request.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,10 +23,11 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from grpo_server.config import EMBEDDED_MODEL_NAME
+from grpo_server.protocol.worker_config import DEFAULT_TARGET_MODULES, SamplerConfig
+from grpo_server.workers.model_prep import resolve_model
 
-from grpo_server.config import DEFAULT_TARGET_MODULES, EMBEDDED_MODEL_NAME, SamplerConfig  # noqa: E402
-from grpo_server.model_prep import resolve_model  # noqa: E402
+from . import REPO
 
 
 def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
@@ -44,7 +48,7 @@ async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: in
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from grpo_server.wire import AdapterRef
+    from grpo_server.protocol.wire import AdapterRef
     from sampler.vllm_engine import VllmEngine
 
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
@@ -112,9 +116,9 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
 def measure_in_child(model: str, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
                      max_tokens: int = 64, served: bool = False) -> float:
     """`measure` (or `measure_served`) in a fresh process (vLLM keeps global state): tokens/s."""
-    cmd = [sys.executable, __file__, "--model", model, "--one", dtype, adapter or "-", "--requests", str(requests),
-           "--n", str(n), "--max-tokens", str(max_tokens)] + (["--served"] if served else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    cmd = [sys.executable, "-m", __spec__.name, "--model", model, "--one", dtype, adapter or "-", "--requests",
+           str(requests), "--n", str(n), "--max-tokens", str(max_tokens)] + (["--served"] if served else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip().splitlines()
     return float(out[-1])
 
 
@@ -127,6 +131,21 @@ def compare(model: str, dtype: str, adapter: str, requests: int = 4, n: int = 8,
     return {"dtype": dtype, "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
             "ratio": round(lora / base, 3), "served_tok_s": round(served, 1),
             "served_ratio": round(served / base, 3)}
+
+
+async def adapter_figure(model_dir: Path, mode) -> dict:
+    """The figure in scripts/bench: an r=16 adapter written once, `compare` for each of the mode's dtypes."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
+    try:
+        adapter = await asyncio.to_thread(write_adapter, model_dir, folder / "adapter", 16)
+        results = []
+        for dtype in mode.adapter_dtypes:
+            results.append(await asyncio.to_thread(compare, EMBEDDED_MODEL_NAME, dtype, str(adapter),
+                                                   mode.adapter_requests, mode.adapter_n, mode.adapter_max_tokens))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"requests": mode.adapter_requests, "n": mode.adapter_n, "max_tokens": mode.adapter_max_tokens,
+            "results": results}
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-"""The end-to-end figure of scripts/bench: wall time for SmolLM2-135M-Instruct to reach a mean reward on the
-alphabetize task (examples/alphabetize.py, configs/alphabetize.yaml), this server vs TRL's GRPOTrainer
-(scripts/bench_trl.py), one after the other in the same run.
+"""End to end: wall time to a mean reward on alphabetize, this server vs TRL's GRPOTrainer, one after the other.
 
-    .venv/bin/python scripts/bench_end_to_end.py --target 0.35 --time-limit-s 1500     # both sides
-    .venv/bin/python scripts/bench_end_to_end.py --side server --target 0.3              # one side
+The end-to-end figure of scripts/bench: wall time for SmolLM2-135M-Instruct to reach a mean reward on the
+alphabetize task (examples/alphabetize.py, configs/alphabetize.yaml), this server vs TRL's GRPOTrainer
+(trl_side.py), one after the other in the same run.
+
+    .venv/bin/python -m scripts.benchmarks.end_to_end --target 0.35 --time-limit-s 1500     # both sides
+    .venv/bin/python -m scripts.benchmarks.end_to_end --side server --target 0.3              # one side
 
 The race, the same on both sides (`Race`): each rated group (one prompt, n completions, scored by
 examples/alphabetize.py's `score`) is a row (seconds on the clock, policy version / optimizer steps done
@@ -23,7 +25,7 @@ pushes of new adapter versions into the sampler.
 Server side: tests/serving.py's start_server with configs/server.yaml's settings (what scripts/demo
 runs), the experiment from configs/alphabetize.yaml, and examples/task_runner.py's own episode
 (`single_turn(make_prompt, score)`: completions, score, feedback, waiting out 429/503) run by
-`concurrency` workers at once, 4 as in scripts/demo. TRL side: scripts/bench_trl.py in a fresh process,
+`concurrency` workers at once, 4 as in scripts/demo. TRL side: trl_side.py in a fresh process,
 after the server has stopped.
 """
 
@@ -44,17 +46,13 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from . import REPO
+from .host import loadavg, other_processes
 
 ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
 SERVER_CONFIG = REPO / "configs" / "server.yaml"
 DEMO_CONCURRENCY = 4  # scripts/demo runs examples/alphabetize.py with task_runner's default --concurrency
-TRL_SCRIPT = REPO / "scripts" / "bench_trl.py"
-
-
-def loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
+TRL_MODULE = "scripts.benchmarks.trl_side"
 
 
 # --- the race: the same on both sides -------------------------------------------------------------
@@ -193,14 +191,15 @@ async def server_side(model_dir: Path, target: float, window: int, time_limit_s:
     from examples.alphabetize import make_prompt, score
     from examples.task_runner import ensure_experiment, single_turn
     from grpo_server.client import AsyncClient
-    from tests.serving import start_server, stop_server
+
+    from .server import start, stop
 
     config = yaml.safe_load(ALPHABETIZE_CONFIG.read_text())
     name = config["name"]
     overrides = server_overrides()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     t0 = time.perf_counter()
-    handle = await asyncio.to_thread(start_server, run_dir, model_dir, **overrides)
+    handle = await start(run_dir, model_dir, **overrides)
     out: dict = {"side": "server", "concurrency": concurrency, "server_config": overrides}
     try:
         async with AsyncClient(handle.url, handle.api_key, timeout_s=900) as client:
@@ -240,7 +239,7 @@ async def server_side(model_dir: Path, target: float, window: int, time_limit_s:
                              "counters": status.counters.model_dump(), "served_as": status.served_as,
                              "errors": status.errors}
     finally:
-        out["server_exit_code"] = await asyncio.to_thread(stop_server, handle)
+        out["server_exit_code"] = await stop(handle)
         if keep or "reached" not in out:
             out["run_dir"] = str(run_dir)
         else:
@@ -265,13 +264,13 @@ def _progress(side: str, race: Race) -> None:
 
 
 def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> dict:
-    """scripts/bench_trl.py in a fresh process; its last stdout line is its JSON."""
-    cmd = [sys.executable, str(TRL_SCRIPT), "--target", str(target), "--window", str(window),
+    """trl_side.py in a fresh process; its last stdout line is its JSON."""
+    cmd = [sys.executable, "-m", TRL_MODULE, "--target", str(target), "--window", str(window),
            "--time-limit-s", str(time_limit_s), "--seed", str(seed)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_limit_s + 1800,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench_trl.py exited {proc.returncode}")
+        raise RuntimeError(f"{TRL_MODULE} exited {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -281,7 +280,7 @@ def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> 
 async def race_both(model_dir: Path, target: float, window: int, time_limit_s: float, seed: int = 0,
                     keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None) -> dict:
     """Both sides, the server first. `others`: a function naming the other busy processes on the box
-    (scripts/bench.py's other_processes), called as each side starts."""
+    (host.py's other_processes), called as each side starts."""
     import importlib.util
 
     if "trl" in sides and importlib.util.find_spec("trl") is None:  # before the server side's minutes
@@ -314,6 +313,17 @@ def _brief(side: str, result: dict) -> None:
           f"{result.get('load_start')} / {result.get('load_end')}", flush=True)
 
 
+def end_to_end_minutes(mode) -> int:
+    """The most the end_to_end figure takes: both sides to their time limit, and the server's start."""
+    return round((2 * mode.e2e_time_limit_s + 300) / 60)
+
+
+async def end_to_end_figure(model_dir: Path, mode, keep: bool) -> dict:
+    """The figure in scripts/bench: both sides with the mode's target, window and time limit."""
+    return await race_both(model_dir, mode.e2e_target, mode.e2e_window, mode.e2e_time_limit_s, keep=keep,
+                           others=other_processes)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--side", choices=("both", "server", "trl"), default="both")
@@ -326,7 +336,11 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from grpo_server.config import EMBEDDED_MODEL_NAME
-    from grpo_server.model_prep import resolve_model
+    from grpo_server.workers.model_prep import resolve_model
+
+    from .server import stop_on_signals
+
+    stop_on_signals()
 
     sides = ("server", "trl") if args.side == "both" else (args.side,)
     result = asyncio.run(race_both(resolve_model(EMBEDDED_MODEL_NAME), args.target, args.window,

