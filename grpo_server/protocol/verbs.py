@@ -81,15 +81,17 @@ class Transport(Protocol):
                       syncing_ok: bool = False) -> Ans: ...
 
 
-class SamplerClient:
-    """A sampler replica, or the balanced set of them, as typed methods."""
-
+class _Client:
     def __init__(self, transport: Transport):
         self.transport = transport
 
     @property
     def name(self) -> str:
         return self.transport.name
+
+
+class SamplerClient(_Client):
+    """A sampler replica, or the balanced set of them, as typed methods."""
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         return await self.transport.request(SamplerVerbs.generate, request)
@@ -109,15 +111,8 @@ class SamplerClient:
         return await self.transport.request(SamplerVerbs.health, None, syncing_ok=syncing_ok)
 
 
-class LearnerClient:
+class LearnerClient(_Client):
     """The learner (its rank 0) as typed methods."""
-
-    def __init__(self, transport: Transport):
-        self.transport = transport
-
-    @property
-    def name(self) -> str:
-        return self.transport.name
 
     async def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig, *,
                              syncing_ok: bool = False) -> AdapterVersion:
