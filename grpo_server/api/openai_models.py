@@ -1,5 +1,5 @@
 """OpenAI-compatible bodies for `POST /v1/chat/completions` and `POST /v1/completions`, and the pure
-conversions between them and our own API models (`openai_handlers.py` wires them to HTTP).
+conversions between them and our own API models (`openai_routes.py` wires them to HTTP).
 
 The OpenAI `model` field names the experiment. One request is one group: it becomes one
 `CompletionsRequest`, the orchestrator samples and stores the group, and the answer carries the usual

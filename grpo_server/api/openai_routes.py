@@ -1,6 +1,6 @@
 """OpenAI-compatible `POST /v1/chat/completions` and `POST /v1/completions`: authorise (the admin key or the
 experiment's own key; the experiment is the `model` field), convert, sample one group, convert back.
-The bodies and conversions live in `openai_api.py`."""
+The bodies and conversions live in `openai_models.py`."""
 
 from __future__ import annotations
 

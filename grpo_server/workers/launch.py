@@ -1,6 +1,6 @@
 """The front end's workers: resolve the model, hand each worker its config (written into the run
 directory), start sampler replicas and the learner side by side, and stop them all; or, when the config
-names remote workers (`--role frontend`), connect to them instead (`remote_worker.RemoteWorker`).
+names remote workers (`--role frontend`), connect to them instead (`remote.RemoteWorker`).
 
 `worker_spec` is the same command for a worker run on its own (`--role sampler` / `--role learner`), so a
 docker-compose service starts exactly what the one-machine front end would."""

@@ -1,5 +1,5 @@
 """A worker the front end connects to but did not start (`grpo-server serve --role frontend`, e.g. one
-docker-compose service per sampler and one for the learner). Same interface as `supervisor.WorkerProcess`;
+docker-compose service per sampler and one for the learner). Same interface as `processes.WorkerProcess`;
 its state comes from polling the worker's `/health` instead of watching a child process.
 
 Restarting the worker is someone else's job (compose's restart policy). What stays the front end's: wait
@@ -30,7 +30,7 @@ Hook = Callable[[], Awaitable[None]]
 
 
 class RemoteWorker:
-    """`state`: starting | syncing | ready | down | stopped (see `worker_client.Worker`)."""
+    """`state`: starting | syncing | ready | down | stopped (see `pool.Worker`)."""
 
     def __init__(self, name: str, url: str, session: aiohttp.ClientSession, *, startup_timeout_s: float,
                  reset: Hook | None = None, on_restart: Hook | None = None):
