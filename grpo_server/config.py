@@ -30,7 +30,7 @@ class SamplingConfig(StrictModel):
     n: int = Field(8, ge=1, le=256, description="Completions per prompt (the group size).")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    max_tokens: int = Field(256, ge=1, description="Most tokens per completion.")
+    max_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens per completion.")
 
 
 class ExperimentConfig(StrictModel):

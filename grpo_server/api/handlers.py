@@ -135,8 +135,6 @@ async def openapi(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text format; admin key only (it names every experiment)."""
     require(_who(request), admin_only=True)
-    orchestrator = request.app[ORCHESTRATOR]
-    text = prometheus.render(orchestrator.experiments.values(),
-                             {name: orchestrator.groups.pending_count(name) for name in orchestrator.experiments},
-                             orchestrator.workers.states(), request.app[HTTP_COUNTER])
-    return web.Response(text=text, content_type="text/plain", headers={"X-Content-Format": "0.0.4"})
+    app = request.app
+    registry = prometheus.registry(app[HTTP_COUNTER], lambda: app[ORCHESTRATOR])
+    return web.Response(body=prometheus.render(registry), headers={"Content-Type": prometheus.CONTENT_TYPE})

@@ -1,111 +1,139 @@
-"""`GET /metrics`: the front end's state in the Prometheus text format (version 0.0.4).
+"""`GET /metrics`: the front end's state in the Prometheus text format (version 0.0.4), through
+prometheus_client.
 
-Rendered on each scrape from what the orchestrator already holds (experiment counters, queues, the last
-train step's metrics, worker states) plus two things kept here for it: HTTP requests by route and status,
-and a histogram of the staleness of trained groups. No client library: the format is a few lines of
-text, and the front end's dependencies stay small.
+Collected on each scrape from what the orchestrator already holds (experiment counters, queues, the last
+train step's metrics, worker states) plus two things kept for it: HTTP requests by route and status
+(`HttpCounter`, counted by the app's middleware) and a histogram of the staleness of trained groups (the
+experiment's `staleness` counter). One custom collector yields them as metric families; it lives in a
+registry of the app's own (never prometheus_client's global one: tests run several apps in one process),
+and `generate_latest` writes the text.
+
+What a scrape reads, and nothing else: the orchestrator's `experiments` (name -> experiment),
+`groups.pending_count(name)` and `workers.states()`; per experiment `name`, `serving_version`, `step`,
+`counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`,
+`groups_zero_variance`, `groups_expired`, `completions_sampled`, `completions_external`, `tokens_sampled`),
+`queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `clipped_fraction`, `seconds`),
+`last_push_seconds` and `staleness` (versions behind -> trained groups).
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from typing import Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from grpo_server.runtime.experiment import Experiment
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+if TYPE_CHECKING:
+    from grpo_server.runtime.experiment import Experiment
+    from grpo_server.runtime.orchestrator import Orchestrator
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
+GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired")
+LAST_STEP = (("kl", "grpo_kl", "KL to the base model, last step"),
+             ("clipped_fraction", "grpo_clipped_fraction", "Tokens clipped, last step"),
+             ("seconds", "grpo_learner_step_seconds", "Learner time of the last step"))
+# generate_latest writes the 0.0.4 text format (prometheus_client's own servers answer it with this type;
+# its CONTENT_TYPE_LATEST names the 1.0.0 format, which they send only to a scraper that asks for it).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 class HttpCounter:
-    """Requests by (method, route template, status), counted by the app's middleware."""
+    """Requests by (method, route template, status), counted by the app's middleware. One per app, so it
+    also holds that app's registry (made on the first scrape, see `registry`)."""
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str, int]] = Counter()
+        self.registry: CollectorRegistry | None = None
 
     def add(self, method: str, route: str, status: int) -> None:
         self.counts[(method, route, status)] += 1
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class FrontEndCollector(Collector):
+    """Every metric of `/metrics`, read afresh from the orchestrator at each `collect()`."""
+
+    def __init__(self, orchestrator: Callable[[], "Orchestrator"], http: HttpCounter) -> None:
+        self.orchestrator = orchestrator
+        self.http = http
+
+    def collect(self) -> Iterator[Metric]:
+        orchestrator = self.orchestrator()
+        experiments = list(orchestrator.experiments.values())
+        pending = {exp.name: orchestrator.groups.pending_count(exp.name) for exp in experiments}
+        families = families_of(experiments, pending, orchestrator.workers.states(), self.http)
+        yield from (family for family in families if family.samples)  # as before: no family without samples
 
 
-def _labels(**labels: object) -> str:
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}" if labels else ""
+def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], worker_states: dict[str, str],
+                http: HttpCounter) -> list[Metric]:
+    def gauge(name: str, help_text: str, *labels: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, help_text, labels=labels)
 
+    def counter(name: str, help_text: str, *labels: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, help_text, labels=labels)  # the name ends in _total, as exposed
 
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-class _Family:
-    def __init__(self, name: str, kind: str, help_text: str):
-        self.name, self.kind, self.help_text = name, kind, help_text
-        self.samples: list[str] = []
-
-    def add(self, value: float, suffix: str = "", **labels: object) -> None:
-        self.samples.append(f"{self.name}{suffix}{_labels(**labels)} {_number(value)}")
-
-    def render(self) -> str:
-        return "\n".join([f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} {self.kind}", *self.samples])
-
-
-def render(experiments: Iterable[Experiment], pending: dict[str, int], worker_states: dict[str, str],
-           http: HttpCounter) -> str:
-    families: dict[str, _Family] = {}
-
-    def family(name: str, kind: str, help_text: str) -> _Family:
-        return families.setdefault(name, _Family(name, kind, help_text))
-
-    for state_name, state in worker_states.items():
-        family("grpo_worker_up", "gauge", "1 if the worker is ready, else 0 (see the state label)").add(
-            1 if state == "ready" else 0, worker=state_name, state=state)
+    worker_up = gauge("grpo_worker_up", "1 if the worker is ready, else 0 (see the state label)", "worker", "state")
+    for worker, state in worker_states.items():
+        worker_up.add_metric([worker, state], 1 if state == "ready" else 0)
+    requests = counter("grpo_http_requests_total", "HTTP requests by route template and status",
+                       "method", "route", "status")
     for (method, route, status), count in sorted(http.counts.items()):
-        family("grpo_http_requests_total", "counter", "HTTP requests by route template and status").add(
-            count, method=method, route=route, status=status)
+        requests.add_metric([method, route, str(status)], count)
+
+    exp_gauge = lambda name, help_text: gauge(name, help_text, "experiment")  # noqa: E731
+    policy_version = exp_gauge("grpo_policy_version", "Adapter version served for new completions")
+    learner_step = exp_gauge("grpo_learner_step", "Optimizer steps taken")
+    groups = counter("grpo_groups_total", "Groups by what happened to them", "experiment", "outcome")
+    completions = counter("grpo_completions_total", "Completions sampled, and external ones received",
+                          "experiment", "source")
+    tokens = counter("grpo_sampled_tokens_total", "Completion tokens sampled (rate() is tokens/s)", "experiment")
+    queued = exp_gauge("grpo_queued_groups", "Rated groups waiting for the learner")
+    pending_groups = exp_gauge("grpo_pending_groups", "Sampled groups awaiting feedback")
+    reward_mean = exp_gauge("grpo_reward_mean", "Mean reward of the recent groups")
+    last_step = {key: exp_gauge(metric, help_text) for key, metric, help_text in LAST_STEP}
+    push_seconds = exp_gauge("grpo_push_seconds", "Last push: save, load on every sampler, serve")
+    staleness = HistogramMetricFamily("grpo_trained_staleness", "Versions between sampling a group and training on it",
+                                      labels=["experiment"])
 
     for exp in experiments:
         name, c = exp.name, exp.counters
-        family("grpo_policy_version", "gauge", "Adapter version served for new completions").add(
-            exp.serving_version, experiment=name)
-        family("grpo_learner_step", "gauge", "Optimizer steps taken").add(exp.step, experiment=name)
-        groups = family("grpo_groups_total", "counter", "Groups by what happened to them")
-        for outcome in ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired"):
-            groups.add(getattr(c, f"groups_{outcome}"), experiment=name, outcome=outcome)
-        family("grpo_completions_total", "counter", "Completions sampled, and external ones received").add(
-            c.completions_sampled, experiment=name, source="sampled")
-        family("grpo_completions_total", "counter", "").add(c.completions_external, experiment=name,
-                                                             source="external")
-        family("grpo_sampled_tokens_total", "counter", "Completion tokens sampled (rate() is tokens/s)").add(
-            c.tokens_sampled, experiment=name)
-        family("grpo_queued_groups", "gauge", "Rated groups waiting for the learner").add(
-            len(exp.queue), experiment=name)
-        family("grpo_pending_groups", "gauge", "Sampled groups awaiting feedback").add(
-            pending.get(name, 0), experiment=name)
+        policy_version.add_metric([name], exp.serving_version)
+        learner_step.add_metric([name], exp.step)
+        for outcome in GROUP_OUTCOMES:
+            groups.add_metric([name, outcome], getattr(c, f"groups_{outcome}"))
+        completions.add_metric([name, "sampled"], c.completions_sampled)
+        completions.add_metric([name, "external"], c.completions_external)
+        tokens.add_metric([name], c.tokens_sampled)
+        queued.add_metric([name], len(exp.queue))
+        pending_groups.add_metric([name], pending.get(name, 0))
         if exp.recent_rewards:
-            family("grpo_reward_mean", "gauge", "Mean reward of the recent groups").add(
-                sum(exp.recent_rewards) / len(exp.recent_rewards), experiment=name)
+            reward_mean.add_metric([name], sum(exp.recent_rewards) / len(exp.recent_rewards))
         metrics = exp.last_metrics or {}
-        for key, metric, help_text in (("kl", "grpo_kl", "KL to the base model, last step"),
-                                       ("clipped_fraction", "grpo_clipped_fraction", "Tokens clipped, last step"),
-                                       ("seconds", "grpo_learner_step_seconds", "Learner time of the last step")):
+        for key, family in last_step.items():
             if metrics.get(key) is not None:
-                family(metric, "gauge", help_text).add(float(metrics[key]), experiment=name)
+                family.add_metric([name], float(metrics[key]))
         if exp.last_push_seconds is not None:
-            family("grpo_push_seconds", "gauge", "Last push: save, load on every sampler, serve").add(
-                exp.last_push_seconds, experiment=name)
-        staleness = family("grpo_trained_staleness", "histogram",
-                           "Versions between sampling a group and training on it")
-        for bound in STALENESS_BUCKETS:  # cumulative, as Prometheus buckets are
-            staleness.add(sum(n for s, n in exp.staleness.items() if s <= bound), "_bucket", experiment=name,
-                          le=bound)
-        total = sum(exp.staleness.values())
-        staleness.add(total, "_bucket", experiment=name, le="+Inf")
-        staleness.add(sum(s * n for s, n in exp.staleness.items()), "_sum", experiment=name)
-        staleness.add(total, "_count", experiment=name)
-    return "\n".join(f.render() for f in families.values()) + "\n"
+            push_seconds.add_metric([name], exp.last_push_seconds)
+        # Cumulative buckets, as Prometheus has them; `le` written as before ("0", not "0.0").
+        buckets = [(str(bound), sum(n for s, n in exp.staleness.items() if s <= bound))
+                   for bound in STALENESS_BUCKETS]
+        buckets.append(("+Inf", sum(exp.staleness.values())))
+        staleness.add_metric([name], buckets, sum_value=sum(s * n for s, n in exp.staleness.items()))
+
+    return [worker_up, requests, policy_version, learner_step, groups, completions, tokens, queued,
+            pending_groups, reward_mean, *last_step.values(), push_seconds, staleness]
+
+
+def registry(http: HttpCounter, orchestrator: Callable[[], "Orchestrator"]) -> CollectorRegistry:
+    """The app's registry (`http` is the app's own): made on its first scrape, when the orchestrator exists;
+    `orchestrator` is read again at each scrape."""
+    if http.registry is None:
+        http.registry = CollectorRegistry(auto_describe=False)
+        http.registry.register(FrontEndCollector(orchestrator, http))
+    return http.registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -46,13 +46,13 @@ class AlgorithmConfig(StrictModel):
     clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
-    push_every: int = Field(1, ge=1, description="Optimizer steps between adapter versions.")
-    checkpoint_every: int = Field(1, ge=1, description=(
+    micro_batch_size: int = Field(8, ge=1, le=4096, description="Sequences per forward/backward pass.")
+    push_every: int = Field(1, ge=1, le=1_000_000, description="Optimizer steps between adapter versions.")
+    checkpoint_every: int = Field(1, ge=1, le=1_000_000, description=(
         "Optimizer steps between checkpoints (weights, optimizer state, RNG, journal position); the learner "
         "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
     max_staleness: int = Field(
-        2, ge=0, description="Groups sampled more than this many versions ago are dropped."
+        2, ge=0, le=1_000_000, description="Groups sampled more than this many versions ago are dropped."
     )
     skip_zero_variance: bool = Field(True, description="Skip groups whose rewards are all equal.")
 
