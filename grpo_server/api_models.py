@@ -42,7 +42,7 @@ class PromptFields(ApiModel):
 
 class CompletionsRequest(PromptFields):
     n: int | None = Field(None, ge=1, le=256, description="Group size; the experiment's default if unset.")
-    temperature: float | None = Field(None, ge=0, le=10)
+    temperature: float | None = Field(None, ge=0, le=2)  # vLLM takes [0, 2], as OpenAI does
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     stop: list[str] | None = Field(None, max_length=16)

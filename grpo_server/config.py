@@ -28,7 +28,7 @@ EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 
 class SamplingConfig(StrictModel):
     n: int = Field(8, ge=1, le=256, description="Completions per prompt (the group size).")
-    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
+    temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature (vLLM takes 0 to 2).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens per completion.")
 

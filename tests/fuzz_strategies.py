@@ -9,6 +9,8 @@ schemathesis (which draws values from the schemas and serializes them itself) ne
 - experiment names outside the path parameter's pattern and its URL encoding (unicode, %-escapes);
 - query strings as raw text (repeated, undeclared and broken parameters);
 - keys that are not keys: no header, another scheme, any text.
+
+test_raw sends them (`raw_cases`); what schemathesis sends, and how the tests edit it, is tests/fuzz_schema.py's.
 """
 
 from __future__ import annotations

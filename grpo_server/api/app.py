@@ -1,26 +1,23 @@
-"""The front end's aiohttp application: one route table, one error mapping, workers owned by a cleanup
-context (started before the port opens, stopped when the app stops)."""
+"""The front end's aiohttp application: one route table, the middlewares of `handlers.py` (one error mapping),
+workers and experiments owned by a cleanup context (started before the port opens, stopped when the app
+stops)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
-from grpo_server.api import handlers
-from grpo_server.api import openai_routes
-from grpo_server.api import status_page
-from grpo_server.config import ServerConfig
-from grpo_server.protocol.errors import ApiError, PayloadTooLarge
-from grpo_server.api.http import error_response
+from grpo_server.api import handlers, openai_routes, status_page
 from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api.handlers import count_middleware, error_middleware
 from grpo_server.api.prometheus import HttpCounter
-from grpo_server.workers.launch import WorkerSet
-from grpo_server.runtime.prompts import PromptBuilder
+from grpo_server.config import ServerConfig
 from grpo_server.runtime.orchestrator import Orchestrator
+from grpo_server.runtime.prompts import PromptBuilder
+from grpo_server.workers.launch import WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -49,37 +46,6 @@ def page_routes() -> list[web.RouteDef]:
     """Pages for people, beside the API (so not in its OpenAPI table): they hold no data and need no key;
     their scripts call the API with the key the person gives them."""
     return [web.get("/", status_page.status_page)]
-
-
-@web.middleware
-async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Requests by route template and status, for /metrics (outermost: it sees the final status)."""
-    response = await handler(request)
-    resource = request.match_info.route.resource
-    route = resource.canonical if resource is not None else "unmatched"
-    request.app[HTTP_COUNTER].add(request.method, route, response.status)
-    return response
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Domain errors -> their status; aiohttp's own -> JSON; anything else -> 500 without a trace."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(PayloadTooLarge("request body too large"))
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return error_response(ApiError(exc.reason, code=exc.reason.lower().replace(" ", "_"),
-                                           status=exc.status))
-        raise
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError("internal error (logged on the server)", code="internal", status=500))
 
 
 def create_app(config: ServerConfig, admin_key: str) -> web.Application:

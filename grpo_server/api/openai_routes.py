@@ -10,12 +10,11 @@ from typing import Callable
 from aiohttp import web
 
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
-from grpo_server.api.http import require
-from grpo_server.api.handlers import _who
-from grpo_server.api.http import parse_body, respond
 from grpo_server.api.app_keys import ORCHESTRATOR
-from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, chat_response,
-                                    chat_to_request, completion_response, completion_to_request)
+from grpo_server.api.handlers import caller, parse_body, require, respond
+from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, OpenAIRequest,
+                                           chat_response, chat_to_request, completion_response,
+                                           completion_to_request)
 
 
 async def _sample(request: web.Request, who: str, body: OpenAIRequest,
@@ -33,7 +32,7 @@ def _token_text(request: web.Request, result: CompletionsResponse) -> dict[int, 
 
 
 async def chat_completions(request: web.Request) -> web.Response:
-    who = _who(request)  # 401 before the body is looked at
+    who = caller(request)  # 401 before the body is looked at
     body = await parse_body(request, ChatCompletionRequest)
     result = await _sample(request, who, body, chat_to_request)
     token_text = _token_text(request, result) if body.logprobs else None
@@ -41,8 +40,9 @@ async def chat_completions(request: web.Request) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.Response:
-    who = _who(request)
+    who = caller(request)
     body = await parse_body(request, CompletionRequest)
     result = await _sample(request, who, body, completion_to_request)
     token_text = _token_text(request, result) if body.logprobs is not None else None
     return respond(request, completion_response(body.model, result, int(time.time()), token_text))
+

@@ -32,7 +32,7 @@ from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, Exp
 from grpo_server.config import ExperimentConfig
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
 from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    TextCompletionResponse)
+                                           TextCompletionResponse)
 from grpo_server.protocol.codec import MSGPACK
 
 REF_TEMPLATE = "#/components/schemas/{model}"

@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
-from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge
+from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge, describe_validation_error
 from grpo_server.protocol.verbs import Verb
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,6 @@ def error_reply(error: ApiError) -> web.Response:
     return reply(error.body(), error.status)
 
 
-def describe(exc: ValidationError) -> str:
-    parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5]]
-    return "invalid request: " + "; ".join(parts)
-
-
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -44,7 +39,7 @@ async def error_middleware(request: web.Request,
     except ApiError as exc:
         return error_reply(exc)
     except ValidationError as exc:
-        return error_reply(BadRequest(describe(exc)))
+        return error_reply(BadRequest("invalid request: " + describe_validation_error(exc, most=5)))
     except web.HTTPRequestEntityTooLarge as exc:  # the front end's code for it too
         return error_reply(PayloadTooLarge(exc.text or "request body too large"))
     except web.HTTPException as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 
 class ApiError(Exception):
     """An error a client sees as `{"error": {"code", "message"}}` with `status`."""
@@ -73,3 +75,9 @@ class WorkerFailed(ApiError):
     """A worker answered with an internal error: reported, never hidden."""
 
     status, code = 502, "worker_error"
+
+
+def describe_validation_error(exc: ValidationError, most: int = 10) -> str:
+    """A pydantic error as one line naming each bad field (the first `most` of them)."""
+    return "; ".join(f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}"
+                     for error in exc.errors()[:most])

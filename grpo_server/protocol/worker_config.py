@@ -23,7 +23,8 @@ class StrictModel(BaseModel):
 
 class LoraConfig(StrictModel):
     r: int = Field(16, ge=1, le=256, description="LoRA rank.")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    # Bounded: at alpha 1e6 the served model's logits overflow (NaN logprobs; found by the API fuzz test).
+    alpha: float = Field(32.0, gt=0, le=1024, description="LoRA alpha; the update is scaled by alpha / r.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input while training.")
     target_modules: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
@@ -39,7 +40,7 @@ class AlgorithmConfig(StrictModel):
         "dr_grpo: no std division, constant normaliser; dapo: token-level mean over the batch; "
         "gspo: sequence-level importance ratio.",
     )
-    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate of the adapter.")
+    learning_rate: float = Field(5e-5, gt=0, le=1.0, description="AdamW learning rate of the adapter.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0 = off).")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
