@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import openai
 import pytest
@@ -203,6 +204,31 @@ async def test_unknown_model_is_not_found(server):
         assert info.value.code == "experiment_not_found"
         with pytest.raises(openai.NotFoundError):
             await oai.completions.create(model="no-such-experiment", prompt="x", max_tokens=2)
+
+
+async def test_models(server, client, experiment):
+    other = experiment + "-b"
+    await client.create_experiment({"name": other, "api_key": f"key-{other}"})
+    try:
+        async with openai_client(server) as oai:  # the admin key: every experiment
+            listed = [m.id async for m in oai.models.list()]
+            assert {experiment, other} <= set(listed) and listed == sorted(listed)
+            model = await oai.models.retrieve(experiment)
+            assert (model.id, model.object, model.owned_by) == (experiment, "model", "grpo-server")
+            assert abs(model.created - time.time()) < 3600
+            with pytest.raises(openai.NotFoundError) as info:
+                await oai.models.retrieve("no-such-experiment")
+            assert info.value.code == "experiment_not_found"
+        async with openai_client(server, f"key-{other}") as oai:  # an experiment's key: its own only
+            assert [m.id async for m in oai.models.list()] == [other]
+            assert (await oai.models.retrieve(other)).id == other
+            with pytest.raises(openai.PermissionDeniedError):
+                await oai.models.retrieve(experiment)
+        async with openai_client(server, "wrong-key") as oai:
+            with pytest.raises(openai.AuthenticationError):
+                await oai.models.list()
+    finally:
+        await client.delete_experiment(other)
 
 
 async def test_streaming_is_refused(server, experiment):

@@ -39,6 +39,8 @@ def routes() -> list[web.RouteDef]:
         web.get(exp + "/metrics", handlers.experiment_metrics),
         web.post("/v1/chat/completions", openai_routes.chat_completions),
         web.post("/v1/completions", openai_routes.completions),
+        web.get("/v1/models", openai_routes.list_models),
+        web.get("/v1/models/{name}", openai_routes.get_model),
     ]
 
 

@@ -100,6 +100,20 @@ class CompletionRequest(OpenAIRequest):
 # ------------------------------------------------------------------------------------------------
 
 
+class Model(BaseModel):
+    """An experiment as OpenAI's `GET /v1/models` shows a model: what `model` names in the routes above."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int  # when the experiment was created here (epoch seconds)
+    owned_by: str = "grpo-server"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -1,6 +1,7 @@
 """OpenAI-compatible `POST /v1/chat/completions` and `POST /v1/completions`: authorise (the admin key or the
-experiment's own key; the experiment is the `model` field), convert, sample one group, convert back.
-The bodies and conversions live in `openai_models.py`."""
+experiment's own key; the experiment is the `model` field), convert, sample one group, convert back. And
+`GET /v1/models` (the experiments the key may use) and `GET /v1/models/{name}`, which agent frameworks ask
+first. The bodies and conversions live in `openai_models.py`."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from aiohttp import web
 
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.api.app_keys import ORCHESTRATOR
-from grpo_server.api.handlers import caller, parse_body, require, respond
-from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, OpenAIRequest,
+from grpo_server.api.handlers import ADMIN, caller, parse_body, require, respond
+from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIRequest,
                                            chat_response, chat_to_request, completion_response,
                                            completion_to_request)
+from grpo_server.runtime.experiment import Experiment
 
 
 async def _sample(request: web.Request, who: str, body: OpenAIRequest,
@@ -46,3 +48,20 @@ async def completions(request: web.Request) -> web.Response:
     token_text = _token_text(request, result) if body.logprobs is not None else None
     return respond(request, completion_response(body.model, result, int(time.time()), token_text))
 
+
+def _model(experiment: Experiment) -> Model:
+    return Model(id=experiment.name, created=int(experiment.created_at))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The experiments this key may sample: every one for the admin key, its own for an experiment's key."""
+    who = caller(request)
+    orchestrator = request.app[ORCHESTRATOR]
+    names = sorted(orchestrator.experiments) if who == ADMIN else [who]
+    return respond(request, ModelList(data=[_model(orchestrator.get(name)) for name in names]))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(caller(request), name)
+    return respond(request, _model(request.app[ORCHESTRATOR].get(name)))

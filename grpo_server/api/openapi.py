@@ -31,8 +31,8 @@ from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, Exp
                                     FeedbackRequest, FeedbackResponse, Health, TokenizeRequest, TokenizeResponse)
 from grpo_server.config import ExperimentConfig
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
-from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                           TextCompletionResponse)
+from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
+                                           ModelList, TextCompletionResponse)
 from grpo_server.protocol.codec import MSGPACK
 
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -116,6 +116,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503)),
     Endpoint("POST", "/v1/completions", CompletionRequest, TextCompletionResponse, 200,
              "OpenAI-compatible (legacy) completions (`model` is the experiment)", "experiment", (429, 502, 503)),
+    Endpoint("GET", "/v1/models", None, ModelList, 200,
+             "OpenAI-compatible: the experiments this key may sample, as models", "key"),
+    Endpoint("GET", "/v1/models/{name}", None, Model, 200, "OpenAI-compatible: one experiment as a model",
+             "experiment"),
 )
 
 _ERROR_TEXT = {

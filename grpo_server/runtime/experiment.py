@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import statistics
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Coroutine, Iterator
@@ -72,6 +73,7 @@ class Experiment:
     versions_in_check: set[int] = field(default_factory=set)  # kept loaded until the samplers scored them
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
+    created_at: float = field(default_factory=time.time)  # epoch seconds (OpenAI's model `created`)
     tasks: OwnedTasks = field(init=False)  # background work besides training: unloads, probes
 
     def __post_init__(self) -> None:
