@@ -26,7 +26,7 @@ from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackR
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol.codec import MSGPACK
 from grpo_server.protocol.errors import (ApiError, BadRequest, Conflict, Forbidden, PayloadTooLarge, Unauthorized,
-                                        Unprocessable, describe_validation_error)
+                                         Unprocessable, describe_validation_error)
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
 
 log = logging.getLogger(__name__)

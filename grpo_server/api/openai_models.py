@@ -31,8 +31,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo_server.api_models import ChatMessage, CompletionOut, CompletionsRequest, CompletionsResponse
-from grpo_server.protocol.errors import BadRequest, Unprocessable
-from grpo_server.protocol.errors import describe_validation_error
+from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 
 STREAMING_UNSUPPORTED = "streaming is not supported: send 'stream': false (or leave it out)"
 

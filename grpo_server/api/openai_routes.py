@@ -10,12 +10,11 @@ from typing import Callable
 
 from aiohttp import web
 
-from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.api.app_keys import ORCHESTRATOR
 from grpo_server.api.handlers import ADMIN, caller, parse_body, require, respond
 from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIRequest,
-                                           chat_response, chat_to_request, completion_response,
-                                           completion_to_request)
+                                           chat_response, chat_to_request, completion_response, completion_to_request)
+from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.runtime.experiment import Experiment
 
 

@@ -27,13 +27,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
+                                           ModelList, TextCompletionResponse)
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, ExperimentList, ExperimentStatus,
                                     FeedbackRequest, FeedbackResponse, Health, TokenizeRequest, TokenizeResponse)
 from grpo_server.config import ExperimentConfig
-from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
-from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
-                                           ModelList, TextCompletionResponse)
 from grpo_server.protocol.codec import MSGPACK
+from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 Auth = Literal["public", "key", "experiment", "admin"]

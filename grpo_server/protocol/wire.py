@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
+
 class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

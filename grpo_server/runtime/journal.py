@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_server.config import ExperimentConfig
-from grpo_server.runtime.groups import Group
 from grpo_server.protocol.wire import Completion
+from grpo_server.runtime.groups import Group
 
 log = logging.getLogger(__name__)
 

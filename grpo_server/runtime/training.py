@@ -9,11 +9,11 @@ import logging
 import time
 
 from grpo_server.protocol.errors import ApiError
+from grpo_server.protocol.wire import AdapterRef, TrainMetrics, TrainRequest, TrainSample
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.verification import IDLE_CHECK_S, VersionChecks, probe_of
-from grpo_server.protocol.wire import AdapterRef, TrainMetrics, TrainRequest, TrainSample
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from grpo_server.api_models import VerificationResult
 from grpo_server.protocol.errors import ApiError
+from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, VersionProbe
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
-from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, VersionProbe
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)

@@ -19,12 +19,12 @@ import aiohttp
 
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient
+from grpo_server.protocol.wire import AdapterRef
 from grpo_server.protocol.worker_config import LearnerConfig, SamplerConfig, fill, write_resolved
 from grpo_server.workers.model_prep import resolve_model
-from grpo_server.workers.remote import RemoteWorker
-from grpo_server.workers.processes import WorkerProcess
-from grpo_server.protocol.wire import AdapterRef
 from grpo_server.workers.pool import ComputeTurns, Worker, WorkerConnection, WorkerPool, resolve_schedule
+from grpo_server.workers.processes import WorkerProcess
+from grpo_server.workers.remote import RemoteWorker
 
 log = logging.getLogger(__name__)
 
