@@ -10,10 +10,9 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from grpo_server.api import handlers, openai_routes, status_page
-from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api import handlers, openai_routes, prometheus, status_page
+from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
 from grpo_server.api.handlers import count_middleware, error_middleware
-from grpo_server.api.prometheus import HttpCounter
 from grpo_server.config import ServerConfig
 from grpo_server.runtime.orchestrator import Orchestrator
 from grpo_server.runtime.prompts import PromptBuilder
@@ -53,7 +52,8 @@ def page_routes() -> list[web.RouteDef]:
 def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app = web.Application(middlewares=[count_middleware, error_middleware], client_max_size=config.max_body_bytes)
     app.add_routes(routes() + page_routes())
-    app[HTTP_COUNTER] = HttpCounter()
+    app[HTTP_COUNTER] = prometheus.HttpCounter()
+    app[METRICS_REGISTRY] = prometheus.registry(app[HTTP_COUNTER], lambda: app[ORCHESTRATOR])
     app[ADMIN_KEY] = admin_key
     app[MODEL_NAME] = config.model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client.registry import CollectorRegistry
 
 if TYPE_CHECKING:
     from grpo_server.api.prometheus import HttpCounter
@@ -14,3 +15,4 @@ ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
 ADMIN_KEY: web.AppKey[str] = web.AppKey("admin_key", str)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
 HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")
+METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)

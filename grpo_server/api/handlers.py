@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from grpo_server.api import prometheus
-from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
 from grpo_server.api.openapi import METRICS_LIMIT_DEFAULT, openapi_json
 from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health, TokenizeRequest
 from grpo_server.config import ExperimentConfig
@@ -298,6 +298,5 @@ async def openapi(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text format; admin key only (it names every experiment)."""
     require(caller(request), admin_only=True)
-    app = request.app
-    registry = prometheus.registry(app[HTTP_COUNTER], lambda: app[ORCHESTRATOR])
-    return web.Response(body=prometheus.render(registry), headers={"Content-Type": prometheus.CONTENT_TYPE})
+    return web.Response(body=prometheus.render(request.app[METRICS_REGISTRY]),
+                        headers={"Content-Type": prometheus.CONTENT_TYPE})

@@ -40,12 +40,10 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 class HttpCounter:
-    """Requests by (method, route template, status), counted by the app's middleware. One per app, so it
-    also holds that app's registry (made on the first scrape, see `registry`)."""
+    """Requests by (method, route template, status), counted by the app's middleware; one per app."""
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str, int]] = Counter()
-        self.registry: CollectorRegistry | None = None
 
     def add(self, method: str, route: str, status: int) -> None:
         self.counts[(method, route, status)] += 1
@@ -127,12 +125,11 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
 
 
 def registry(http: HttpCounter, orchestrator: Callable[[], "Orchestrator"]) -> CollectorRegistry:
-    """The app's registry (`http` is the app's own): made on its first scrape, when the orchestrator exists;
-    `orchestrator` is read again at each scrape."""
-    if http.registry is None:
-        http.registry = CollectorRegistry(auto_describe=False)
-        http.registry.register(FrontEndCollector(orchestrator, http))
-    return http.registry
+    """An app's registry (made with the app; `http` is the app's own). `orchestrator` is called at each scrape:
+    the orchestrator only exists once the workers are up."""
+    made = CollectorRegistry(auto_describe=False)
+    made.register(FrontEndCollector(orchestrator, http))
+    return made
 
 
 def render(registry: CollectorRegistry) -> bytes:

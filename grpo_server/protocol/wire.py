@@ -1,13 +1,8 @@
-"""Internal wire types: the verbs the front end sends to the sampler and the learner.
+"""The request and response models of the workers' verbs (which verb takes and answers which: `verbs.py`).
 
-Bodies travel as msgpack over HTTP on loopback (or the compose network). Both sides validate with these
-models, so a mismatch fails loudly at the boundary. No ML imports here: the workers import this module,
-the front end imports this module, and neither imports the other.
-
-Sampler verbs (POST, msgpack):  /generate  /score  /load_adapter  /unload_adapter ;  GET /health
-Learner verbs (POST, msgpack):  /add_experiment  /train  /save_adapter  /logprobs  /remove_experiment ;
-                                GET /status, GET /health
-Errors: non-2xx with a msgpack body {"error": {"code": str, "message": str}}.
+Bodies travel as msgpack (`codec.py`) over HTTP on loopback (or the compose network). Both sides validate
+with these models, so a mismatch fails loudly at the boundary. Errors: non-2xx with a msgpack body
+{"error": {"code": str, "message": str}} (`errors.py`, `dispatch.py`).
 """
 
 from __future__ import annotations

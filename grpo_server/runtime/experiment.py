@@ -260,8 +260,8 @@ class Experiment:
             del self.adapter_paths[version]
             self.inflight.pop(version, None)
             if self.workers is not None:
-                self.tasks.spawn(self.workers.unload_everywhere(AdapterRef(name=self.name, version=version)),
-                                 f"unload-{self.name}-v{version}", finish_on_stop=True)
+                self.spawn(self.workers.unload_everywhere(AdapterRef(name=self.name, version=version)),
+                           f"unload-{self.name}-v{version}", finish_on_stop=True)
 
     @contextlib.contextmanager
     def sampling_request(self) -> Iterator[None]:
