@@ -7,6 +7,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.sampler_helpers import ENGINES, Sampler, _start, _stop, _write_adapter  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -22,6 +23,22 @@ def tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One in-process MultiAdapterTrainer per test module (the model loads once a module), for the learner's tests
+    (tests/test_learner.py, tests/test_learner_adapters.py)."""
+    from grpo_server.protocol.worker_config import LearnerConfig
+
+    # One process, one rank, as learner/__main__.py sets it up.
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "0", "DS_ACCELERATOR": "cpu"}.items():
+        os.environ.setdefault(key, value)
+    from learner.trainer import MultiAdapterTrainer
+
+    run_dir = tmp_path_factory.mktemp("learner-run")
+    return MultiAdapterTrainer(LearnerConfig(model_path=tiny_model_dir, run_dir=run_dir, port=1, max_model_len=64))
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +62,38 @@ async def client(server):
 
     async with AsyncClient(server.url, server.api_key) as c:
         yield c
+
+
+# --- the sampler tests (tests/test_sampler_*.py) ---------------------------------------------------
+# Session-scoped here, not in a test module, so the three sampler test files share one process per engine.
+
+
+def _sampler_fixture(engine: str):
+    @pytest.fixture(scope="session")
+    def fixture(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+        sampler = _start(engine, tiny_model_dir, tmp_path_factory.mktemp(f"sampler-{engine}"))
+        yield sampler
+        _stop(sampler.proc)
+
+    return fixture
+
+
+sampler_vllm = _sampler_fixture("vllm")
+sampler_transformers = _sampler_fixture("transformers")
+
+
+@pytest.fixture(params=ENGINES)
+def sampler(request: pytest.FixtureRequest) -> Sampler:
+    """Each sampler test that takes `sampler` runs once per engine."""
+    return request.getfixturevalue(f"sampler_{request.param}")
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """peft adapters written as the learner would: "zero" (B = 0, a no-op) and two random ones."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "zero": _write_adapter(tiny_model_dir, root / "zero", 0.0, seed=1),
+        "random": _write_adapter(tiny_model_dir, root / "random", 0.05, seed=2),
+        "random2": _write_adapter(tiny_model_dir, root / "random2", 0.05, seed=3),
+    }

@@ -1,0 +1,165 @@
+"""Shared by the sampler tests (`tests/test_sampler_*.py`): start and stop a sampler process, talk msgpack
+to it over HTTP, write peft adapters, and compare logprob lists.
+
+The session-scoped fixtures built on these (`sampler_vllm`, `sampler_transformers`, `sampler`, `adapters`)
+are in `tests/conftest.py`, so all the sampler test files share one sampler process per engine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = ["vllm", "transformers"]
+STARTUP_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+MAX_MODEL_LEN = 512
+# vLLM in float32 reproduces its own sampling logprobs exactly; transformers' incremental decoding
+# (KV cache) and full-sequence scoring differ by float32 round-off only.
+SCORE_TOL = {"vllm": 1e-4, "transformers": 1e-3}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = list(range(1000, 1040))
+
+
+class Sampler:
+    """A running sampler process and a msgpack HTTP client for it."""
+
+    def __init__(self, engine: str, proc: subprocess.Popen, port: int, log: Path, run_dir: Path) -> None:
+        self.engine, self.proc, self.port, self.log, self.run_dir = engine, proc, port, log, run_dir
+        self.url = f"http://127.0.0.1:{port}"
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else pack(body)
+        req = urllib.request.Request(self.url + path, data=data, method="POST", headers={"Content-Type": MSGPACK})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+                return resp.status, unpack(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, unpack(exc.read())
+
+    def ok(self, path: str, body: Any) -> Any:
+        status, answer = self.post(path, body)
+        assert status == 200, (status, answer)
+        return answer
+
+    def health(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as resp:
+            return unpack(resp.read())
+
+    def generate(self, **body: Any) -> dict[str, Any]:
+        body.setdefault("prompt_token_ids", PROMPT)
+        return self.ok("/generate", body)
+
+    def score(self, completions: list[list[int]], **body: Any) -> list[list[float]]:
+        body.setdefault("prompt_token_ids", PROMPT)
+        return self.ok("/score", {"completions_token_ids": completions, **body})["logprobs"]
+
+    def load(self, name: str, version: int, path: Path) -> None:
+        self.ok("/load_adapter", {"adapter": {"name": name, "version": version}, "path": str(path)})
+
+    def unload(self, name: str, version: int) -> None:
+        self.ok("/unload_adapter", {"adapter": {"name": name, "version": version}})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group (clean engine shutdown), then SIGKILL whatever is left of it."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _start(engine: str, model_dir: Path, tmp: Path) -> Sampler:
+    port = _free_port()
+    config = {
+        "model_path": str(model_dir),
+        "run_dir": str(tmp / "run"),
+        "port": port,
+        "engine": engine,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_lora_rank": 8,
+        "max_loras": 2,
+        "max_cpu_loras": 8,
+        "kv_cache_gib": 1,
+        "max_num_seqs": 16,
+    }
+    config_path = tmp / "sampler.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log = tmp / "sampler.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sampler", "--config", str(config_path)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    sampler = Sampler(engine, proc, port, log, tmp / "run")
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{engine} sampler exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            sampler.health()
+            return sampler
+        except OSError:
+            time.sleep(0.5)
+    _stop(proc)
+    raise RuntimeError(f"{engine} sampler not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+def _write_adapter(model_dir: Path, out: Path, b_std: float, seed: int) -> Path:
+    """A rank-8 peft adapter on every projection; b_std = 0 keeps peft's B = 0 (a no-op adapter)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name and b_std:
+                param.normal_(0.0, b_std)
+    model.save_pretrained(str(out))  # the "default" adapter: files at the folder's top level
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _close(a: list[float], b: list[float], tol: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+def _max_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))

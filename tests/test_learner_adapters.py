@@ -1,0 +1,174 @@
+"""The learner's adapters and experiments on disk, in-process (the module-scoped `trainer` fixture,
+tests/conftest.py: peft multi-adapter, DeepSpeed ZeRO-2 on CPU, the tiny Llama).
+
+Covers the adapter files (v0 is the base model in plain peft format; a saved version bumps the number and
+loads in peft with the trainer's logprobs), re-adding a removed experiment and resuming a checkpoint
+(weights, optimizer and step exactly), and the error codes of bad requests. Training steps:
+tests/test_learner.py; the learner process over HTTP: tests/test_learner_http.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
+from grpo_server.protocol.wire import LogprobsRequest, TrainRequest
+from tests.learner_helpers import (COMPLETION, LORA, PROMPT, TARGETS, _adapter_weights, _fresh_base,
+                                   _logprobs_unpadded, _lp, _sample)
+
+
+def test_v0_adapter_is_the_base_model_in_plain_peft_format(trainer, tiny_model_dir):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    version = trainer.add_experiment("zero", LORA, AlgorithmConfig())
+    assert version.version == 0 and Path(version.path).name == "v000000"
+    folder = Path(version.path)
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    # Exactly lora_A / lora_B of the target modules, named as peft and vLLM expect: no adapter name, no embeddings.
+    pattern = re.compile(r"base_model\.model\.model\.layers\.\d+\.(self_attn|mlp)\.(q_proj|v_proj|down_proj)"
+                         r"\.lora_[AB]\.weight")
+    assert all(pattern.fullmatch(k) for k in tensors), [k for k in tensors if not pattern.fullmatch(k)]
+    assert len(tensors) == 2 * len(TARGETS) * 2  # 2 layers x 3 modules x (A, B)
+    assert all(torch.count_nonzero(v) == 0 for k, v in tensors.items() if ".lora_B." in k)
+    assert all(torch.count_nonzero(v) > 0 for k, v in tensors.items() if ".lora_A." in k)
+
+    base = _fresh_base(tiny_model_dir)
+    with torch.no_grad():
+        base_lp = _logprobs_unpadded(base, PROMPT, COMPLETION, 0.7)
+        peft_lp = _logprobs_unpadded(PeftModel.from_pretrained(base, str(folder)).eval(), PROMPT, COMPLETION, 0.7)
+    trainer_lp = torch.tensor(_lp(trainer, "zero", temperature=0.7)[0])
+    assert torch.allclose(peft_lp, base_lp, atol=1e-6)
+    assert torch.allclose(trainer_lp, base_lp, atol=1e-5), (trainer_lp, base_lp)
+
+def test_save_adapter_bumps_version_and_loads_in_peft_with_the_same_logprobs(trainer, tiny_model_dir):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    trainer.add_experiment("saved", LORA, AlgorithmConfig(learning_rate=1e-2))
+    for _ in range(2):
+        trainer.train(TrainRequest(name="saved", samples=[_sample(PROMPT, COMPLETION, _lp(trainer, "saved")[0], 1.0)]))
+    version = trainer.save_adapter("saved")
+    assert version.version == 1 and Path(version.path).name == "v000001"
+    tensors = load_file(str(Path(version.path) / "adapter_model.safetensors"))
+    assert set(tensors) == set(load_file(str(Path(version.path).parent / "v000000" / "adapter_model.safetensors")))
+    assert any(torch.count_nonzero(v) for k, v in tensors.items() if ".lora_B." in k)
+    completions = [COMPLETION, COMPLETION[:2], [42, 43, 44, 45, 46, 47, 48]]
+    expected = _lp(trainer, "saved", completions=completions)
+    model = PeftModel.from_pretrained(_fresh_base(tiny_model_dir), version.path).eval()
+    with torch.no_grad():
+        for completion, row in zip(completions, expected):
+            got = _logprobs_unpadded(model, PROMPT, completion)
+            assert len(row) == len(completion)
+            assert torch.allclose(got, torch.tensor(row), atol=1e-4), (got, row)
+    assert trainer.save_adapter("saved").version == 2
+    assert trainer.status()["saved"] == {"step": 2, "version": 2, "path": str(Path(version.path).parent / "v000002")}
+
+
+def test_readding_a_removed_experiment_resumes_its_latest_version(trainer):
+    from grpo_server.protocol.errors import ApiError
+
+    trainer.add_experiment("resume", LORA, AlgorithmConfig(learning_rate=1e-2))
+    trainer.train(TrainRequest(name="resume", samples=[_sample(PROMPT, COMPLETION, _lp(trainer, "resume")[0], 1.0)]))
+    saved = trainer.save_adapter("resume")
+    trained_lp = _lp(trainer, "resume")
+    trainer.remove_experiment("resume")
+    assert "resume" not in trainer.status() and "exp_resume" not in trainer.model.peft_config
+    assert (Path(saved.path) / "adapter_model.safetensors").is_file()  # the files stay
+    with pytest.raises(ApiError) as err:
+        _lp(trainer, "resume")
+    assert err.value.status == 404
+    with pytest.raises(ApiError) as err:  # another shape than the adapter on disk
+        trainer.add_experiment("resume", LoraConfig(r=4, alpha=16, target_modules=TARGETS), AlgorithmConfig())
+    assert (err.value.code, err.value.status) == ("adapter_mismatch", 409)
+
+    again = trainer.add_experiment("resume", LORA, AlgorithmConfig(learning_rate=1e-2))
+    assert again.version == 1 and again.path == saved.path
+    assert trainer.status()["resume"]["step"] == 1
+    assert _lp(trainer, "resume") == trained_lp
+    metrics = trainer.train(TrainRequest(name="resume", samples=[_sample(PROMPT, COMPLETION, trained_lp[0], 1.0)]))
+    assert metrics.step == 2 and trainer.save_adapter("resume").version == 2
+
+
+def test_bad_requests_get_the_right_error_codes(trainer):
+    from grpo_server.protocol.errors import ApiError
+
+    def code_of(fn, *args):
+        with pytest.raises(ApiError) as err:
+            fn(*args)
+        return err.value.code, err.value.status
+
+    ok = [-1.0] * len(COMPLETION)
+    assert code_of(trainer.train, TrainRequest(name="nope", samples=[_sample(PROMPT, COMPLETION, ok, 1.0)])) == (
+        "not_found", 404)
+    assert code_of(trainer.save_adapter, "nope") == ("not_found", 404)
+    assert code_of(trainer.remove_experiment, "nope") == ("not_found", 404)
+    trainer.add_experiment("bad", LORA, AlgorithmConfig())
+    assert code_of(trainer.add_experiment, "bad", LORA, AlgorithmConfig()) == ("exists", 409)
+    assert code_of(trainer.add_experiment, "../x", LORA, AlgorithmConfig()) == ("bad_request", 400)
+    assert code_of(trainer.add_experiment, "bad-target", LoraConfig(target_modules=["q_proj", "nope_proj"]),
+                   AlgorithmConfig()) == ("bad_request", 400)
+    assert "exp_bad-target" not in trainer.model.peft_config
+    vocab = trainer.vocab_size
+    cases = {
+        "out of vocab": _sample(PROMPT, [5, vocab], [-1.0, -1.0], 1.0),
+        "negative id": _sample([-1] + PROMPT, COMPLETION, ok, 1.0),
+        "too long": _sample(PROMPT * 10, COMPLETION, ok, 1.0),  # max_model_len is 64
+        "logprob count": _sample(PROMPT, COMPLETION, ok[:-1], 1.0),
+        "empty prompt": _sample([], COMPLETION, ok, 1.0),
+        "nan advantage": _sample(PROMPT, COMPLETION, ok, float("nan")),
+    }
+    before = _adapter_weights(trainer, "bad")
+    for label, sample in cases.items():
+        assert code_of(trainer.train, TrainRequest(name="bad", samples=[sample])) == ("bad_request", 400), label
+    assert code_of(trainer.logprobs, LogprobsRequest(name="bad", prompt_token_ids=PROMPT,
+                                                     completions_token_ids=[[vocab + 3]])) == ("bad_request", 400)
+    assert code_of(trainer.train, TrainRequest(name="bad", samples=[
+        _sample(PROMPT, COMPLETION, ok, 1.0, temperature=0.0)])) == ("bad_request", 400)
+    after = _adapter_weights(trainer, "bad")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # rejected before any step
+    assert trainer.train(TrainRequest(name="bad", samples=[_sample(PROMPT, COMPLETION, ok, 1.0)])).step == 1
+
+def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    """Every tensor of the optimizer's state (ZeRO's flat fp32 partition and AdamW's moments), copied."""
+    state = engine.optimizer.state_dict()
+    out = {f"fp32.{i}": t.clone() for i, t in enumerate(state["single_partition_of_fp32_groups"])}
+    for index, slots in state["base_optimizer_state"]["state"].items():
+        out.update({f"{index}.{k}": torch.as_tensor(v).clone() for k, v in slots.items()})
+    return out
+
+
+def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
+    name = "ckpt"
+    trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2))
+
+    def request(seq: int) -> TrainRequest:
+        return TrainRequest(name=name, journal_seq=seq, num_groups=1,
+                            samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0], 1.0)])
+
+    assert trainer.train(request(1)).checkpointed_journal_seq is None
+    assert trainer.train(request(2)).checkpointed_journal_seq == 2  # checkpoint_every=2
+    at_checkpoint = _optimizer_tensors(trainer.experiments[name].engine)
+    trainer.save_adapter(name)  # v1, step 2
+    third = request(3)
+    assert trainer.train(third).step == 3
+    after_third = _adapter_weights(trainer, name)
+    assert trainer.save_adapter(name).version == 2  # step 3: pushed, not checkpointed
+
+    trainer.remove_experiment(name)  # as a crashed learner: only the disk is left
+    resumed = trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2))
+    # Back at step 2 with its optimizer; v2 (step 3) is not these weights, so they get a new number.
+    assert (resumed.step, resumed.journal_seq, resumed.groups_trained, resumed.version) == (2, 2, 2, 3)
+    restored = _optimizer_tensors(trainer.experiments[name].engine)
+    assert restored.keys() == at_checkpoint.keys() and len(restored) > 2
+    assert all(torch.equal(restored[k], at_checkpoint[k]) for k in restored), "optimizer state differs"
+    # Retraining the lost step gives exactly the weights it gave before the "crash".
+    assert trainer.train(third).step == 3
+    again = _adapter_weights(trainer, name)
+    assert all(torch.equal(again[k], after_third[k]) for k in again)
+    trainer.remove_experiment(name)

@@ -1,0 +1,112 @@
+"""The learner as its own process: `python -m learner` started with a config file, talking msgpack over HTTP.
+
+Covers the verbs end to end (add_experiment, logprobs, train, save_adapter with its probe, status,
+remove_experiment), their error answers, and a clean exit on SIGTERM. The trainer in-process:
+tests/test_learner.py and tests/test_learner_adapters.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from tests.learner_helpers import COMPLETION, PROMPT, _sample
+
+REPO = Path(__file__).resolve().parents[1]
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, verb: str, body) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}/{verb}", data=body if isinstance(body, bytes) else pack(body),
+                                     headers={"Content-Type": MSGPACK}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, unpack(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, unpack(exc.read())
+
+
+def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    config_path = tmp_path / "learner.yaml"
+    config_path.write_text(yaml.safe_dump({"model_path": str(tiny_model_dir), "run_dir": str(run_dir),
+                                           "port": port, "max_model_len": 128}))
+    # The parent's rank / port variables (the in-process fixture's) must not leak into the child.
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    log_file = open(tmp_path / "learner.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "learner", "--config", str(config_path)], cwd=REPO, env=env,
+                            stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200 and unpack(response.read()) == {"status": "ok"}:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "learner not healthy in 240 s"
+            time.sleep(0.5)
+        assert yaml.safe_load((run_dir / "config" / "learner.resolved.yaml").read_text())["port"] == port
+
+        lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+        status, body = _post(url, "add_experiment", {"name": "web", "lora": lora, "algorithm": {"learning_rate": 1e-2}})
+        assert status == 200 and body["version"] == 0 and Path(body["path"]).is_dir(), body
+        status, body = _post(url, "logprobs", {"name": "web", "prompt_token_ids": PROMPT,
+                                               "completions_token_ids": [COMPLETION]})
+        assert status == 200 and len(body["logprobs"][0]) == len(COMPLETION), body
+        before = body["logprobs"][0]
+        train = {"name": "web", "samples": [_sample(PROMPT, COMPLETION, before, 1.0, 1.0).model_dump()]}
+        for step in (1, 2):
+            status, body = _post(url, "train", train)
+            assert status == 200 and body["step"] == step and body["tokens"] == len(COMPLETION), body
+        # A probe to score under the saved weights (the front end's check of the version) comes back with it.
+        probe = {"prompt_token_ids": PROMPT, "completions_token_ids": [COMPLETION, COMPLETION[:2]]}
+        status, body = _post(url, "save_adapter", {"name": "web", "probe": probe})
+        assert status == 200 and body["version"] == 1 and body["path"].endswith("v000001"), body
+        saved_probe = body["probe_logprobs"]
+        status, body = _post(url, "logprobs", {"name": "web", **probe})
+        assert sum(body["logprobs"][0]) > sum(before)
+        assert saved_probe == body["logprobs"]
+        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+            assert unpack(response.read())["experiments"]["web"] == {
+                "step": 2, "version": 1, "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
+
+        assert _post(url, "train", {**train, "name": "ghost"}) == (
+            404, {"error": {"code": "not_found", "message": "experiment 'ghost' is not loaded in the learner"}})
+        status, body = _post(url, "add_experiment", {"name": "web", "lora": lora, "algorithm": {}})
+        assert status == 409 and body["error"]["code"] == "exists"
+        status, body = _post(url, "train", {"name": "web", "samples": [], "extra": 1})
+        assert status == 400 and body["error"]["code"] == "bad_request" and "samples" in body["error"]["message"]
+        status, body = _post(url, "train", b"\xc1 not msgpack")
+        assert status == 400 and body["error"]["code"] == "bad_request"
+        status, body = _post(url, "remove_experiment", {"name": "web"})
+        assert status == 200 and body == {"removed": "web"}
+        assert _post(url, "save_adapter", {"name": "web"})[0] == 404
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            log_file.close()
+    assert code == 0, (tmp_path / "learner.log").read_text()[-3000:]
