@@ -10,14 +10,63 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from grpo_server.protocol.wire import ToolCall, ToolFunction
+
 
 class ApiModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+EPISODE_ID = r"^[A-Za-z0-9_.:-]{1,128}$"  # chosen by the client: a UUID, "task7-ep3", ...
+
+
+class CalledFunction(ApiModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(ApiModel):
+    """A tool call in an assistant message of the history, as OpenAI writes it."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(ApiModel):
+    """A chat turn. An assistant turn may carry `tool_calls` (its `content` may then be null); a `tool` turn
+    answers one of them by `tool_call_id`."""
+
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, min_length=1)
+    tool_call_id: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry 'tool_calls' (not {self.role})")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a 'tool' message needs 'tool_call_id', and only it has one")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError(f"a {self.role} message needs 'content'" + (" or 'tool_calls'" if self.role ==
+                                                                          "assistant" else ""))
+        return self
+
+
+class Tool(ApiModel):
+    """A tool offered to the model, as OpenAI's `tools[]`: only functions."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class NamedToolChoice(ApiModel):
+    type: Literal["function"] = "function"
+    function: dict[Literal["name"], str]
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class PromptFields(ApiModel):
@@ -47,10 +96,20 @@ class CompletionsRequest(PromptFields):
     max_tokens: int | None = Field(None, ge=1)
     stop: list[str] | None = Field(None, max_length=16)
     seed: int | None = Field(None, ge=0, lt=2**63)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description=(
+        "Functions the model may call (with `messages`): its calls come back parsed as `tool_calls`."))
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, "
+                                                             "or a named function")
+    parallel_tool_calls: bool | None = None
+    episode_id: str | None = Field(None, pattern=EPISODE_ID, description=(
+        "This call is one turn of the client's episode with this id (n must be 1): the episode is rated "
+        "as a whole by feedback with `episode_ids`."))
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "CompletionsRequest":
         self.require_one_prompt()
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' need 'messages' (the chat template renders them)")
         return self
 
     @field_validator("stop", mode="before")
@@ -64,10 +123,14 @@ class CompletionOut(ApiModel):
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    tool_calls: list[ToolCall] | None = None  # with tools offered: the calls parsed out of `text`
+    content: str | None = None  # with tools offered: the text outside the calls
 
 
 class CompletionsResponse(ApiModel):
-    group_id: str
+    group_id: str | None = Field(description="Rate the group with it (None for an episode's turn: rate the "
+                                             "episode)")
+    episode_id: str | None = None
     policy_version: int
     prompt_token_ids: list[int]
     completions: list[CompletionOut]
@@ -99,10 +162,13 @@ def _check_finite(rewards: list[float]) -> list[float]:
 
 
 class FeedbackRequest(PromptFields):
-    """Rewards for a sampled group (`group_id`, optionally with `extra_completions` appended to it), or for
-    external completions of a prompt (`prompt`/`messages`/`prompt_token_ids` + `completions`, no group)."""
+    """Rewards for a sampled group (`group_id`, optionally with `extra_completions` appended to it), for
+    external completions of a prompt (`prompt`/`messages`/`prompt_token_ids` + `completions`, no group), or
+    for a group of episodes (`episode_ids`, one reward each)."""
 
     group_id: str | None = Field(None, min_length=1, max_length=128)
+    episode_ids: list[str] | None = Field(None, min_length=2, max_length=256, description=(
+        "Episodes of one task, rated together: advantages are relative among them, so at least two."))
     rewards: list[float] = Field(min_length=1, max_length=512)
     extra_completions: list[ExternalCompletion] | None = Field(None, min_length=1, max_length=256)
     completions: list[ExternalCompletion] | None = Field(None, min_length=2, max_length=256, description=(
@@ -112,7 +178,15 @@ class FeedbackRequest(PromptFields):
 
     @model_validator(mode="after")
     def _one_form(self) -> "FeedbackRequest":
-        if self.group_id is not None:
+        if self.episode_ids is not None:
+            if self.group_id is not None or self.completions is not None or self.extra_completions is not None \
+                    or self.prompt_fields_given():
+                raise ValueError("with 'episode_ids', send only 'rewards' (one per episode)")
+            if len(set(self.episode_ids)) != len(self.episode_ids):
+                raise ValueError("'episode_ids' has an episode twice")
+            if len(self.rewards) != len(self.episode_ids):
+                raise ValueError(f"{len(self.episode_ids)} episodes but {len(self.rewards)} rewards")
+        elif self.group_id is not None:
             if self.completions is not None or self.prompt_fields_given():
                 raise ValueError("with 'group_id', send 'rewards' (and optionally 'extra_completions'); "
                                  "'completions' and a prompt are for feedback without a group")
@@ -173,6 +247,10 @@ class ExperimentCounters(ApiModel):
     completions_sampled: int = 0
     completions_external: int = 0
     tokens_sampled: int = 0
+    episodes_started: int = 0
+    episode_turns: int = 0
+    episodes_rated: int = 0
+    episodes_expired: int = 0
 
 
 class VerificationResult(ApiModel):

@@ -32,6 +32,26 @@ class AdapterRef(WireModel):
 # --- sampler -----------------------------------------------------------------------------------
 
 
+class ToolFunction(WireModel):
+    """A function the model may call, as OpenAI's `tools[].function` (its `parameters`: a JSON schema)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolCalling(WireModel):
+    """Tools offered to the model for one request: the sampler parses its output into `Completion.tool_calls`
+    with the configured parser (vLLM's, `SamplerOptions.tool_parser`), and for `required` / `named` it
+    constrains the output with vLLM's structured outputs so that it is a call (to `function`, if named)."""
+
+    tools: list[ToolFunction] = Field(min_length=1)
+    choice: Literal["auto", "required", "named"] = "auto"
+    function: str | None = None  # with choice "named": the one function to call
+    parallel: bool = True  # more than one call in a completion allowed
+
+
 class GenerateRequest(WireModel):
     prompt_token_ids: list[int] = Field(min_length=1)
     n: int = Field(1, ge=1)
@@ -41,13 +61,25 @@ class GenerateRequest(WireModel):
     stop: list[str] | None = None
     seed: int | None = None
     adapter: AdapterRef | None = None
+    tool_calling: ToolCalling | None = None
+
+
+class ToolCall(WireModel):
+    """A call the model wrote, parsed out of its text."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text (an object)
 
 
 class Completion(WireModel):
-    text: str
+    text: str  # everything the model wrote, tool calls included (token_ids decoded)
     token_ids: list[int]
     logprobs: list[float]  # one per token id: log p(token | prefix) under the sampling distribution
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "external"
+    # With tools offered: the calls parsed out of `text`, and the text outside them (None if only calls).
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
 
 # How the sampler ran a request: through the LoRA adapter, on weights with the adapter merged in (the
@@ -122,6 +154,10 @@ class TrainSample(WireModel):
     reward: float
     policy_version: int  # the version that sampled it
     temperature: float = 1.0  # the sampling temperature its logprobs were taken at (> 0)
+    # One per completion token: 1 where the model sampled it (trained, and its sampler_logprobs are real),
+    # 0 where it did not (an episode's tool results, user turns and template tokens between its turns:
+    # their sampler_logprobs are placeholders). None: every token is the model's.
+    loss_mask: list[int] | None = None
 
 
 class TrainRequest(WireModel):

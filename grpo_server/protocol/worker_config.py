@@ -74,6 +74,9 @@ class SamplerOptions(StrictModel):
     )
     kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine runs at once.")
+    tool_parser: str = Field("hermes", description=(
+        "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
+        "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
     merge_lone_adapter: bool = Field(True, description=(
         "vLLM on CPU in float32: while one experiment is served, fold its adapter into the base weights "
         "(base-model speed; LoRA again when a second experiment or an older version is asked for)."))
