@@ -27,6 +27,7 @@ from grpo_server.protocol.errors import TooManyRequests, Unprocessable
 from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, Completion, GenerateRequest, ScoreRequest,
                                        TrainMetrics)
 from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
+from grpo_server.runtime.chat_render import tool_calling_of
 from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import FeedbackJournal
 from grpo_server.runtime.tasks import OwnedTasks
@@ -135,6 +136,7 @@ class Experiment:
         prompt_ids = self.prompts.token_ids(request)
         self.prompts.check_fits(len(prompt_ids), max_tokens)
         temperature = defaults.temperature if request.temperature is None else request.temperature
+        tool_calling = tool_calling_of(request)
         # The version is chosen once the sampling turn starts: a request that waited for a train step
         # samples the version that step pushed.
         with self.sampling_request():
@@ -144,6 +146,7 @@ class Experiment:
                         prompt_token_ids=prompt_ids, n=n, temperature=temperature,
                         top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
                         seed=request.seed, adapter=AdapterRef(name=name, version=version),
+                        tool_calling=tool_calling,
                     ))
         group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
