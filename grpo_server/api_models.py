@@ -273,6 +273,7 @@ class ExperimentStatus(ApiModel):
     counters: ExperimentCounters
     queued_groups: int
     pending_groups: int
+    pending_episodes: int = 0
     recent_reward_mean: float | None
     kl: float | None
     last_metrics: dict[str, Any] | None

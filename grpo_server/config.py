@@ -137,6 +137,15 @@ class ServerConfig(BaseSettings):
     max_pending_groups: int = Field(
         1024, ge=1, description="Groups of one experiment that may await feedback at once; completions get "
         "429 beyond it until feedback arrives or groups expire (group_ttl_s).")
+    max_pending_episodes: int = Field(
+        1024, ge=1, le=1_000_000, description="Episodes of one experiment that may await their reward at once; a "
+        "new episode's first turn gets 429 beyond it.")
+    max_episode_turns: int = Field(64, ge=1, le=10_000, description="Turns (completions) in one episode.")
+    max_episode_tokens: int = Field(
+        32768, ge=1, le=10_000_000, description="Tokens one episode may hold for training (its sequences: "
+        "prompts, tool results and the model's turns).")
+    episode_ttl_s: float = Field(900.0, gt=0, description="An episode that gets no turn and no reward for this "
+                                 "long expires (counted in episodes_expired).")
     max_loaded_versions: int = Field(
         4, ge=2, description="Adapter versions of one experiment loaded on the samplers at once (the served "
         "one plus older ones that requests still use); a push waits for a slot.")

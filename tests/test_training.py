@@ -14,6 +14,7 @@ from grpo_server.config import ExperimentConfig
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
+from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime import training
 from grpo_server.runtime.training import ExperimentTrainer
 from grpo_server.workers.pool import ComputeTurns
@@ -166,7 +167,7 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
         # Training idle: the newest version is probed after IDLE_CHECK_S.
         await wait_until(lambda: exp.last_verification.version == 3)
         assert push_lines(trainer) == [(2, None, None), (1, True, "probe"), (3, True, "probe")]
-        assert list(exp.errors) == [] and exp.status(pending_groups=0).state == "active"
+        assert list(exp.errors) == [] and experiment_status(exp, 0, 0).state == "active"
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -183,7 +184,7 @@ async def test_a_sampler_that_serves_other_weights_fails_the_check(tmp_path):
         queue(exp, rated_group(2))  # v1 is not in this batch: probed
         await wait_until(lambda: exp.last_verification is not None and exp.last_verification.version == 1)
         assert not exp.last_verification.ok and abs(exp.last_verification.mean_abs_diff - 0.2) < 1e-9
-        assert exp.status(pending_groups=0).state == "error"
+        assert experiment_status(exp, 0, 0).state == "error"
         assert "differ by 0.2000 nats" in exp.errors[-1]
     finally:
         task.cancel()
@@ -203,6 +204,6 @@ async def test_a_crashed_training_task_is_reported(tmp_path):
     exp.queue_changed.set()
     await asyncio.gather(exp.training_task, return_exceptions=True)
     await asyncio.sleep(0)  # done-callbacks run on the next loop turn
-    assert exp.status(pending_groups=0).state == "error"
+    assert experiment_status(exp, 0, 0).state == "error"
     assert "training stopped by an internal error (KeyError" in exp.errors[-1]
 

@@ -13,21 +13,20 @@ import asyncio
 import contextlib
 import logging
 import math
-import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Coroutine, Iterator
 
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentCounters,
-                                    ExperimentStatus, ExternalCompletion, FeedbackRequest, FeedbackResponse,
-                                    VerificationResult)
+                                    FeedbackRequest, FeedbackResponse, VerificationResult)
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol.errors import TooManyRequests, Unprocessable
-from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, Completion, GenerateRequest, ScoreRequest,
-                                       TrainMetrics)
+from grpo_server.protocol.wire import AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse, TrainMetrics
 from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
 from grpo_server.runtime.chat_render import tool_calling_of
+from grpo_server.runtime.episodes import EpisodeStore, trajectory_group
+from grpo_server.runtime.external import external_token_ids, score_external
 from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import FeedbackJournal
 from grpo_server.runtime.tasks import OwnedTasks
@@ -50,6 +49,7 @@ class Experiment:
     server: ServerConfig | None = None  # the server's limits
     prompts: "PromptBuilder | None" = None
     groups: GroupStore | None = None  # sampled groups awaiting feedback (the server's store, by experiment)
+    episodes: EpisodeStore | None = None  # episodes awaiting their reward (the server's store, by experiment)
     journal: FeedbackJournal | None = None
     serving_version: int = 0  # the version new completions are sampled from
     learner_version: int = 0  # the newest version the learner has written
@@ -87,34 +87,11 @@ class Experiment:
     def record_error(self, message: str) -> None:
         self.errors.append(message)
 
-    def status(self, pending_groups: int) -> ExperimentStatus:
-        verification_failed = self.last_verification is not None and not self.last_verification.ok
-        training_stopped = (self.training_task is not None and self.training_task.done()
-                            and not self.training_task.cancelled())
-        return ExperimentStatus(
-            name=self.name,
-            state="error" if verification_failed or training_stopped else "active",
-            policy_version=self.serving_version,
-            learner_version=self.learner_version,
-            step=self.step,
-            counters=self.counters,
-            queued_groups=len(self.queue),
-            pending_groups=pending_groups,
-            recent_reward_mean=statistics.fmean(self.recent_rewards) if self.recent_rewards else None,
-            kl=self.last_metrics.get("kl") if self.last_metrics else None,
-            last_metrics=self.last_metrics,
-            last_push_at=self.last_push_at,
-            last_push_seconds=self.last_push_seconds,
-            last_verification=self.last_verification,
-            served_as=self.last_served_as,
-            errors=list(self.errors),
-            config=self.config.public_dict(),
-        )
-
     # --- requests ------------------------------------------------------------------------------------
 
     async def complete(self, request: CompletionsRequest) -> CompletionsResponse:
-        """A group of completions under the serving version, kept for its feedback."""
+        """A group of completions under the serving version, kept for its feedback; or with `episode_id`,
+        one turn of that episode."""
         name, limits = self.name, self.server
         # Requests still sampling count too: their groups reach the queue later, and admitting them all
         # while the queue looks short only makes groups that go stale before the learner gets to them.
@@ -124,47 +101,91 @@ class Experiment:
             raise TooManyRequests(f"{in_pipeline} groups of {name!r} are being sampled or wait for the learner "
                                   f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
                                   code="learner_behind", retry_after=2.0)
+        defaults = self.config.sampling
+        n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
+        if request.episode_id is not None:
+            if request.n not in (None, 1):
+                raise Unprocessable(f"an episode's turn is one completion (n = 1), not {request.n}: a group is "
+                                    "several episodes, each with its own episode_id", code="episode_needs_n_1")
+            n = 1
+        if n > limits.max_n or max_tokens > limits.max_tokens:
+            raise Unprocessable(f"n {n} / max_tokens {max_tokens} exceed the server's limits (max_n "
+                                f"{limits.max_n}, max_tokens {limits.max_tokens})", code="over_limit")
+        temperature = defaults.temperature if request.temperature is None else request.temperature
+        if request.episode_id is not None:
+            return await self._episode_turn(request, max_tokens, temperature)
         if self.groups.pending_count(name) >= limits.max_pending_groups:
             raise TooManyRequests(f"{limits.max_pending_groups} groups of {name!r} await feedback "
                                   "(max_pending_groups); post feedback or let them expire",
                                   code="too_many_pending_groups", retry_after=5.0)
-        defaults = self.config.sampling
-        n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
-        if n > limits.max_n or max_tokens > limits.max_tokens:
-            raise Unprocessable(f"n {n} / max_tokens {max_tokens} exceed the server's limits (max_n "
-                                f"{limits.max_n}, max_tokens {limits.max_tokens})", code="over_limit")
         prompt_ids = self.prompts.token_ids(request)
         self.prompts.check_fits(len(prompt_ids), max_tokens)
-        temperature = defaults.temperature if request.temperature is None else request.temperature
-        tool_calling = tool_calling_of(request)
-        # The version is chosen once the sampling turn starts: a request that waited for a train step
-        # samples the version that step pushed.
-        with self.sampling_request():
-            async with self.workers.sampler() as sampler:
-                with self.pinned_serving_version() as version:
-                    result = await sampler.generate(GenerateRequest(
-                        prompt_token_ids=prompt_ids, n=n, temperature=temperature,
-                        top_p=request.top_p or defaults.top_p, max_tokens=max_tokens, stop=request.stop,
-                        seed=request.seed, adapter=AdapterRef(name=name, version=version),
-                        tool_calling=tool_calling,
-                    ))
+        result, version = await self._generate(request, prompt_ids, n, max_tokens, temperature)
         group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
         self.groups.add(group)
-        self.last_served_as = result.served_as
         self.counters.groups_sampled += 1
-        self.counters.completions_sampled += len(result.completions)
-        self.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
         return CompletionsResponse(
             group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
             completions=[CompletionOut(**c.model_dump()) for c in result.completions],
         )
 
+    async def _episode_turn(self, request: CompletionsRequest, max_tokens: int,
+                            temperature: float) -> CompletionsResponse:
+        """One completion in its episode (runtime/episodes.py): a history that repeats the previous turn
+        continues from its sampled ids, not a re-rendering."""
+        limits = self.server
+        episode = self.episodes.open(self.name, request.episode_id, limits.max_pending_episodes,
+                                     limits.max_episode_turns)
+        try:
+            if episode.temperature is not None and temperature != episode.temperature:
+                raise Unprocessable(f"episode {episode.episode_id} samples at temperature {episode.temperature}: "
+                                    "its turns keep one temperature", code="episode_temperature_changed")
+            continued = episode.continuation(request.messages)
+            prompt_ids = (self.prompts.continue_conversation(*continued, tools=request.tools) if continued
+                          else self.prompts.token_ids(request))
+            self.prompts.check_fits(len(prompt_ids), max_tokens)
+            if episode.tokens_with(prompt_ids, max_tokens) > limits.max_episode_tokens:
+                raise Unprocessable(f"episode {episode.episode_id} would hold more than max_episode_tokens "
+                                    f"({limits.max_episode_tokens}) with this turn", code="episode_too_long")
+            result, version = await self._generate(request, prompt_ids, 1, max_tokens, temperature)
+            self.counters.episodes_started += episode.turns == 0
+            self.counters.episode_turns += 1
+            episode.temperature = temperature
+            episode.add_turn(prompt_ids, result.completions[0], version, request.messages)
+        finally:
+            self.episodes.done(episode)
+        return CompletionsResponse(
+            group_id=None, episode_id=episode.episode_id, policy_version=version, prompt_token_ids=prompt_ids,
+            completions=[CompletionOut(**c.model_dump()) for c in result.completions],
+        )
+
+    async def _generate(self, request: CompletionsRequest, prompt_ids: list[int], n: int, max_tokens: int,
+                        temperature: float) -> tuple[GenerateResponse, int]:
+        """Sample under the serving version; the version is chosen once the sampling turn starts, so a
+        request that waited for a train step samples the version that step pushed."""
+        with self.sampling_request():
+            async with self.workers.sampler() as sampler:
+                with self.pinned_serving_version() as version:
+                    result = await sampler.generate(GenerateRequest(
+                        prompt_token_ids=prompt_ids, n=n, temperature=temperature,
+                        top_p=request.top_p or self.config.sampling.top_p, max_tokens=max_tokens,
+                        stop=request.stop, seed=request.seed, adapter=AdapterRef(name=self.name, version=version),
+                        tool_calling=tool_calling_of(request),
+                    ))
+        self.last_served_as = result.served_as
+        self.counters.completions_sampled += len(result.completions)
+        self.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
+        return result, version
+
     async def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
         """Rewards for a sampled group, possibly with external completions added to it, or for a group of
-        external completions only. Everything is checked before the group is taken, so a 4xx loses nothing."""
+        external completions only; or with `episode_ids`, rewards for episodes. Everything is checked before
+        the group (or an episode) is taken, so a 4xx loses nothing."""
         name = self.name
+        if request.episode_ids is not None:
+            return self._rate_episodes(request)
         if request.group_id is None:
             prompt_ids = self.prompts.token_ids(request)
             group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
@@ -185,53 +206,55 @@ class Experiment:
         algorithm = self.config.algorithm
         skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
         advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
-        external_ids = self._external_token_ids(group, external)  # 400s for bad ones, skipped or not
+        external_ids = external_token_ids(self.prompts, group, external)  # 400s for bad ones, skipped or not
         scored_version, external_logprobs = None, None
         if external_ids and skipped is None:
-            scored_version, added = await self._score_external(group, external_ids)
+            scored_version, added = await score_external(self, group, external_ids)
             external_logprobs = [c.logprobs for c in added]
         # Nothing below can fail for the request's sake: the group is only taken now.
         if request.group_id is not None:
             self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
-        self.counters.groups_received += 1
-        self.recent_rewards.append(sum(request.rewards) / len(request.rewards))
-        response = FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
-                                    external_logprobs=external_logprobs, skipped=skipped)
-        if skipped:
-            self.counters.groups_zero_variance += 1
-            return response
-        if external:
+        if external and skipped is None:
             group.completions = group.completions + added
             group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
             self.counters.completions_external += len(added)
-        group.rewards, group.advantages = list(request.rewards), advantages
-        self.journal.append(group)  # durable before the 202
+        self._accept(group, request.rewards, advantages, skipped)
+        return FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
+                                external_logprobs=external_logprobs, skipped=skipped)
+
+    def _rate_episodes(self, request: FeedbackRequest) -> FeedbackResponse:
+        """A group of episodes: each episode's reward, relative to the others', trains every token the model
+        sampled in it (runtime/episodes.py)."""
+        episodes = self.episodes.peek(self.name, request.episode_ids)  # 404/409 before anything is taken
+        temperatures = {e.temperature for e in episodes}
+        if len(temperatures) > 1:
+            raise Unprocessable(f"these episodes were sampled at different temperatures {sorted(temperatures)}: "
+                                "rate episodes of one temperature together", code="mixed_temperatures")
+        if 0 in temperatures:
+            raise Unprocessable("episodes sampled at temperature 0 (greedy) have no policy gradient to train on",
+                                code="greedy_group")
+        if not any(e.trainable() for e in episodes):
+            raise Unprocessable("these episodes hold no sampled token to train on", code="empty_episodes")
+        algorithm = self.config.algorithm
+        skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
+        advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        group = trajectory_group(self.groups.new_id(), self.name, episodes)
+        self.episodes.take(self.name, request.episode_ids)
+        self.counters.episodes_rated += len(episodes)
+        self._accept(group, request.rewards, advantages, skipped)
+        return FeedbackResponse(group_id=group.group_id, skipped=skipped)
+
+    def _accept(self, group: Group, rewards: list[float], advantages: list[float], skipped: str | None) -> None:
+        """A rated group: counted, then (unless skipped) journalled, durable before the 202, and queued."""
+        self.counters.groups_received += 1
+        self.recent_rewards.append(sum(rewards) / len(rewards))
+        if skipped:
+            self.counters.groups_zero_variance += 1
+            return
+        group.rewards, group.advantages = list(rewards), advantages
+        self.journal.append(group)
         self.queue.append(group)
         self.queue_changed.set()
-        return response
-
-    def _external_token_ids(self, group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
-        token_ids = []
-        for i, completion in enumerate(external):
-            ids = self.prompts.external_completion_ids(completion, f"completions[{i}]")
-            self.prompts.check_fits(len(group.prompt_token_ids), len(ids), f"completions[{i}]")
-            token_ids.append(ids)
-        return token_ids
-
-    async def _score_external(self, group: Group, token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
-        """Score completions the model did not sample under the serving version: those logprobs are
-        their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
-        name = self.name
-        with self.sampling_request():
-            async with self.workers.sampler() as sampler:
-                with self.pinned_serving_version() as version:
-                    scored = await sampler.score(ScoreRequest(
-                        prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
-                        temperature=group.temperature, adapter=AdapterRef(name=name, version=version),
-                    ))
-        return version, [Completion(text=self.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
-                                    finish_reason="external")
-                         for ids, logprobs in zip(token_ids, scored.logprobs)]
 
     # --- versions on the samplers ---------------------------------------------------------------------
 
@@ -287,9 +310,10 @@ class Experiment:
             if version != self.serving_version:
                 self.retire_unused_versions()
 
-    def expired(self, count: int) -> None:
-        """`count` of its pending groups expired without feedback (the group store dropped them)."""
-        self.counters.groups_expired += count
+    def expired(self, groups: int = 0, episodes: int = 0) -> None:
+        """Pending groups and episodes expired without feedback (their stores dropped them)."""
+        self.counters.groups_expired += groups
+        self.counters.episodes_expired += episodes
 
     # --- training: the training task's side of the queue ---------------------------------------------
 
@@ -333,7 +357,8 @@ class Experiment:
         # JSON has no inf/NaN: a non-finite metric (say, an empty ratio range) is shown as null.
         self.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                              for k, v in metrics.model_dump().items()}
-        self.probe = groups[-1]
+        # The version check's probe scores completions of one prompt: a group of episodes has none.
+        self.probe = next((g for g in reversed(groups) if g.episode_of is None), self.probe)
 
     def verified(self, result: VerificationResult) -> None:
         if self.last_verification is None or self.last_verification.version <= result.version:

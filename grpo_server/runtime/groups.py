@@ -29,6 +29,20 @@ class Group:
     rewards: list[float] | None = None
     advantages: list[float] | None = None
     journal_seq: int = 0  # its number in the feedback journal, once accepted for training
+    # A group of episodes (runtime/episodes.py): completion i is a training sequence of episode
+    # episode_of[i], with its own prompt and a loss mask over its tokens (1 = sampled by the model);
+    # rewards and advantages are per episode. None for a group of completions of one prompt.
+    episode_of: list[int] | None = None
+    sequence_prompts: list[list[int]] | None = None
+    loss_masks: list[list[int]] | None = None
+
+    def training_sequences(self) -> list[tuple[list[int], Completion, float, float, list[int] | None]]:
+        """(prompt ids, completion, advantage, reward, loss mask) of every sequence it trains."""
+        if self.episode_of is None:
+            return [(self.prompt_token_ids, c, a, r, None)
+                    for c, a, r in zip(self.completions, self.advantages, self.rewards)]
+        return [(prompt, c, self.advantages[e], self.rewards[e], mask) for prompt, c, e, mask
+                in zip(self.sequence_prompts, self.completions, self.episode_of, self.loss_masks)]
 
 
 class GroupStore:

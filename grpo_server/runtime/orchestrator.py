@@ -12,11 +12,13 @@ from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeRe
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.wire import AdapterRef
+from grpo_server.runtime.episodes import EpisodeStore
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import GroupStore
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
+from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.training import ExperimentTrainer
 from grpo_server.workers.pool import WorkerPool
@@ -32,6 +34,7 @@ class Orchestrator:
         self.workers = workers
         self.prompts = prompts
         self.groups = GroupStore(ttl_s=config.group_ttl_s)
+        self.episodes = EpisodeStore(ttl_s=config.episode_ttl_s)
         self.experiments: dict[str, Experiment] = {}
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.registry = ExperimentRegistry(config.run_dir)
@@ -47,7 +50,7 @@ class Orchestrator:
         return experiment
 
     def status(self, name: str) -> ExperimentStatus:
-        return self.get(name).status(self.groups.pending_count(name))
+        return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name))
 
     async def create(self, config: ExperimentConfig) -> ExperimentStatus:
         async with self._lock:
@@ -70,7 +73,7 @@ class Orchestrator:
                 await self.workers.learner.remove_experiment(config.name)
                 raise
             exp = Experiment(config=config, workers=self.workers, server=self.config, prompts=self.prompts,
-                             groups=self.groups,
+                             groups=self.groups, episodes=self.episodes,
                              journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
             exp.resume_from(first)
             exp.serve(first.version, first.path)
@@ -93,6 +96,7 @@ class Orchestrator:
             await exp.stop()
             self.metrics_logs.pop(name).close()  # the file stays
             self.groups.drop_experiment(name)
+            self.episodes.drop_experiment(name)
             for version in list(exp.adapter_paths):
                 await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
             try:
@@ -114,7 +118,7 @@ class Orchestrator:
             ids = self.prompts.continue_conversation(request.continue_from, request.messages,
                                                      request.add_generation_prompt)
         elif request.messages is not None:
-            ids = self.prompts.render_messages(request.messages, request.add_generation_prompt)
+            ids = self.prompts.render_messages(request.messages, add_generation_prompt=request.add_generation_prompt)
         else:
             ids = self.prompts.token_ids(request)
         return TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.prompts.max_model_len)
@@ -126,7 +130,10 @@ class Orchestrator:
             await asyncio.sleep(EXPIRY_INTERVAL_S)
             for name, count in self.groups.expire().items():
                 if name in self.experiments:
-                    self.experiments[name].expired(count)
+                    self.experiments[name].expired(groups=count)
+            for name, count in self.episodes.expire().items():
+                if name in self.experiments:
+                    self.experiments[name].expired(episodes=count)
 
     async def resync_sampler(self, sampler_index: int) -> None:
         """After a sampler restart: load every live version again."""

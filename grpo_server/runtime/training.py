@@ -22,16 +22,17 @@ log = logging.getLogger(__name__)
 def train_samples(groups: list[Group]) -> list[TrainSample]:
     return [
         TrainSample(
-            prompt_token_ids=group.prompt_token_ids,
+            prompt_token_ids=prompt_ids,
             completion_token_ids=completion.token_ids,
             sampler_logprobs=completion.logprobs,
             advantage=advantage,
             reward=reward,
             policy_version=group.policy_version,
             temperature=group.temperature,
+            loss_mask=mask,
         )
         for group in groups
-        for completion, advantage, reward in zip(group.completions, group.advantages, group.rewards)
+        for prompt_ids, completion, advantage, reward, mask in group.training_sequences()
         if completion.token_ids  # an empty completion carries no gradient
     ]
 

@@ -1,0 +1,39 @@
+"""Completions the model did not sample (a teacher's answer, a human fix), added to a group's feedback:
+their token ids, and their behaviour logprobs scored by a sampler under the serving version."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from grpo_server.api_models import ExternalCompletion
+from grpo_server.protocol.wire import AdapterRef, Completion, ScoreRequest
+from grpo_server.runtime.groups import Group
+
+if TYPE_CHECKING:
+    from grpo_server.runtime.experiment import Experiment
+    from grpo_server.runtime.prompts import PromptBuilder
+
+
+def external_token_ids(prompts: "PromptBuilder", group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
+    """Each completion's ids, checked against the vocabulary and the context (400s name the bad one)."""
+    token_ids = []
+    for i, completion in enumerate(external):
+        ids = prompts.external_completion_ids(completion, f"completions[{i}]")
+        prompts.check_fits(len(group.prompt_token_ids), len(ids), f"completions[{i}]")
+        token_ids.append(ids)
+    return token_ids
+
+
+async def score_external(exp: "Experiment", group: Group, token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
+    """Score completions the model did not sample under the serving version: those logprobs are
+    their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
+    with exp.sampling_request():
+        async with exp.workers.sampler() as sampler:
+            with exp.pinned_serving_version() as version:
+                scored = await sampler.score(ScoreRequest(
+                    prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
+                    temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
+                ))
+    return version, [Completion(text=exp.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
+                                finish_reason="external")
+                     for ids, logprobs in zip(token_ids, scored.logprobs)]

@@ -1,0 +1,33 @@
+"""An experiment's status, as `GET /v1/experiments/{name}` shows it (read from its owner, never written)."""
+
+from __future__ import annotations
+
+import statistics
+
+from grpo_server.api_models import ExperimentStatus
+from grpo_server.runtime.experiment import Experiment
+
+
+def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int) -> ExperimentStatus:
+    verification_failed = exp.last_verification is not None and not exp.last_verification.ok
+    training_stopped = exp.training_task is not None and exp.training_task.done() and not exp.training_task.cancelled()
+    return ExperimentStatus(
+        name=exp.name,
+        state="error" if verification_failed or training_stopped else "active",
+        policy_version=exp.serving_version,
+        learner_version=exp.learner_version,
+        step=exp.step,
+        counters=exp.counters,
+        queued_groups=len(exp.queue),
+        pending_groups=pending_groups,
+        pending_episodes=pending_episodes,
+        recent_reward_mean=statistics.fmean(exp.recent_rewards) if exp.recent_rewards else None,
+        kl=exp.last_metrics.get("kl") if exp.last_metrics else None,
+        last_metrics=exp.last_metrics,
+        last_push_at=exp.last_push_at,
+        last_push_seconds=exp.last_push_seconds,
+        last_verification=exp.last_verification,
+        served_as=exp.last_served_as,
+        errors=list(exp.errors),
+        config=exp.config.public_dict(),
+    )
