@@ -9,9 +9,10 @@ import subprocess
 import pytest
 
 from grpo_server.client import AsyncClient, GrpoServerError
-from tests.serving import start_server, stop_server
+from tests.serving import start_server, stop_server, wait_for
 
-LIMITS = {"max_experiments": 2, "max_n": 4, "max_tokens": 8, "max_prompt_tokens": 16, "max_pending_groups": 2}
+LIMITS = {"max_experiments": 2, "max_n": 4, "max_tokens": 8, "max_prompt_tokens": 16, "max_pending_groups": 2,
+          "max_episode_turns": 2, "max_pending_episodes": 2, "max_episode_tokens": 40, "episode_ttl_s": 3}
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +60,31 @@ async def test_limits_over_tls(tls_server):
         assert (await client.complete("one", prompt="Hi")).completions
         status = await client.status("one")
         assert status.pending_groups == 2 and status.counters.groups_received == 1
+
+
+async def test_episode_limits_and_expiry(tls_server):
+    """Turns per episode, tokens per episode and pending episodes answer 422/429; an episode left without a
+    reward expires and is counted, and its late reward is a 404. Runs after test_limits_over_tls (its
+    experiments "one" and "two" exist)."""
+    server, trust = tls_server
+    async with AsyncClient(server.url, server.api_key, ssl_context=trust) as client:
+        turn = {"prompt_token_ids": [1, 2, 3], "max_tokens": 2}
+        await client.complete("two", episode_id="long", **turn)
+        await client.complete("two", episode_id="long", **turn)
+        await expect_error(client.complete("two", episode_id="long", **turn), 422, "episode_too_long")  # turns
+        await client.complete("two", episode_id="big", prompt_token_ids=[5] * 16, max_tokens=8)
+        await expect_error(client.complete("two", episode_id="big", prompt_token_ids=[6] * 16, max_tokens=8),
+                           422, "episode_too_long")  # 16 + its completion held, + 16 + 8 > 40 tokens
+        await expect_error(client.complete("two", episode_id="third", **turn), 429, "too_many_pending_episodes")
+        status = await client.status("two")
+        assert status.pending_episodes == 2
+        await wait_for(lambda: _expired(client), timeout_s=30)
+        with pytest.raises(GrpoServerError) as late:
+            await client._request("POST", "/v1/experiments/two/feedback",  # noqa: SLF001
+                                  json={"episode_ids": ["long", "big"], "rewards": [1.0, 0.0]})
+        assert (late.value.status, late.value.code) == (404, "episode_not_found")
+        assert (await client.complete("two", episode_id="third", **turn)).episode_id == "third"
+
+
+async def _expired(client: AsyncClient) -> bool:
+    return (await client.status("two")).counters.episodes_expired == 2
