@@ -4,6 +4,11 @@ A sequence is prompt + completion. Only completion tokens are scored: completion
 sits at position P_b + j and is predicted by the logits at position P_b + j - 1. Sequences are sorted
 by length before they are cut into micro-batches, so each micro-batch pads to a similar length.
 
+A multi-turn episode is one sequence: its completion holds every turn, with the tokens the model did not
+sample in between (tool results, user turns, chat-template tokens). Its loss mask (one per completion
+token, 1 = sampled by the model) keeps those out of `mask_B_C`, so they are context only: no loss, no
+token count, no ratio, KL or sampler-gap statistics; their sampler logprobs are placeholders.
+
 The LM head only runs over the last K positions of a micro-batch (`logits_to_keep=K`), from the
 earliest position that predicts a completion token; with vocabularies of ~50k, the logits of the
 prompt would otherwise dominate the memory of a step.
@@ -30,6 +35,15 @@ class Sequence:
     # Sampled by the version whose weights the learner holds now: its old_logp must equal the learner's
     # logprobs before this step (the check of the samplers that costs nothing: learner/trainer.py).
     checked: bool = False
+    # One per completion token: 1 = sampled by the model (trained, old_logp real), 0 = context only (old_logp a
+    # placeholder). None: every completion token is the model's.
+    loss_mask: list[int] | None = None
+
+    def trained(self) -> list[bool]:
+        """Per completion token: is it trained (and its old_logp real)?"""
+        if self.loss_mask is None:
+            return [True] * len(self.completion)
+        return [m == 1 for m in self.loss_mask]
 
 
 @dataclass
@@ -40,7 +54,7 @@ class MicroBatch:
     logits_to_keep: int  # K: the model returns logits of the last K positions only
     targets_B_K: Tensor  # the token each kept logit position predicts (0 past the end)
     gather_B_C: Tensor  # index into K of the logit that predicts completion token j (0 on padding)
-    mask_B_C: Tensor  # True on real completion tokens
+    mask_B_C: Tensor  # True on trained completion tokens (False on padding and on loss_mask 0)
     old_logp_B_C: Tensor
     advantages_B: Tensor
     temperature: float  # shared by every sequence of the micro-batch
@@ -73,8 +87,19 @@ def check_sequence(seq: Sequence, vocab_size: int, max_model_len: int, where: st
         raise BadRequest(
             f"{where}: {len(seq.old_logp)} sampler_logprobs for {len(seq.completion)} completion tokens"
         )
-    if not all(math.isfinite(x) and x <= 0.0 for x in seq.old_logp):
-        raise BadRequest(f"{where}: sampler_logprobs must be finite and <= 0")
+    if seq.loss_mask is not None:
+        if len(seq.loss_mask) != len(seq.completion):
+            raise BadRequest(f"{where}: {len(seq.loss_mask)} loss_mask entries for {len(seq.completion)} "
+                             f"completion tokens")
+        bad = [m for m in seq.loss_mask if m not in (0, 1)]
+        if bad:
+            raise BadRequest(f"{where}: loss_mask entries must be 0 or 1, got {bad[0]!r}")
+        if 1 not in seq.loss_mask:
+            raise BadRequest(f"{where}: loss_mask has no 1 (no completion token was sampled by the model)")
+    # Placeholders (loss_mask 0) are never read: only the model's own tokens' logprobs must be real.
+    if not all(math.isfinite(x) and x <= 0.0 for x, real in zip(seq.old_logp, seq.trained()) if real):
+        raise BadRequest(f"{where}: sampler_logprobs must be finite and <= 0"
+                         + (" where loss_mask is 1" if seq.loss_mask is not None else ""))
     if not math.isfinite(seq.advantage):
         raise BadRequest(f"{where}: advantage is not finite")
 
@@ -98,8 +123,10 @@ def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatc
         input_ids_B_L[b, : P + n] = torch.tensor(seq.prompt + seq.completion, dtype=torch.long)
         attention_mask_B_L[b, : P + n] = 1
         gather_B_C[b, :n] = torch.arange(n) + (P - 1 - first)
-        mask_B_C[b, :n] = True
-        old_logp_B_C[b, :n] = torch.tensor(seq.old_logp, dtype=torch.float32)
+        trained_C = torch.tensor(seq.trained(), dtype=torch.bool)
+        mask_B_C[b, :n] = trained_C
+        # Placeholders become 0, as on padding: whatever was sent there never reaches a tensor op.
+        old_logp_B_C[b, :n] = torch.where(trained_C, torch.tensor(seq.old_logp, dtype=torch.float32), 0.0)
 
     # Kept position k is full position first + k and predicts the token at first + k + 1; the last
     # position predicts nothing (target 0, never gathered).
@@ -135,6 +162,7 @@ def sampler_gap(logp_B_C: Tensor, batch: MicroBatch) -> dict[str, Tensor]:
 
 
 def gather_completion_logp(logp_B_K: Tensor, batch: MicroBatch) -> Tensor:
-    """Per-completion-token logprobs [B, C] from per-kept-position logprobs [B, K]; 0 on padding."""
+    """Per-completion-token logprobs [B, C] from per-kept-position logprobs [B, K]; 0 on padding and on
+    untrained (loss_mask 0) tokens."""
     logp_B_C = logp_B_K.gather(1, batch.gather_B_C)
     return torch.where(batch.mask_B_C, logp_B_C, torch.zeros_like(logp_B_C))

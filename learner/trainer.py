@@ -157,15 +157,16 @@ class MultiAdapterTrainer:
         # With LoRA dropout the training forward is not the function the samplers serve: nothing to compare.
         checked = exp.weights_version if self._lora_configs[exp.name].dropout == 0 else None
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature,
-                         checked=s.policy_version == checked)
+                         checked=s.policy_version == checked, loss_mask=s.loss_mask)
                 for s in request.samples]
         for i, seq in enumerate(seqs):
             _check_temperature(seq.temperature)
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"samples[{i}]")
         algo = exp.algorithm
         settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
-        # Whole-batch normalisers on every rank: each rank's loss is its exact share of the batch loss.
-        norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(len(s.completion) for s in seqs),
+        # Whole-batch normalisers on every rank: each rank's loss is its exact share of the batch loss. Tokens
+        # are the trained ones (loss_mask 1), as the micro-batches' masks count them.
+        norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(sum(s.trained()) for s in seqs),
                                max_tokens=request.max_tokens)
         share = rank_share(seqs, algo.micro_batch_size, self.rank, self.world_size)
         try:

@@ -77,8 +77,14 @@ class Episode:
         added = len(prompt_ids) - len(last) if last and prompt_ids[:len(last)] == last else len(prompt_ids)
         return self.tokens + added + max_tokens
 
+    def check_temperature(self, temperature: float) -> None:
+        if self.temperature is not None and temperature != self.temperature:
+            raise Unprocessable(f"episode {self.episode_id} samples at temperature {self.temperature}: its turns "
+                                "keep one temperature (the learner scales each sequence by one)",
+                                code="episode_temperature_changed")
+
     def add_turn(self, prompt_ids: list[int], completion: Completion, version: int,
-                 messages: Sequence[ChatMessage] | None) -> None:
+                 messages: Sequence[ChatMessage] | None, temperature: float) -> None:
         last = self.sequences[-1] if self.sequences else None
         if last is not None and prompt_ids[:len(last.full_ids)] == last.full_ids:
             between = prompt_ids[len(last.full_ids):]
@@ -92,6 +98,7 @@ class Episode:
         last.logprobs += completion.logprobs
         last.mask += [1] * len(completion.token_ids)
         self.turns += 1
+        self.temperature = temperature
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
         self.last_messages = None if messages is None else (
             [message_key(m) for m in messages] + [reply_key(completion)])
@@ -100,6 +107,19 @@ class Episode:
     def trainable(self) -> list[EpisodeSequence]:
         """Its sequences that hold at least one sampled token."""
         return [s for s in self.sequences if any(s.mask)]
+
+
+def check_rateable(episodes: list[Episode]) -> None:
+    """422 for episodes that cannot train together."""
+    temperatures = {e.temperature for e in episodes}
+    if len(temperatures) > 1:
+        raise Unprocessable(f"these episodes were sampled at different temperatures {sorted(temperatures)}: "
+                            "rate episodes of one temperature together", code="mixed_temperatures")
+    if 0 in temperatures:
+        raise Unprocessable("episodes sampled at temperature 0 (greedy) have no policy gradient to train on",
+                            code="greedy_group")
+    if not any(e.trainable() for e in episodes):
+        raise Unprocessable("these episodes hold no sampled token to train on", code="empty_episodes")
 
 
 def trajectory_group(group_id: str, experiment: str, episodes: list[Episode]) -> Group:

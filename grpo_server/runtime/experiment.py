@@ -25,7 +25,7 @@ from grpo_server.protocol.errors import TooManyRequests, Unprocessable
 from grpo_server.protocol.wire import AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse, TrainMetrics
 from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
 from grpo_server.runtime.chat_render import tool_calling_of
-from grpo_server.runtime.episodes import EpisodeStore, trajectory_group
+from grpo_server.runtime.episodes import EpisodeStore, check_rateable, trajectory_group
 from grpo_server.runtime.external import external_token_ids, score_external
 from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import FeedbackJournal
@@ -89,9 +89,11 @@ class Experiment:
 
     # --- requests ------------------------------------------------------------------------------------
 
-    async def complete(self, request: CompletionsRequest) -> CompletionsResponse:
+    async def complete(self, request: CompletionsRequest, group_id: str | None = None,
+                       admitted: asyncio.Event | None = None) -> CompletionsResponse:
         """A group of completions under the serving version, kept for its feedback; or with `episode_id`,
-        one turn of that episode."""
+        one turn of that episode. A stream (api/streaming.py) names the group before sampling (`group_id`, from
+        `groups.new_id()`) and starts its answer once `admitted` is set: every check passed, sampling starts."""
         name, limits = self.name, self.server
         # Requests still sampling count too: their groups reach the queue later, and admitting them all
         # while the queue looks short only makes groups that go stale before the learner gets to them.
@@ -120,8 +122,10 @@ class Experiment:
                                   code="too_many_pending_groups", retry_after=5.0)
         prompt_ids = self.prompts.token_ids(request)
         self.prompts.check_fits(len(prompt_ids), max_tokens)
+        if admitted is not None:
+            admitted.set()
         result, version = await self._generate(request, prompt_ids, n, max_tokens, temperature)
-        group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
+        group = Group(group_id=group_id or self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens)
         self.groups.add(group)
@@ -139,9 +143,7 @@ class Experiment:
         episode = self.episodes.open(self.name, request.episode_id, limits.max_pending_episodes,
                                      limits.max_episode_turns)
         try:
-            if episode.temperature is not None and temperature != episode.temperature:
-                raise Unprocessable(f"episode {episode.episode_id} samples at temperature {episode.temperature}: "
-                                    "its turns keep one temperature", code="episode_temperature_changed")
+            episode.check_temperature(temperature)
             continued = episode.continuation(request.messages)
             prompt_ids = (self.prompts.continue_conversation(*continued, tools=request.tools) if continued
                           else self.prompts.token_ids(request))
@@ -152,8 +154,7 @@ class Experiment:
             result, version = await self._generate(request, prompt_ids, 1, max_tokens, temperature)
             self.counters.episodes_started += episode.turns == 0
             self.counters.episode_turns += 1
-            episode.temperature = temperature
-            episode.add_turn(prompt_ids, result.completions[0], version, request.messages)
+            episode.add_turn(prompt_ids, result.completions[0], version, request.messages, temperature)
         finally:
             self.episodes.done(episode)
         return CompletionsResponse(
@@ -226,15 +227,7 @@ class Experiment:
         """A group of episodes: each episode's reward, relative to the others', trains every token the model
         sampled in it (runtime/episodes.py)."""
         episodes = self.episodes.peek(self.name, request.episode_ids)  # 404/409 before anything is taken
-        temperatures = {e.temperature for e in episodes}
-        if len(temperatures) > 1:
-            raise Unprocessable(f"these episodes were sampled at different temperatures {sorted(temperatures)}: "
-                                "rate episodes of one temperature together", code="mixed_temperatures")
-        if 0 in temperatures:
-            raise Unprocessable("episodes sampled at temperature 0 (greedy) have no policy gradient to train on",
-                                code="greedy_group")
-        if not any(e.trainable() for e in episodes):
-            raise Unprocessable("these episodes hold no sampled token to train on", code="empty_episodes")
+        check_rateable(episodes)
         algorithm = self.config.algorithm
         skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
         advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
@@ -309,6 +302,12 @@ class Experiment:
             self.inflight[version] -= 1
             if version != self.serving_version:
                 self.retire_unused_versions()
+
+    def abandon(self, group_id: str) -> None:
+        """Drop a sampled group whose client left before receiving it (a stream cut short): nobody can rate
+        it, and kept it would hold a max_pending_groups slot, then count as expired."""
+        if self.groups.discard(self.name, group_id):
+            log.info("%s: group %s dropped: its client left the stream before receiving it", self.name, group_id)
 
     def expired(self, groups: int = 0, episodes: int = 0) -> None:
         """Pending groups and episodes expired without feedback (their stores dropped them)."""

@@ -79,6 +79,16 @@ class GroupStore:
         self._consumed[group_id] = time.monotonic()
         return group
 
+    def discard(self, experiment: str, group_id: str) -> bool:
+        """Forget a pending group nobody will rate (not marked as rated: feedback for it is a 404); False if it
+        is not pending."""
+        group = self._pending.get(group_id)
+        if group is None or group.experiment != experiment:
+            return False
+        del self._pending[group_id]
+        self._pending_per_experiment[experiment] -= 1
+        return True
+
     def expire(self, now: float | None = None) -> dict[str, int]:
         """Drop groups older than the TTL; return how many per experiment."""
         now = time.monotonic() if now is None else now
