@@ -146,3 +146,25 @@ def test_a_group_of_episodes_trains_each_sequence_with_its_episodes_advantage_an
     assert [s.advantage for s in samples] == [0.7, -0.7] and [s.reward for s in samples] == [1.0, 0.0]
     assert all(s.temperature == 0.8 and s.policy_version == 2 for s in samples)
     assert group.max_tokens == 4
+
+
+def test_a_turn_its_client_never_received_is_undone():
+    store = EpisodeStore(ttl_s=60)
+    episode = open_turn(store)
+    episode.add_turn([1, 2], completion([10]), version=0, messages=[user("hi")], temperature=1.0)
+    store.done(episode)
+    before = [(s.token_ids[:], s.mask[:]) for s in episode.sequences], episode.last_messages
+    for prompt in ([1, 2, 10, 3], [7, 8]):  # extending the sequence, then starting a new one
+        episode = open_turn(store)
+        episode.add_turn(prompt, completion([11, 12]), version=1, messages=[user("again")], temperature=1.0)
+        store.done(episode)
+        store.undo_turn("exp", "ep")
+        assert ([(s.token_ids, s.mask) for s in episode.sequences], episode.last_messages) == before
+        assert episode.turns == 1 and episode.oldest_version == 0
+    store.undo_turn("exp", "ep")  # only the newest turn can be undone
+    assert episode.turns == 1
+    lone = open_turn(store, "lone")
+    lone.add_turn([1], completion([2]), version=0, messages=None, temperature=1.0)
+    store.done(lone)
+    store.undo_turn("exp", "lone")  # its only turn: the episode is gone
+    assert store.pending_count("exp") == 1

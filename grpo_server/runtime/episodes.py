@@ -55,6 +55,7 @@ class Episode:
     # The previous turn as the client saw it, to recognise its history in the next turn's messages.
     last_messages: list[dict[str, Any]] | None = None
     busy: bool = False  # a turn is being sampled
+    _before_last_turn: tuple | None = field(default=None, repr=False)  # what `undo_last_turn` restores
     touched_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -86,6 +87,8 @@ class Episode:
     def add_turn(self, prompt_ids: list[int], completion: Completion, version: int,
                  messages: Sequence[ChatMessage] | None, temperature: float) -> None:
         last = self.sequences[-1] if self.sequences else None
+        self._before_last_turn = (len(self.sequences), len(last.token_ids) if last else 0, self.last_messages,
+                                  self.turns, self.temperature, self.oldest_version)
         if last is not None and prompt_ids[:len(last.full_ids)] == last.full_ids:
             between = prompt_ids[len(last.full_ids):]
             last.token_ids += between
@@ -103,6 +106,20 @@ class Episode:
         self.last_messages = None if messages is None else (
             [message_key(m) for m in messages] + [reply_key(completion)])
         self.touched_at = time.monotonic()
+
+    @property
+    def can_undo(self) -> bool:
+        return self._before_last_turn is not None
+
+    def undo_last_turn(self) -> None:
+        """Forget the newest turn (its client never received it: a stream cut short), so that a retry of the
+        same turn continues from the turn before."""
+        count, length, self.last_messages, self.turns, self.temperature, self.oldest_version = self._before_last_turn
+        self._before_last_turn = None  # only the newest turn can be undone
+        del self.sequences[count:]
+        if self.sequences:
+            last = self.sequences[-1]
+            del last.token_ids[length:], last.logprobs[length:], last.mask[length:]
 
     def trainable(self) -> list[EpisodeSequence]:
         """Its sequences that hold at least one sampled token."""
@@ -206,6 +223,13 @@ class EpisodeStore:
         key = (episode.experiment, episode.episode_id)
         if episode.turns == 0 and key in self._pending:
             self._forget(key)
+
+    def undo_turn(self, experiment: str, episode_id: str) -> None:
+        """Forget an episode's newest turn (`Episode.undo_last_turn`); an episode left with no turn goes."""
+        episode = self._pending.get((experiment, episode_id))
+        if episode is not None and not episode.busy and episode.can_undo:
+            episode.undo_last_turn()
+            self.done(episode)
 
     def peek(self, experiment: str, episode_ids: Sequence[str]) -> list[Episode]:
         """The pending episodes, all of them rateable now, else the first problem as 404/409."""
