@@ -157,7 +157,7 @@ class MultiAdapterTrainer:
         # With LoRA dropout the training forward is not the function the samplers serve: nothing to compare.
         checked = exp.weights_version if self._lora_configs[exp.name].dropout == 0 else None
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature,
-                         checked=s.policy_version == checked, loss_mask=s.loss_mask)
+                         checked=s.policy_version == checked and not s.constrained, loss_mask=s.loss_mask)
                 for s in request.samples]
         for i, seq in enumerate(seqs):
             _check_temperature(seq.temperature)

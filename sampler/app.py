@@ -56,6 +56,7 @@ class SamplerHandler:
             max_model_len=engine.max_model_len,
             merged_adapter=engine.merged,
             merge_unsupported=engine.merge_unsupported,
+            prefix_cache=engine.prefix_cache,
         )
 
 

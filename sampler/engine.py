@@ -16,7 +16,8 @@ from typing import Any
 
 from grpo_server.protocol.errors import BadRequest, NotFound
 from grpo_server.protocol.worker_config import SamplerConfig
-from grpo_server.protocol.wire import AdapterRef, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+from grpo_server.protocol.wire import (AdapterRef, GenerateRequest, GenerateResponse, PrefixCacheCounts, ScoreRequest,
+                                       ScoreResponse)
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class Engine(abc.ABC):
         # why this engine never merges (None when it does).
         self.merged: str | None = None
         self.merge_unsupported: str | None = f"the {self.name} engine serves adapters as adapters"
+        self.prefix_cache: PrefixCacheCounts | None = None  # the vLLM engine counts its prefix-cache hits
 
     @property
     def max_model_len(self) -> int:

@@ -140,6 +140,9 @@ class HfEngine(Engine):
     # --- generate ------------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        if req.tool_calling is not None:
+            raise BadRequest("tool calls need the vLLM engine (vLLM's tool parsers and structured outputs); "
+                             "this sampler runs transformers", code="tools_unsupported")
         self.limits.check_generate(req)
         seed = req.seed if req.seed is not None else self._seeds.randrange(2**31)
         completions = await self._call(self._generate, req, seed)

@@ -23,7 +23,8 @@ right. The layer runs whenever LoRA is enabled, with or without an adapter in th
 weights included). So such a score waits for running generations to finish, holds new ones back, and sends its
 completions one after another.
 
-Merged serving of a lone experiment: sampler/merged_serving.py.
+Merged serving of a lone experiment: sampler/merged_serving.py. Tool calls (vLLM's parsers and
+structured outputs): sampler/tool_calls.py.
 
 Temperature 0 is greedy decoding; its logprobs (sampled and scored) are those of the untempered
 distribution (T = 1), which is what vLLM reports for greedy requests.
@@ -46,6 +47,7 @@ from grpo_server.protocol.wire import (
     Completion,
     GenerateRequest,
     GenerateResponse,
+    PrefixCacheCounts,
     ScoreRequest,
     ScoreResponse,
     ServedAs,
@@ -58,6 +60,7 @@ from sampler.engine import (
     torch_dtype_name,
 )
 from sampler.merged_serving import MergedServing
+from sampler.tool_calls import ToolCalls, ToolRequest
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +108,23 @@ class VllmEngine(MergedServing, Engine):
         super().__init__(config)
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._tool_calls: ToolCalls | None = None
         self._adapters: dict[str, _Loaded] = {}
         self._next_lora_id = 1
         self._adapter_lock = asyncio.Lock()
         self._gate = Gate()
         self.merged: str | None = None  # the AdapterRef key folded into the weights now
         self.merge_unsupported: str | None = "not started"
+        self.prefix_cache = PrefixCacheCounts()
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
+        self._tool_calls = ToolCalls(self.config.tool_parser, self._tokenizer)  # a bad name fails here, first
         args = engine_args(self.config, self.max_model_len)
         self._llm = AsyncLLM.from_engine_args(args)
-        self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
         if not self.config.merge_lone_adapter:
             self.merge_unsupported = "merge_lone_adapter is off"
         else:
@@ -178,6 +184,7 @@ class VllmEngine(MergedServing, Engine):
         from vllm.sampling_params import RequestOutputKind
 
         self.limits.check_generate(req)
+        tools = self._tool_calls.prepare(req.tool_calling) if req.tool_calling is not None else None
         greedy = req.temperature == 0
         params = SamplingParams(
             # vLLM refuses n > 1 for greedy decoding; the n greedy completions are one, copied.
@@ -189,27 +196,39 @@ class VllmEngine(MergedServing, Engine):
             seed=req.seed,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            structured_outputs=tools.structured_outputs if tools is not None else None,
         )
-        async with self._serving(req.adapter) as served_as:
+        async with self._serving(req.adapter) as served_as:  # merged or LoRA: the same params either way
             out = await self._run(req.prompt_token_ids, params, req.adapter, served_as)
-        completions = [self._completion(c) for c in out.outputs]
+        self.prefix_cache.queries += len(req.prompt_token_ids)
+        self.prefix_cache.hits += out.num_cached_tokens or 0
+        completions = [self._completion(c, tools) for c in out.outputs]
         if greedy:
             completions = [completions[0].model_copy(deep=True) for _ in range(req.n)]
         return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions, served_as=served_as)
 
-    def _completion(self, c: Any) -> Completion:
+    def _completion(self, c: Any, tools: ToolRequest | None) -> Completion:
         if c.finish_reason not in ("stop", "length"):
             raise Unavailable(f"vLLM finished a completion with {c.finish_reason!r}", code="aborted")
         token_ids = list(c.token_ids)
-        # logprobs[j] holds the sampled token (logprobs=0); processed = after temperature and top-p.
+        # logprobs[j] holds the sampled token (logprobs=0); processed = after temperature and top-p, and
+        # after the structured-output mask: vLLM applies the grammar bitmask to the logits before its
+        # sampler takes any logprob (gpu_model_runner.sample_tokens: apply_grammar_bitmask, then
+        # _sample), so under a tool-call constraint they are log p renormalised over the tokens the
+        # grammar allows, and a forced token's is 0. /score and the learner see no grammar: for those
+        # tokens they give the model's unconstrained log p, which is lower (tests/test_sampler_tools.py).
         logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
         stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
-        return Completion(
-            text=completion_text(self._tokenizer, token_ids, stop_string),
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=c.finish_reason,
-        )
+        text = completion_text(self._tokenizer, token_ids, stop_string)
+        finish_reason, content, tool_calls = c.finish_reason, None, None
+        if tools is not None:
+            ended_by_token = c.finish_reason == "stop" and stop_string is None  # EOS (or a stop token id)
+            content, tool_calls = self._tool_calls.parse(tools, text, token_ids, ended_by_token, stop_string)
+            if tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return Completion(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason,
+                          tool_calls=tool_calls, content=content,
+                          constrained=tools is not None and tools.structured_outputs is not None)
 
     async def score(self, req: ScoreRequest) -> ScoreResponse:
         self.limits.check_score(req)

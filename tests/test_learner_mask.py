@@ -169,6 +169,18 @@ def test_the_sampler_gap_counts_only_the_model_s_tokens(trainer):
     assert abs(metrics.ratio_mean - 1.0) < 1e-4 and abs(metrics.ratio_max - 1.0) < 1e-4
 
 
+def test_a_sample_sampled_under_a_grammar_is_trained_but_not_checked(trainer):
+    """A forced tool call's logprobs are renormalised over what the grammar allowed (0 for a forced token), so
+    they differ from the learner's by design: the free check must skip it, or it would fail the version."""
+    trainer.add_experiment("gap-grammar", LORA, AlgorithmConfig(learning_rate=1e-2))
+    own = _lp(trainer, "gap-grammar", PROMPT, [EPISODE])[0]
+    forced = [0.0 if i % 2 else x for i, x in enumerate(own)]  # as a grammar would leave them
+    sample = _episode(EPISODE, forced, None, policy_version=0).model_copy(update={"constrained": True})
+    metrics = trainer.train(TrainRequest(name="gap-grammar", samples=[sample]))
+    assert metrics.checked_version == 0 and metrics.tokens == len(EPISODE)
+    assert metrics.sampler_gap_tokens == 0
+
+
 def test_collate_masks_untrained_tokens_and_zeroes_their_placeholders():
     seqs = [Sequence([1, 2], [5, 6, 7, 8], [-1.0, 3.0, float("nan"), -2.0], 1.0, loss_mask=[1, 0, 0, 1]),
             Sequence([1, 2, 3], [9, 10], [-0.5, -0.25])]

@@ -80,6 +80,9 @@ class Completion(WireModel):
     # With tools offered: the calls parsed out of `text`, and the text outside them (None if only calls).
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    # Sampled under a grammar (a `required` or named tool call): its logprobs are renormalised over the tokens
+    # the grammar allowed, so they are not the model's own, and the free sampler check skips it.
+    constrained: bool = False
 
 
 # How the sampler ran a request: through the LoRA adapter, on weights with the adapter merged in (the
@@ -115,6 +118,15 @@ class UnloadAdapterRequest(WireModel):
     adapter: AdapterRef
 
 
+class PrefixCacheCounts(WireModel):
+    """Since the engine started: prompt tokens of its generate requests (`queries`) and how many of them
+    vLLM's prefix cache supplied (`hits`): what vLLM's `vllm:prefix_cache_queries` / `_hits` count, taken per
+    request from its `num_cached_tokens` (the engine runs without vLLM's stat loggers)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 class SamplerHealth(WireModel):
     status: Literal["ok"] = "ok"
     engine: str
@@ -123,6 +135,7 @@ class SamplerHealth(WireModel):
     max_model_len: int
     merged_adapter: str | None = None  # the version folded into the weights now, if any
     merge_unsupported: str | None = None  # why this engine never merges (None: it does when alone)
+    prefix_cache: PrefixCacheCounts | None = None  # None: an engine without a prefix cache (hf)
 
 
 # --- learner -----------------------------------------------------------------------------------
@@ -158,6 +171,7 @@ class TrainSample(WireModel):
     # 0 where it did not (an episode's tool results, user turns and template tokens between its turns:
     # their sampler_logprobs are placeholders). None: every token is the model's.
     loss_mask: list[int] | None = None
+    constrained: bool = False  # some of it was sampled under a grammar (Completion.constrained)
 
 
 class TrainRequest(WireModel):

@@ -38,6 +38,7 @@ class EpisodeSequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # the sampler's where mask is 1, else 0.0
     mask: list[int] = field(default_factory=list)
+    constrained: bool = False  # a turn of it was sampled under a grammar (Completion.constrained)
 
     @property
     def full_ids(self) -> list[int]:
@@ -87,8 +88,9 @@ class Episode:
     def add_turn(self, prompt_ids: list[int], completion: Completion, version: int,
                  messages: Sequence[ChatMessage] | None, temperature: float) -> None:
         last = self.sequences[-1] if self.sequences else None
-        self._before_last_turn = (len(self.sequences), len(last.token_ids) if last else 0, self.last_messages,
-                                  self.turns, self.temperature, self.oldest_version)
+        self._before_last_turn = (len(self.sequences), len(last.token_ids) if last else 0,
+                                  last.constrained if last else False, self.last_messages, self.turns,
+                                  self.temperature, self.oldest_version)
         if last is not None and prompt_ids[:len(last.full_ids)] == last.full_ids:
             between = prompt_ids[len(last.full_ids):]
             last.token_ids += between
@@ -100,6 +102,7 @@ class Episode:
         last.token_ids += completion.token_ids
         last.logprobs += completion.logprobs
         last.mask += [1] * len(completion.token_ids)
+        last.constrained = last.constrained or completion.constrained
         self.turns += 1
         self.temperature = temperature
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
@@ -114,12 +117,14 @@ class Episode:
     def undo_last_turn(self) -> None:
         """Forget the newest turn (its client never received it: a stream cut short), so that a retry of the
         same turn continues from the turn before."""
-        count, length, self.last_messages, self.turns, self.temperature, self.oldest_version = self._before_last_turn
+        count, length, constrained, self.last_messages, self.turns, self.temperature, self.oldest_version = \
+            self._before_last_turn
         self._before_last_turn = None  # only the newest turn can be undone
         del self.sequences[count:]
         if self.sequences:
             last = self.sequences[-1]
             del last.token_ids[length:], last.logprobs[length:], last.mask[length:]
+            last.constrained = constrained
 
     def trainable(self) -> list[EpisodeSequence]:
         """Its sequences that hold at least one sampled token."""
@@ -146,8 +151,8 @@ def trajectory_group(group_id: str, experiment: str, episodes: list[Episode]) ->
     sequences = [(e, s) for e, episode in enumerate(episodes) for s in episode.trainable()]
     return Group(
         group_id=group_id, experiment=experiment, prompt_token_ids=sequences[0][1].prompt_token_ids,
-        completions=[Completion(text="", token_ids=s.token_ids, logprobs=s.logprobs, finish_reason="episode")
-                     for _, s in sequences],
+        completions=[Completion(text="", token_ids=s.token_ids, logprobs=s.logprobs, finish_reason="episode",
+                                constrained=s.constrained) for _, s in sequences],
         policy_version=min(e.oldest_version for e in episodes), temperature=episodes[0].temperature,
         max_tokens=max(len(s.token_ids) for _, s in sequences),
         episode_of=[e for e, _ in sequences], sequence_prompts=[s.prompt_token_ids for _, s in sequences],

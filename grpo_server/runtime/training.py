@@ -30,6 +30,7 @@ def train_samples(groups: list[Group]) -> list[TrainSample]:
             policy_version=group.policy_version,
             temperature=group.temperature,
             loss_mask=mask,
+            constrained=completion.constrained,
         )
         for group in groups
         for prompt_ids, completion, advantage, reward, mask in group.training_sequences()
