@@ -125,6 +125,9 @@ class CompletionOut(ApiModel):
     finish_reason: str
     tool_calls: list[ToolCall] | None = None  # with tools offered: the calls parsed out of `text`
     content: str | None = None  # with tools offered: the text outside the calls
+    constrained: bool = Field(False, description=(
+        "Sampled under a grammar (tool_choice required or named): its logprobs are renormalised over the "
+        "tokens the grammar allowed (README, Agents)."))
 
 
 class CompletionsResponse(ApiModel):
@@ -220,6 +223,8 @@ class TokenizeRequest(PromptFields):
 
     add_generation_prompt: bool = True
     continue_from: list[int] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description=(
+        "With `messages`: the tools the prompt offers, rendered as completions would render them."))
 
     @model_validator(mode="after")
     def _text_or_messages(self) -> "TokenizeRequest":
@@ -228,6 +233,8 @@ class TokenizeRequest(PromptFields):
             raise ValueError("'prompt_token_ids' are already tokens: send 'prompt' or 'messages'")
         if self.continue_from is not None and self.messages is None:
             raise ValueError("'continue_from' needs 'messages' (the new turns)")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' need 'messages' (the chat template renders them)")
         return self
 
 

@@ -14,6 +14,18 @@ re-tokenized (`next_turn_prompt`); the prompt tokens, earlier model turns includ
             prompt_ids = client.next_turn_prompt(group, completion, [{"role": "user", "content": "Times 2?"}])
             turn2 = client.complete("agent", prompt_token_ids=prompt_ids, n=1)
 
+Episodes (agents on any OpenAI-based framework): every call of one run carries the episode's id, the
+server keeps its turns, and `rate_episodes` rates a group of runs of one task as a whole (each sampled
+token trains with its episode's advantage; prompts and tool outputs are masked).
+
+    async with AsyncClient(url, api_key) as client:
+        episodes = [client.episode("agent") for _ in range(8)]
+        rewards = [await run_agent(ep.openai_client(), model="agent") for ep in episodes]  # your framework
+        await client.rate_episodes("agent", episodes, rewards)
+
+`Episode.openai_client()` is an `openai.AsyncOpenAI` (`sync=True`: `openai.OpenAI`) on the server with the
+key and the `X-Episode-Id` header; `Episode.headers` / `Episode.extra_body` tag calls of a client you own.
+
 External completions (a teacher's answer, a human fix): `feedback_external` for a prompt and completions
 the model did not sample, or `feedback(..., extra_completions=[...])` to add them to a sampled group.
 A completion is text (`"..."`), token ids (`[1, 2, 3]`) or a dict `{"text": ..., "append_eos": False}`.
@@ -27,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Coroutine, Sequence, TypeVar
 
@@ -49,12 +62,53 @@ class GrpoServerError(Exception):
         self.retry_after = retry_after
 
 
+class Episode:
+    """One run of an agent, told to the server by its id on every call: `headers` (`X-Episode-Id`) or
+    `extra_body` (`episode_id`); `openai_client()` sets the header for you. Rate it with its group through
+    `rate_episodes`. `str(episode)` is its id."""
+
+    def __init__(self, server_url: str, api_key: str, experiment: str, episode_id: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None):
+        self.id = episode_id or uuid.uuid4().hex
+        self.experiment = experiment  # the OpenAI `model`
+        self.base_url = server_url.rstrip("/") + "/v1"  # the OpenAI `base_url`
+        self._api_key = api_key
+        self._ssl = ssl_context
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Episode-Id": self.id}
+
+    @property
+    def extra_body(self) -> dict[str, str]:
+        return {"episode_id": self.id}
+
+    def openai_client(self, *, sync: bool = False, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` (or `openai.OpenAI` with `sync=True`) whose every call is a turn of this
+        episode; kwargs go to its constructor (`max_retries`, `timeout`, ...). Needs the `openai` package."""
+        import openai  # only here: the client library itself does not need it
+
+        kwargs["default_headers"] = {**(kwargs.get("default_headers") or {}), **self.headers}
+        if self._ssl is not None and "http_client" not in kwargs:
+            http = openai.DefaultHttpxClient if sync else openai.DefaultAsyncHttpxClient
+            kwargs["http_client"] = http(verify=self._ssl)
+        return (openai.OpenAI if sync else openai.AsyncOpenAI)(base_url=self.base_url, api_key=self._api_key,
+                                                               **kwargs)
+
+    def __str__(self) -> str:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"Episode({self.id!r}, experiment={self.experiment!r})"
+
+
 class AsyncClient:
     def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0,
                  ssl_context: ssl.SSLContext | None = None):
         """`ssl_context`: for an https server whose certificate the system does not trust, e.g.
         `ssl.create_default_context(cafile="server.pem")`."""
         self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._ssl = ssl_context
@@ -111,7 +165,10 @@ class AsyncClient:
                        messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                        **sampling: Any) -> CompletionsResponse:
         """n completions of one prompt (give exactly one of prompt / messages / prompt_token_ids);
-        sampling: n, temperature, top_p, max_tokens, stop, seed."""
+        sampling: n, temperature, top_p, max_tokens, stop, seed, and any other body field, e.g.
+        `episode_id` (an id or an `Episode`; n must be 1) for a turn of an episode."""
+        if isinstance(sampling.get("episode_id"), Episode):
+            sampling["episode_id"] = sampling["episode_id"].id
         body = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids, **sampling}
         body = {k: v for k, v in body.items() if v is not None}
         return CompletionsResponse.model_validate(
@@ -124,6 +181,19 @@ class AsyncClient:
         body: dict[str, Any] = {"group_id": group_id, "rewards": rewards}
         if extra_completions:
             body["extra_completions"] = [_external(c) for c in extra_completions]
+        return FeedbackResponse.model_validate(
+            await self._request("POST", f"/v1/experiments/{experiment}/feedback", json=body))
+
+    def episode(self, experiment: str, episode_id: str | None = None) -> Episode:
+        """A new episode of `experiment` (a fresh uuid4 hex id unless given); nothing is sent until its
+        first call."""
+        return Episode(self.base_url, self._api_key, experiment, episode_id, self._ssl)
+
+    async def rate_episodes(self, experiment: str, episodes: Sequence[Episode | str],
+                            rewards: Sequence[float]) -> FeedbackResponse:
+        """Rewards for episodes of one task (at least two, one reward each), rated as a group: each one's
+        advantage is relative to the others'. Once per episode (a repeat is 409)."""
+        body = {"episode_ids": [str(e) for e in episodes], "rewards": [float(r) for r in rewards]}
         return FeedbackResponse.model_validate(
             await self._request("POST", f"/v1/experiments/{experiment}/feedback", json=body))
 
@@ -228,6 +298,13 @@ class Client:
     def feedback(self, experiment: str, group_id: str, rewards: list[float],
                  extra_completions: Sequence[ExternalCompletionLike] | None = None) -> FeedbackResponse:
         return self._run(self._async.feedback(experiment, group_id, rewards, extra_completions))
+
+    def episode(self, experiment: str, episode_id: str | None = None) -> Episode:
+        return self._async.episode(experiment, episode_id)
+
+    def rate_episodes(self, experiment: str, episodes: Sequence[Episode | str],
+                      rewards: Sequence[float]) -> FeedbackResponse:
+        return self._run(self._async.rate_episodes(experiment, episodes, rewards))
 
     def feedback_external(self, experiment: str, completions: Sequence[ExternalCompletionLike],
                           rewards: list[float], prompt: str | None = None, **kwargs: Any) -> FeedbackResponse:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_server.api_models import ChatMessage
-from grpo_server.protocol.errors import Conflict, NotFound, TooManyRequests, Unprocessable
+from grpo_server.protocol.errors import BadRequest, Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.protocol.wire import Completion, ToolCall
 from grpo_server.runtime.episodes import EpisodeStore, trajectory_group
 from grpo_server.runtime.training import train_samples
@@ -71,6 +71,10 @@ def test_the_previous_turn_is_recognised_in_the_history_despite_the_framework_re
     assert episode.continuation(first + [edited, result]) is None
     assert episode.continuation([first[0], user("2+4?"), echoed, result]) is None
     assert episode.continuation(first) is None  # nothing new
+    stray = ChatMessage(role="tool", tool_call_id="call_9", content="5")
+    with pytest.raises(BadRequest) as unknown:  # the new turns answer a call the history does not hold
+        episode.continuation(first + [echoed, stray])
+    assert unknown.value.code == "unknown_tool_call_id"
 
 
 def test_the_store_refuses_what_it_cannot_take_and_takes_nothing_on_an_error():

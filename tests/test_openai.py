@@ -45,12 +45,11 @@ def test_chat_request_conversion():
 
 
 @pytest.mark.parametrize("extra, code", [
-    ({"stream": True}, "stream_unsupported"),
     ({"top_logprobs": 2, "logprobs": True}, "unsupported_parameter"),
     ({"presence_penalty": 0.5}, "unsupported_parameter"),
     ({"logit_bias": {"50256": -100}}, "unsupported_parameter"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools_unsupported"),
-    ({"tool_choice": "required"}, "tools_unsupported"),
+    ({"functions": [{"name": "f"}]}, "tools_unsupported"),  # legacy: tools are sent as 'tools'
+    ({"function_call": {"name": "f"}}, "tools_unsupported"),
     ({"response_format": {"type": "json_object"}}, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "unsupported_content"),
@@ -231,16 +230,6 @@ async def test_models(server, client, experiment):
         await client.delete_experiment(other)
 
 
-async def test_streaming_is_refused(server, experiment):
-    async with openai_client(server) as oai:
-        with pytest.raises(openai.BadRequestError) as info:
-            await oai.chat.completions.create(model=experiment, messages=MESSAGES, max_tokens=2, stream=True)
-        assert "streaming is not supported" in info.value.message
-        with pytest.raises(openai.BadRequestError) as info:
-            await oai.completions.create(model=experiment, prompt="x", max_tokens=2, stream=True)
-        assert "streaming is not supported" in info.value.message
-
-
 @pytest.mark.parametrize("kwargs, error, code", [
     ({"n": 0}, openai.UnprocessableEntityError, "invalid_request"),
     ({"temperature": -1}, openai.UnprocessableEntityError, "invalid_request"),
@@ -248,8 +237,8 @@ async def test_streaming_is_refused(server, experiment):
     ({"messages": []}, openai.UnprocessableEntityError, "invalid_request"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, openai.UnprocessableEntityError, "invalid_request"),
     ({"top_logprobs": 3, "logprobs": True}, openai.BadRequestError, "unsupported_parameter"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     openai.BadRequestError, "tools_unsupported"),
+    ({"tool_choice": "required"}, openai.BadRequestError, "tools_missing"),  # no tools to call
+    ({"functions": [{"name": "f", "parameters": {}}]}, openai.BadRequestError, "tools_unsupported"),
     ({"frequency_penalty": 1.0}, openai.BadRequestError, "unsupported_parameter"),
 ])
 async def test_bad_chat_requests(server, experiment, kwargs, error, code):

@@ -4,37 +4,46 @@ conversions between them and our own API models (`openai_routes.py` wires them t
 The OpenAI `model` field names the experiment. One request is one group: it becomes one
 `CompletionsRequest`, the orchestrator samples and stores the group, and the answer carries the usual
 OpenAI fields plus `group_id`, `policy_version`, `prompt_token_ids` and, per choice, `token_ids`, so the
-client can post `{group_id, rewards}` to `/v1/experiments/{model}/feedback` as with the native API.
+client can post `{group_id, rewards}` to `/v1/experiments/{model}/feedback` as with the native API. With
+`episode_id` (the SDK's `extra_body={"episode_id": ...}`) the call is one turn of that episode: the answer
+carries `episode_id`, and `group_id` is null (the episode is rated as a whole).
 
 Parameters:
 - honoured: `n`, `temperature`, `top_p`, `max_tokens` (chat: `max_completion_tokens` wins over it),
-  `stop` (a string or a list), `seed`, `logprobs`; unset ones take the experiment's `sampling` defaults
-  (so an absent `n` is the experiment's group size, not OpenAI's 1).
+  `stop` (a string or a list), `seed`, `logprobs`, `episode_id`; chat `tools` (functions),
+  `tool_choice` ("none", "auto", "required" or a named function), `parallel_tool_calls`, and histories
+  with assistant `tool_calls` (their `content` may be null) and `tool` messages (`tool_call_id`); unset
+  ones take the experiment's `sampling` defaults (so an absent `n` is the experiment's group size, not
+  OpenAI's 1). The model's calls come back as `message.tool_calls` (`arguments`: JSON text), the text
+  outside them as `message.content` (null when there is none), with `finish_reason` "tool_calls".
 - rejected with 400 when set to anything but their neutral value, because ignoring them would silently
-  change what the caller gets: `stream: true`, `frequency_penalty`/`presence_penalty` other than 0,
-  a non-empty `logit_bias`, `tools`/`functions` (non-empty), `tool_choice`/`function_call` other than
-  "none"/"auto", tool calls in messages, non-text content parts, `response_format` other than
+  change what the caller gets: `frequency_penalty`/`presence_penalty` other than 0,
+  a non-empty `logit_bias`, the legacy `functions` (non-empty) and `function_call` other than
+  "none"/"auto" (send `tools` / `tool_choice`), non-text content parts, `response_format` other than
   `{"type": "text"}`, `modalities` other than ["text"], `audio`; chat `top_logprobs` > 0 (only the
   sampled token's logprob exists); legacy `logprobs` > 1, `echo: true`, a non-empty `suffix`, `best_of`
-  other than 1 or `n`, more than one prompt.
+  other than 1 or `n`, more than one prompt. Tool errors are 400s with their code: `tool_choice`
+  "required" or named without `tools`, a named function not in `tools` (`unknown_tool`), a `tool` message
+  without `tool_call_id` (`missing_tool_call_id`) or answering no earlier call (`unknown_tool_call_id`),
+  call `arguments` that are not a JSON object (`bad_tool_arguments`), `parameters` that are not a JSON
+  schema of an object (`bad_tool_schema`), two tools of one name (`duplicate_tool`).
 - accepted and ignored: every other field, known (`user`, `metadata`, `store`, `stream_options`,
-  `service_tier`, `parallel_tool_calls`, `prompt_cache_key`, `safety_identifier`, `reasoning_effort`,
-  `verbosity`, `prediction`, ...) or not (frameworks add their own).
+  `service_tier`, `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `verbosity`,
+  `prediction`, a message's `name`, ...) or not (frameworks add their own).
 
 No ML imports: the handler passes token strings in (it owns the tokenizer).
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from grpo_server.api_models import ChatMessage, CompletionOut, CompletionsRequest, CompletionsResponse
+from grpo_server.api.openai_convert import chat_messages
+from grpo_server.api_models import CompletionOut, CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
-
-STREAMING_UNSUPPORTED = "streaming is not supported: send 'stream': false (or leave it out)"
-
 
 # ------------------------------------------------------------------------------------------------
 # Requests
@@ -47,6 +56,10 @@ class OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class StreamOptions(OpenAIBody):
+    include_usage: bool | None = Field(None, description="A last chunk with `usage` and no choices.")
+
+
 class OpenAIRequest(OpenAIBody):
     model: str = Field(min_length=1, description="The experiment's name.")
     n: int | None = None
@@ -55,7 +68,9 @@ class OpenAIRequest(OpenAIBody):
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool | None = None
+    stream: bool | None = Field(None, description="Server-sent events (api/streaming.py).")
+    stream_options: StreamOptions | None = None  # read only with `stream: true`
+    episode_id: str | None = None  # ours: this call is a turn of that episode (checked by CompletionsRequest)
     # Rejected unless neutral (see the module docstring).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -63,11 +78,12 @@ class OpenAIRequest(OpenAIBody):
 
 
 class OpenAIChatMessage(OpenAIBody):
-    """`name`, `tool_call_id`, `refusal` and the like are ignored; `developer` is rendered as `system`."""
+    """`name`, `refusal` and the like are ignored; `developer` is rendered as `system`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = None  # checked as api_models.MessageToolCall
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -75,9 +91,10 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked as api_models.Tool
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -130,9 +147,26 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text (an object)
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the model only called tools
+    # Left out without calls, as OpenAI does.
+    tool_calls: list[ResponseToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):
@@ -151,7 +185,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     # extra: what feedback and exact multi-turn prompts need
-    group_id: str
+    group_id: str | None  # None for an episode's turn: rate the episode
+    episode_id: str | None = Field(None, exclude_if=_absent)  # only when the request named one
     policy_version: int
     prompt_token_ids: list[int]
 
@@ -178,7 +213,8 @@ class TextCompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
-    group_id: str
+    group_id: str | None
+    episode_id: str | None = Field(None, exclude_if=_absent)
     policy_version: int
     prompt_token_ids: list[int]
 
@@ -189,8 +225,7 @@ class TextCompletionResponse(BaseModel):
 
 
 def _reject_common(body: OpenAIRequest) -> None:
-    if body.stream:
-        raise BadRequest(STREAMING_UNSUPPORTED, code="stream_unsupported")
+    # `stream: true` is served (api/streaming.py): the same group, sent as server-sent events.
     for field in ("frequency_penalty", "presence_penalty"):
         if getattr(body, field):
             raise BadRequest(f"{field} is not supported (only 0): the sampler applies no penalties",
@@ -200,13 +235,9 @@ def _reject_common(body: OpenAIRequest) -> None:
 
 
 def _reject_chat(body: ChatCompletionRequest) -> None:
-    if body.tools or body.functions:
-        raise BadRequest("tools are not supported: send no 'tools' / 'functions'", code="tools_unsupported")
-    for field in ("tool_choice", "function_call"):
-        value = getattr(body, field)
-        if value is not None and value not in ("none", "auto"):
-            raise BadRequest(f"tools are not supported: '{field}' may only be \"none\" or \"auto\"",
-                             code="tools_unsupported")
+    if body.functions or (body.function_call is not None and body.function_call not in ("none", "auto")):
+        raise BadRequest("the legacy 'functions' / 'function_call' are not supported: send 'tools' and "
+                         "'tool_choice'", code="tools_unsupported")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise BadRequest("response_format is not supported (only {\"type\": \"text\"}): output is not "
                          "constrained", code="unsupported_parameter")
@@ -227,34 +258,15 @@ def _request(**fields: Any) -> CompletionsRequest:
         raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
 
 
-def _message_text(index: int, message: OpenAIChatMessage) -> str:
-    if message.tool_calls:
-        raise BadRequest(f"messages.{index}: tool calls are not supported", code="tools_unsupported")
-    content = message.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(f"messages.{index}.content.{j}: only text parts ({{\"type\": \"text\", \"text\": "
-                             f"...}}) are supported, not {part.get('type')!r}", code="unsupported_content")
-        texts.append(part["text"])
-    return "\n".join(texts)  # as vLLM joins text parts
-
-
-def chat_messages(messages: list[OpenAIChatMessage]) -> list[ChatMessage]:
-    return [ChatMessage(role="system" if m.role == "developer" else m.role, content=_message_text(i, m))
-            for i, m in enumerate(messages)]
-
-
 def chat_to_request(body: ChatCompletionRequest) -> CompletionsRequest:
     _reject_common(body)
     _reject_chat(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _request(messages=chat_messages(body.messages), n=body.n, temperature=body.temperature,
-                    top_p=body.top_p, max_tokens=max_tokens, stop=body.stop, seed=body.seed)
+                    top_p=body.top_p, max_tokens=max_tokens, stop=body.stop, seed=body.seed,
+                    tools=body.tools or None,  # [] (some frameworks send it): no tools
+                    tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                    episode_id=body.episode_id)
 
 
 def completion_to_request(body: CompletionRequest) -> CompletionsRequest:
@@ -281,7 +293,7 @@ def completion_to_request(body: CompletionRequest) -> CompletionsRequest:
     else:
         raise BadRequest("prompt is empty", code="empty_prompt")
     return _request(**fields, n=body.n, temperature=body.temperature, top_p=body.top_p,
-                    max_tokens=body.max_tokens, stop=body.stop, seed=body.seed)
+                    max_tokens=body.max_tokens, stop=body.stop, seed=body.seed, episode_id=body.episode_id)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,14 +314,28 @@ def _chat_logprobs(completion: CompletionOut, token_text: Mapping[int, str]) -> 
         for t, lp in zip(completion.token_ids, completion.logprobs)])
 
 
+def _response_id(result: CompletionsResponse) -> str:
+    # An episode's turn has no group: its answer still gets an id of its own.
+    return result.group_id or f"{result.episode_id}-{uuid.uuid4().hex[:12]}"
+
+
+def _response_message(completion: CompletionOut) -> ChatResponseMessage:
+    """The parsed calls and the text outside them when the model called tools; else its text."""
+    if completion.tool_calls:
+        return ChatResponseMessage(content=completion.content, tool_calls=[
+            ResponseToolCall(id=call.id, function=ResponseFunction(name=call.name, arguments=call.arguments))
+            for call in completion.tool_calls])
+    return ChatResponseMessage(content=completion.text if completion.content is None else completion.content)
+
+
 def chat_response(model: str, result: CompletionsResponse, created: int,
                   token_text: Mapping[int, str] | None = None) -> ChatCompletionResponse:
     """`token_text` (token id -> its decoded string) is given when logprobs were asked for."""
     return ChatCompletionResponse(
-        id=f"chatcmpl-{result.group_id}", created=created, model=model, usage=_usage(result),
-        group_id=result.group_id, policy_version=result.policy_version,
+        id=f"chatcmpl-{_response_id(result)}", created=created, model=model, usage=_usage(result),
+        group_id=result.group_id, episode_id=result.episode_id, policy_version=result.policy_version,
         prompt_token_ids=result.prompt_token_ids,
-        choices=[ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+        choices=[ChatChoice(index=i, message=_response_message(c), finish_reason=c.finish_reason,
                             logprobs=None if token_text is None else _chat_logprobs(c, token_text),
                             token_ids=c.token_ids)
                  for i, c in enumerate(result.completions)])
@@ -329,8 +355,8 @@ def _completion_logprobs(completion: CompletionOut, token_text: Mapping[int, str
 def completion_response(model: str, result: CompletionsResponse, created: int,
                         token_text: Mapping[int, str] | None = None) -> TextCompletionResponse:
     return TextCompletionResponse(
-        id=f"cmpl-{result.group_id}", created=created, model=model, usage=_usage(result),
-        group_id=result.group_id, policy_version=result.policy_version,
+        id=f"cmpl-{_response_id(result)}", created=created, model=model, usage=_usage(result),
+        group_id=result.group_id, episode_id=result.episode_id, policy_version=result.policy_version,
         prompt_token_ids=result.prompt_token_ids,
         choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids,
                                   logprobs=None if token_text is None else _completion_logprobs(c, token_text))

@@ -1,7 +1,12 @@
 """OpenAI-compatible `POST /v1/chat/completions` and `POST /v1/completions`: authorise (the admin key or the
-experiment's own key; the experiment is the `model` field), convert, sample one group, convert back. And
-`GET /v1/models` (the experiments the key may use) and `GET /v1/models/{name}`, which agent frameworks ask
-first. The bodies and conversions live in `openai_models.py`."""
+experiment's own key; the experiment is the `model` field), convert, sample one group, convert back; with
+`stream: true`, the same answer as server-sent events (`streaming.py`). And `GET /v1/models` (the experiments
+the key may use) and `GET /v1/models/{name}`, which agent frameworks ask first. The bodies and conversions
+live in `openai_models.py`.
+
+Every sampling answer names what feedback needs in a header as well: `X-Group-Id`, or `X-Episode-Id` for an
+episode's turn. A request's `X-Episode-Id` header makes the call a turn of that episode, as `episode_id` in
+the body does (for clients that cannot add body fields); both, and different, is a 400."""
 
 from __future__ import annotations
 
@@ -9,20 +14,39 @@ import time
 from typing import Callable
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from grpo_server.api.app_keys import ORCHESTRATOR
 from grpo_server.api.handlers import ADMIN, caller, parse_body, require, respond
 from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIRequest,
                                            chat_response, chat_to_request, completion_response, completion_to_request)
+from grpo_server.api.streaming import id_header, stream_group
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
+from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 from grpo_server.runtime.experiment import Experiment
 
+EPISODE_HEADER = "X-Episode-Id"
 
-async def _sample(request: web.Request, who: str, body: OpenAIRequest,
-                  convert: Callable[..., CompletionsRequest]) -> CompletionsResponse:
+
+def _admit(request: web.Request, who: str, body: OpenAIRequest,
+           convert: Callable[..., CompletionsRequest]) -> tuple[Experiment, CompletionsRequest]:
     require(who, body.model)
     experiment = request.app[ORCHESTRATOR].get(body.model)  # 404 experiment_not_found before anything else
-    return await experiment.complete(convert(body))
+    return experiment, _episode_from_header(request, convert(body))
+
+
+def _episode_from_header(request: web.Request, sample: CompletionsRequest) -> CompletionsRequest:
+    header = request.headers.get(EPISODE_HEADER)
+    if header is None or header == sample.episode_id:
+        return sample
+    if sample.episode_id is not None:
+        raise BadRequest(f"the body's episode_id {sample.episode_id!r} and the {EPISODE_HEADER} header "
+                         f"{header!r} differ: send one, or the same in both", code="episode_id_mismatch")
+    try:  # validated again, so that the header meets the body field's rules
+        return CompletionsRequest.model_validate({**sample.model_dump(exclude_unset=True), "episode_id": header})
+    except ValidationError as exc:
+        raise Unprocessable(f"{EPISODE_HEADER} header: {describe_validation_error(exc)}",
+                            code="invalid_request") from exc
 
 
 def _token_text(request: web.Request, result: CompletionsResponse) -> dict[int, str]:
@@ -32,20 +56,39 @@ def _token_text(request: web.Request, result: CompletionsResponse) -> dict[int, 
     return {t: tokenizer.decode([t], skip_special_tokens=False) for t in ids}
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+async def _answer(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
+                  experiment: Experiment, sample: CompletionsRequest, chat: bool,
+                  logprobs: bool) -> web.StreamResponse:
+    created = int(time.time())
+    convert = chat_response if chat else completion_response
+
+    def answer(result: CompletionsResponse):
+        return convert(body.model, result, created, _token_text(request, result) if logprobs else None)
+
+    if body.stream:
+        tokenizer = request.app[ORCHESTRATOR].prompts.tokenizer
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_group(request, experiment, sample, chat=chat, model=body.model,
+                                  include_usage=include_usage, answer=answer,
+                                  decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    result = await experiment.complete(sample)
+    response = respond(request, answer(result))
+    response.headers.update(id_header(result.group_id, result.episode_id))
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     who = caller(request)  # 401 before the body is looked at
     body = await parse_body(request, ChatCompletionRequest)
-    result = await _sample(request, who, body, chat_to_request)
-    token_text = _token_text(request, result) if body.logprobs else None
-    return respond(request, chat_response(body.model, result, int(time.time()), token_text))
+    experiment, sample = _admit(request, who, body, chat_to_request)
+    return await _answer(request, body, experiment, sample, chat=True, logprobs=bool(body.logprobs))
 
 
-async def completions(request: web.Request) -> web.Response:
+async def completions(request: web.Request) -> web.StreamResponse:
     who = caller(request)
     body = await parse_body(request, CompletionRequest)
-    result = await _sample(request, who, body, completion_to_request)
-    token_text = _token_text(request, result) if body.logprobs is not None else None
-    return respond(request, completion_response(body.model, result, int(time.time()), token_text))
+    experiment, sample = _admit(request, who, body, completion_to_request)
+    return await _answer(request, body, experiment, sample, chat=False, logprobs=body.logprobs is not None)
 
 
 def _model(experiment: Experiment) -> Model:

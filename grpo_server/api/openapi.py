@@ -29,6 +29,7 @@ from pydantic.json_schema import models_json_schema
 
 from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
                                            ModelList, TextCompletionResponse)
+from grpo_server.api.streaming import ChatCompletionChunk, TextCompletionChunk
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, ExperimentList, ExperimentStatus,
                                     FeedbackRequest, FeedbackResponse, Health, TokenizeRequest, TokenizeResponse)
 from grpo_server.config import ExperimentConfig
@@ -38,6 +39,7 @@ from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHisto
 REF_TEMPLATE = "#/components/schemas/{model}"
 Auth = Literal["public", "key", "experiment", "admin"]
 JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
 GZIP = "application/gzip"
 
 
@@ -71,6 +73,7 @@ class Endpoint:
     errors: tuple[int, ...] = ()  # statuses besides the auth ones and those a body or `{name}` brings
     content_type: str = JSON  # of the success answer
     query: tuple[QueryParameter, ...] = ()  # all optional; a bad value is a 400 (declare it in `errors`)
+    events: type[BaseModel] | None = None  # with `stream: true`: server-sent events of these chunks
 
     @property
     def operation_id(self) -> str:
@@ -113,9 +116,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "The experiment's newest metrics records (train steps, pushes, sampling throughput)", "experiment",
              (400,), query=METRICS_QUERY),
     Endpoint("POST", "/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse, 200,
-             "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503)),
+             "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503),
+             events=ChatCompletionChunk),
     Endpoint("POST", "/v1/completions", CompletionRequest, TextCompletionResponse, 200,
-             "OpenAI-compatible (legacy) completions (`model` is the experiment)", "experiment", (429, 502, 503)),
+             "OpenAI-compatible (legacy) completions (`model` is the experiment)", "experiment", (429, 502, 503),
+             events=TextCompletionChunk),
     Endpoint("GET", "/v1/models", None, ModelList, 200,
              "OpenAI-compatible: the experiments this key may sample, as models", "key"),
     Endpoint("GET", "/v1/models/{name}", None, Model, 200, "OpenAI-compatible: one experiment as a model",
@@ -181,6 +186,9 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
     else:
         content = {JSON: {"schema": {"type": "object"}}}
     success: dict[str, Any] = {"description": endpoint.summary}
+    if endpoint.events is not None:
+        content[EVENT_STREAM] = _event_stream(refs[endpoint.events])
+        success["headers"] = ID_HEADERS
     if content is not None:
         success["content"] = content
     responses: dict[str, Any] = {str(endpoint.status): success}
@@ -196,6 +204,27 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
     return operation
 
 
+ID_HEADERS = {
+    "X-Group-Id": {"description": "The group's id, for its feedback (a plain call or a stream; also in the body)",
+                   "schema": {"type": "string"}},
+    "X-Episode-Id": {"description": "Instead of X-Group-Id for an episode's turn: the episode's id",
+                     "schema": {"type": "string"}},
+}
+
+
+def _event_stream(chunk: dict[str, Any]) -> dict[str, Any]:
+    """The answer to `stream: true`. OpenAPI 3.1 cannot type the events themselves (3.2's `itemSchema`
+    can), so `x-event-data` points at the chunk's schema."""
+    return {"schema": {"type": "string", "description": (
+        "Server-sent events, as OpenAI streams: `data: <chunk JSON>` and a blank line each, `data: [DONE]` "
+        "last; comments (`: ping`) keep the connection alive. The first chunk of each choice goes out as "
+        "soon as sampling starts and carries `group_id` (or `episode_id`); the text follows in pieces of a "
+        "token when the group is sampled. With `stream_options.include_usage`, a last chunk holds `usage` "
+        "and no choices. An error after the headers is one event `data: {\"error\": {code, message}}`, "
+        "with no `[DONE]` after it; errors before them are plain JSON answers with their status.")},
+        "x-event-data": chunk}
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The document, built once. Request bodies use the models' validation schema, answers their
@@ -206,6 +235,8 @@ def openapi_document() -> dict[str, Any]:
             modes.append((endpoint.request, "validation"))
         if endpoint.response is not None:
             modes.append((endpoint.response, "serialization"))
+        if endpoint.events is not None:
+            modes.append((endpoint.events, "serialization"))
     modes = list(dict.fromkeys(modes))
     keyed, top = models_json_schema(modes, ref_template=REF_TEMPLATE)
     refs = {model: keyed[(model, mode)] for model, mode in modes}

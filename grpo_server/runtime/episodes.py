@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from grpo_server.api_models import ChatMessage
 from grpo_server.protocol.errors import Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.protocol.wire import Completion
+from grpo_server.runtime.chat_render import check_tool_call_ids
 from grpo_server.runtime.groups import Group
 
 
@@ -71,6 +72,7 @@ class Episode:
         seen = len(self.last_messages)
         if len(messages) <= seen or [message_key(m) for m in messages[:seen]] != self.last_messages:
             return None
+        check_tool_call_ids(messages)  # only the new turns are rendered, but their calls are in the history
         return self.sequences[-1].full_ids, list(messages[seen:])
 
     def tokens_with(self, prompt_ids: list[int], max_tokens: int) -> int:

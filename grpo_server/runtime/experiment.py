@@ -115,7 +115,7 @@ class Experiment:
                                 f"{limits.max_n}, max_tokens {limits.max_tokens})", code="over_limit")
         temperature = defaults.temperature if request.temperature is None else request.temperature
         if request.episode_id is not None:
-            return await self._episode_turn(request, max_tokens, temperature)
+            return await self._episode_turn(request, max_tokens, temperature, admitted)
         if self.groups.pending_count(name) >= limits.max_pending_groups:
             raise TooManyRequests(f"{limits.max_pending_groups} groups of {name!r} await feedback "
                                   "(max_pending_groups); post feedback or let them expire",
@@ -135,8 +135,8 @@ class Experiment:
             completions=[CompletionOut(**c.model_dump()) for c in result.completions],
         )
 
-    async def _episode_turn(self, request: CompletionsRequest, max_tokens: int,
-                            temperature: float) -> CompletionsResponse:
+    async def _episode_turn(self, request: CompletionsRequest, max_tokens: int, temperature: float,
+                            admitted: asyncio.Event | None) -> CompletionsResponse:
         """One completion in its episode (runtime/episodes.py): a history that repeats the previous turn
         continues from its sampled ids, not a re-rendering."""
         limits = self.server
@@ -151,6 +151,8 @@ class Experiment:
             if episode.tokens_with(prompt_ids, max_tokens) > limits.max_episode_tokens:
                 raise Unprocessable(f"episode {episode.episode_id} would hold more than max_episode_tokens "
                                     f"({limits.max_episode_tokens}) with this turn", code="episode_too_long")
+            if admitted is not None:
+                admitted.set()
             result, version = await self._generate(request, prompt_ids, 1, max_tokens, temperature)
             self.counters.episodes_started += episode.turns == 0
             self.counters.episode_turns += 1
@@ -303,11 +305,16 @@ class Experiment:
             if version != self.serving_version:
                 self.retire_unused_versions()
 
-    def abandon(self, group_id: str) -> None:
-        """Drop a sampled group whose client left before receiving it (a stream cut short): nobody can rate
-        it, and kept it would hold a max_pending_groups slot, then count as expired."""
-        if self.groups.discard(self.name, group_id):
+    def abandon(self, group_id: str | None, episode_id: str | None = None) -> None:
+        """Drop what `complete` stored for a client that left before receiving it (a stream cut short): its
+        group (nobody can rate it; kept, it would hold a max_pending_groups slot, then count as expired), or
+        its episode's newest turn (so that a retry continues from the turn before)."""
+        if group_id is not None and self.groups.discard(self.name, group_id):
             log.info("%s: group %s dropped: its client left the stream before receiving it", self.name, group_id)
+        if episode_id is not None:
+            self.episodes.undo_turn(self.name, episode_id)
+            log.info("%s: episode %s: its newest turn undone: its client left the stream before receiving it",
+                     self.name, episode_id)
 
     def expired(self, groups: int = 0, episodes: int = 0) -> None:
         """Pending groups and episodes expired without feedback (their stores dropped them)."""

@@ -116,9 +116,10 @@ class Orchestrator:
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         if request.continue_from is not None:
             ids = self.prompts.continue_conversation(request.continue_from, request.messages,
-                                                     request.add_generation_prompt)
+                                                     request.add_generation_prompt, tools=request.tools)
         elif request.messages is not None:
-            ids = self.prompts.render_messages(request.messages, add_generation_prompt=request.add_generation_prompt)
+            ids = self.prompts.render_messages(request.messages, add_generation_prompt=request.add_generation_prompt,
+                                               tools=request.tools)
         else:
             ids = self.prompts.token_ids(request)
         return TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.prompts.max_model_len)

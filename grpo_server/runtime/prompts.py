@@ -2,7 +2,8 @@
 
 The tokenizer comes from the model folder (transformers, imported lazily: the client install does not
 need it). Every completion request is checked here against the vocabulary and the context length
-before a sampler sees it.
+before a sampler sees it. Tools, tool calls and tool results reach the chat template as
+`chat_render.chat_inputs` makes them (the template's own tool format, or the Hermes / Qwen2.5 one).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from grpo_server.api_models import ChatMessage, ExternalCompletion, PromptFields
+from grpo_server.api_models import ChatMessage, ExternalCompletion, PromptFields, Tool
 from grpo_server.protocol.errors import BadRequest
+from grpo_server.runtime.chat_render import chat_inputs
 
 # Stand-ins for an earlier exchange when rendering only the turns that follow it.
 _EARLIER_USER = "\x00earlier user turn\x00"
@@ -31,7 +33,7 @@ class PromptBuilder:
         if fields.prompt_token_ids is not None:
             ids = list(fields.prompt_token_ids)
         elif fields.messages is not None:
-            ids = self.render_messages(fields.messages)
+            ids = self.render_messages(fields.messages, tools=getattr(fields, "tools", None))
         else:
             ids = self.encode(fields.prompt)
             if not ids:
@@ -39,27 +41,30 @@ class PromptBuilder:
         self.check_ids(ids, "prompt_token_ids")
         return ids
 
-    def render_messages(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def render_messages(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, *,
+                        tools: Sequence[Tool] | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise BadRequest("this model has no chat template: send 'prompt' or 'prompt_token_ids'")
-        encoded = self.tokenizer.apply_chat_template(
-            [m.model_dump() for m in messages], tokenize=True, add_generation_prompt=add_generation_prompt
-        )
+        dicts, tool_schemas = chat_inputs(self.tokenizer.chat_template, messages, tools)
+        encoded = self._apply_template(dicts, tool_schemas, tokenize=True, add_generation_prompt=add_generation_prompt)
         # transformers 5 returns a BatchEncoding here; older versions a plain list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def continue_conversation(self, conversation_ids: Sequence[int], new_turns: Sequence[ChatMessage],
-                              add_generation_prompt: bool = True) -> list[int]:
+                              add_generation_prompt: bool = True, *, tools: Sequence[Tool] | None = None) -> list[int]:
         """`conversation_ids` (ending in the model's turn) + the end of that turn + `new_turns`, rendered by
         the chat template as they would follow an assistant message. Earlier tokens are kept as they are:
-        re-rendering and re-tokenizing the model's own text can give other ids than it sampled."""
+        re-rendering and re-tokenizing the model's own text can give other ids than it sampled. Tool results
+        among `new_turns` answer calls in `conversation_ids`; `tools` (already in its system prompt) only
+        keep a template that renders them somewhere else consistent."""
         self.check_ids(conversation_ids, "continue_from")
         earlier = [{"role": "user", "content": _EARLIER_USER}, {"role": "assistant", "content": _EARLIER_ANSWER}]
         if self.tokenizer.chat_template is None:
             raise BadRequest("this model has no chat template: build the next prompt's token ids yourself")
-        base = self.tokenizer.apply_chat_template(earlier, tokenize=False)
-        full = self.tokenizer.apply_chat_template(earlier + [m.model_dump() for m in new_turns], tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        turns, tool_schemas = chat_inputs(self.tokenizer.chat_template, new_turns, tools, continuation=True)
+        base = self._apply_template(earlier, tool_schemas, tokenize=False)
+        full = self._apply_template(earlier + turns, tool_schemas, tokenize=False,
+                                    add_generation_prompt=add_generation_prompt)
         if not full.startswith(base) or _EARLIER_ANSWER not in base:
             raise BadRequest("this model's chat template does not render turn by turn: send the whole "
                              "conversation as 'messages'", code="template_not_incremental")
@@ -68,6 +73,16 @@ class PromptBuilder:
         overlap = next((k for k in range(len(turn_end), 0, -1)
                         if list(conversation_ids[-k:]) == turn_end[:k]), 0)
         return list(conversation_ids) + turn_end[overlap:] + self.encode(full[len(base):])
+
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None, **kwargs):
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+        # A template's raise_exception("roles must alternate ..."), or one that adds a null content to a string.
+        except (TemplateError, TypeError) as exc:
+            raise BadRequest(f"the model's chat template refused these messages: {exc}",
+                             code="chat_template_error") from exc
 
     def external_completion_ids(self, completion: ExternalCompletion, field: str) -> list[int]:
         if completion.token_ids is not None:
