@@ -10,6 +10,7 @@ import pytest
 
 from grpo_server.client import AsyncClient, GrpoServerError
 from tests.serving import wait_for
+from tests.test_metrics import scrape
 
 FIRST = [{"role": "user", "content": "Pick a word."}]
 AGAIN = {"role": "user", "content": "Another one."}
@@ -106,7 +107,7 @@ async def expect(call, status: int, code: str | None = None) -> None:
         assert caught.value.code == code, caught.value
 
 
-async def test_bad_episode_input_is_refused_and_loses_nothing(client):
+async def test_bad_episode_input_is_refused_and_loses_nothing(server, client):
     name, other = f"ep-bad-{uuid.uuid4().hex[:6]}", f"ep-other-{uuid.uuid4().hex[:6]}"
     for experiment in (name, other):
         await client.create_experiment({"name": experiment, "sampling": {"max_tokens": 3, "temperature": 1.0}})
@@ -130,6 +131,9 @@ async def test_bad_episode_input_is_refused_and_loses_nothing(client):
         await expect(client.complete(name, messages=FIRST, episode_id=a), 409, "episode_rated")
         status = await client.status(name)
         assert status.pending_episodes == 0 and status.counters.episodes_rated == 2
+        samples = await scrape(server)
+        assert samples[("grpo_episodes_total", (("experiment", name), ("outcome", "rated")))] == 2
+        assert samples[("grpo_episodes_total", (("experiment", name), ("outcome", "turns")))] == 2
         assert (await client.complete(name, messages=FIRST)).completions  # and it goes on serving
     finally:
         await client.delete_experiment(name)

@@ -11,7 +11,7 @@ and `generate_latest` writes the text.
 What a scrape reads, and nothing else: the orchestrator's `experiments` (name -> experiment),
 `groups.pending_count(name)` and `workers.states()`; per experiment `name`, `serving_version`, `step`,
 `counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`,
-`groups_zero_variance`, `groups_expired`, `completions_sampled`, `completions_external`, `tokens_sampled`),
+`groups_zero_variance`, `groups_expired`, `episodes_*`, `episode_turns`, `completions_sampled`, `completions_external`, `tokens_sampled`),
 `queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `clipped_fraction`, `seconds`),
 `last_push_seconds` and `staleness` (versions behind -> trained groups).
 """
@@ -86,6 +86,8 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
     groups = counter("grpo_groups_total", "Groups by what happened to them", "experiment", "outcome")
     completions = counter("grpo_completions_total", "Completions sampled, and external ones received",
                           "experiment", "source")
+    episodes = counter("grpo_episodes_total", "Episodes by what happened to them (turns: their turns sampled)",
+                       "experiment", "outcome")
     tokens = counter("grpo_sampled_tokens_total", "Completion tokens sampled (rate() is tokens/s)", "experiment")
     queued = exp_gauge("grpo_queued_groups", "Rated groups waiting for the learner")
     pending_groups = exp_gauge("grpo_pending_groups", "Sampled groups awaiting feedback")
@@ -101,6 +103,9 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
         learner_step.add_metric([name], exp.step)
         for outcome in GROUP_OUTCOMES:
             groups.add_metric([name, outcome], getattr(c, f"groups_{outcome}"))
+        for outcome in ("started", "rated", "expired"):
+            episodes.add_metric([name, outcome], getattr(c, f"episodes_{outcome}"))
+        episodes.add_metric([name, "turns"], c.episode_turns)
         completions.add_metric([name, "sampled"], c.completions_sampled)
         completions.add_metric([name, "external"], c.completions_external)
         tokens.add_metric([name], c.tokens_sampled)
@@ -120,7 +125,7 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
         buckets.append(("+Inf", sum(exp.staleness.values())))
         staleness.add_metric([name], buckets, sum_value=sum(s * n for s, n in exp.staleness.items()))
 
-    return [worker_up, requests, policy_version, learner_step, groups, completions, tokens, queued,
+    return [worker_up, requests, policy_version, learner_step, groups, episodes, completions, tokens, queued,
             pending_groups, reward_mean, *last_step.values(), push_seconds, staleness]
 
 
