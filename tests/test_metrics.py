@@ -82,7 +82,8 @@ def test_render_without_a_server():
     types = {name: f.type for name, f in families.items()}
     assert types == {
         "grpo_worker_up": "gauge", "grpo_http_requests": "counter", "grpo_policy_version": "gauge",
-        "grpo_learner_step": "gauge", "grpo_groups": "counter", "grpo_episodes": "counter", "grpo_completions": "counter",
+        "grpo_learner_step": "gauge", "grpo_groups": "counter", "grpo_episodes": "counter",
+        "grpo_completions": "counter",
         "grpo_sampled_tokens": "counter", "grpo_queued_groups": "gauge", "grpo_pending_groups": "gauge",
         "grpo_reward_mean": "gauge", "grpo_kl": "gauge", "grpo_clipped_fraction": "gauge",
         "grpo_learner_step_seconds": "gauge", "grpo_push_seconds": "gauge", "grpo_trained_staleness": "histogram"}

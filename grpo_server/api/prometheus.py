@@ -11,7 +11,8 @@ and `generate_latest` writes the text.
 What a scrape reads, and nothing else: the orchestrator's `experiments` (name -> experiment),
 `groups.pending_count(name)` and `workers.states()`; per experiment `name`, `serving_version`, `step`,
 `counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`,
-`groups_zero_variance`, `groups_expired`, `episodes_*`, `episode_turns`, `completions_sampled`, `completions_external`, `tokens_sampled`),
+`groups_zero_variance`, `groups_expired`, `episodes_*`, `episode_turns`, `completions_sampled`,
+`completions_external`, `tokens_sampled`),
 `queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `clipped_fraction`, `seconds`),
 `last_push_seconds` and `staleness` (versions behind -> trained groups).
 """
