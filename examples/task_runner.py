@@ -42,20 +42,29 @@ def default_api_key(run_dir: str | Path = "runs/demo") -> str | None:
     return path.read_text().strip() or None
 
 
-def parse_args(description: str, default_config: str) -> argparse.Namespace:
+def parse_args(description: str, default_config: str | dict) -> argparse.Namespace:
+    """The task's command line. `default_config`: the experiment's YAML file, or the config itself (a dict,
+    kept as `args.default_config`; `--config FILE` replaces it)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--url", default=os.environ.get("GRPO_SERVER_URL", "http://127.0.0.1:8000"))
     parser.add_argument("--api-key", default=default_api_key(),
                         help="admin key (env GRPO_SERVER_API_KEY, else runs/demo/admin_key)")
-    parser.add_argument("--config", default=default_config, help="experiment YAML")
+    in_code = isinstance(default_config, dict)
+    parser.add_argument("--config", default=None if in_code else default_config, help="experiment YAML")
     parser.add_argument("--steps", type=int, default=30, help="stop after this many policy versions")
     parser.add_argument("--concurrency", type=int, default=4, help="groups in flight at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="reward curve CSV (default: runs/<experiment>-reward.csv)")
     args = parser.parse_args()
+    args.default_config = default_config if in_code else None
     if not args.api_key:
         parser.error("give --api-key or set GRPO_SERVER_API_KEY")
     return args
+
+
+def experiment_config(args: argparse.Namespace) -> dict:
+    """The experiment's config: `--config`'s YAML, else the task's own (`parse_args`' dict)."""
+    return yaml.safe_load(Path(args.config).read_text()) if args.config else dict(args.default_config)
 
 
 async def ensure_experiment(client: AsyncClient, config: dict) -> None:
@@ -92,7 +101,7 @@ async def run_task(args: argparse.Namespace, make_prompt: MakePrompt, score: Sco
 
 
 async def run_episodes(args: argparse.Namespace, episode: Episode) -> dict:
-    config = yaml.safe_load(Path(args.config).read_text())
+    config = experiment_config(args)
     name = config["name"]
     out = Path(args.out or f"runs/{name}-reward.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
