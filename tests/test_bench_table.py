@@ -22,7 +22,8 @@ def test_bench_imports_and_modes():
     assert bench.QUICK.name == "quick" and bench.FULL.name == "full"
     assert 8 in bench.FULL.levels and 8 not in bench.QUICK.levels
     assert set(bench.FIGURES) == {"front_end", "overlap", "adapter", "push", "learner", "experiments", "memory",
-                                  "end_to_end"}
+                                  "end_to_end", "episodes"}
+    assert "episodes" in _load("server").SERVER_FIGURES and _load("episodes").EXPERIMENT
     assert bench.FULL.end_to_end and not bench.QUICK.end_to_end  # the race runs in full mode only
 
 
@@ -44,6 +45,21 @@ def test_table_replaces_only_the_marked_block():
     assert "failed: boom" not in second and "**0.909**" in second and "missed" in second
     assert second.split(table.START)[0] == first.split(table.START)[0]
     assert second.split(table.END)[1] == first.split(table.END)[1]
+
+
+def test_table_episodes_row():
+    table = _load("table")
+    turns = [{"turn": 1, "prompt_tokens": 1200}]
+    ep = {"episodes": 32, "turns": 3, "max_tokens": 16, "rounds": 2, "openai_eps": 1.8, "native_eps": 2.0,
+          "ratio": 0.9, "round_ratios": [0.88, 0.92],
+          "later_turns": {"openai": {"hit_rate": 0.0, "reusable_share": 0.8}},
+          "long_history": {"episodes": 8, "notes": 20, "turns": turns,
+                           "later_turns": {"hit_rate": 0.7, "reusable_share": 0.9}},
+          "feedback": {"groups_rated": 8}}
+    row = next(line for line in table.render(_results(episodes=ep)).splitlines() if line.startswith("| episodes |"))
+    assert "1.80 vs 2.00 episodes/s: **0.900**" in row and "150-token first prompt 0.700" in row
+    assert row.endswith("| >= 0.9 | met |") and "8 groups of episodes rated" in row
+    assert "failed: boom" in table.render(_results(episodes={"error": "boom"}))
 
 
 def _e2e(server: dict, trl: dict, **extra) -> dict:

@@ -11,6 +11,7 @@ Run every module from the repository root (`.venv/bin/python -m scripts.benchmar
     experiments.py      1, 2, 4 (8) experiments sampling at once
     memory.py           peak RSS of the front end, sampler and learner trees
     push.py             weight push: train -> save -> load -> first completion -> verification
+    episodes.py         agent episodes: OpenAI endpoint vs native API, prefix-cache hits of later turns
     learner_vs_peft.py  the learner's train step vs a plain peft + AdamW loop
     adapter.py          vLLM sampling with an adapter vs without
     end_to_end.py       time to a mean reward on alphabetize, this server vs TRL

@@ -17,7 +17,10 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
    - memory: VmHWM of the front end, sampler and learner trees after 1 and 4 (8) experiments have each
      sampled and trained one step (memory.py);
    - weight push: train -> save_adapter -> load_adapter -> first completion -> verification, verb by verb
-     on the server's learner and sampler, and the server's own push (status) for comparison (push.py).
+     on the server's learner and sampler, and the server's own push (status) for comparison (push.py);
+   - episodes (first, on an experiment of its own): 32 concurrent 3-turn agent episodes through the OpenAI
+     endpoint (the `openai` package) vs the native API, rounds alternating, and the sampler's prefix-cache
+     hit rate of their later turns (episodes.py).
 2. learner: MultiAdapterTrainer.train vs a plain peft + AdamW loop (learner_vs_peft.py, in a fresh
    process), padding waste of the learner's micro-batches.
 3. adapter sampling: vLLM with the adapter vs without, each in a fresh process (adapter.py).
@@ -57,7 +60,7 @@ from .learner_vs_peft import learner_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import render, replace_block
 
-FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "learner", "adapter", "end_to_end")
+FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes", "learner", "adapter", "end_to_end")
 
 
 @dataclass(frozen=True)
@@ -88,17 +91,24 @@ class Mode:
     e2e_target: float = 0.35
     e2e_window: int = 16
     e2e_time_limit_s: float = 1500.0
+    # episodes: ep_episodes at once, ep_turns turns of n=1 each, through the OpenAI endpoint vs the native API;
+    # ep_rounds timed rounds of each side; the last round of each rated in ep_groups groups.
+    ep_episodes: int = 32
+    ep_turns: int = 3
+    ep_max_tokens: int = 16
+    ep_rounds: int = 2
+    ep_groups: int = 4
 
 
 QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4),
              exp_requests=1, exp_concurrency=1, exp_n=4, exp_max_tokens=16, push_rounds=2, server_push_rounds=1,
              learner_sequences=16, learner_max_completion=32, learner_steps=2, adapter_dtypes=("float32",),
-             adapter_requests=2, adapter_n=8, adapter_max_tokens=32)
+             adapter_requests=2, adapter_n=8, adapter_max_tokens=32, ep_episodes=16, ep_rounds=1)
 FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4, 8),
             exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=3,
             learner_sequences=32, learner_max_completion=128, learner_steps=3,
             adapter_dtypes=("float32", "bfloat16"), adapter_requests=4, adapter_n=8, adapter_max_tokens=64,
-            end_to_end=True)
+            end_to_end=True, ep_rounds=3)
 
 
 def versions() -> str:

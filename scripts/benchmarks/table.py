@@ -101,6 +101,27 @@ def _end_to_end_row(e2e: dict | None) -> tuple[str, str, str, str, str]:
     return (name, what, measured, target, verdict)
 
 
+def _episodes_row(ep: dict | None) -> tuple[str, str, str, str, str]:
+    name, target = "episodes", ">= 0.9"
+    err = _error(ep)
+    if err:
+        return (name, "agent episodes through the OpenAI endpoint vs the native API", err, target, "")
+    later, long = ep["later_turns"]["openai"], ep["long_history"]["later_turns"]
+    first_turn = ep["long_history"]["turns"][0]["prompt_tokens"] // ep["long_history"]["episodes"]
+    what = (f"episodes/s of {ep['episodes']} concurrent {ep['turns']}-turn agent episodes (each turn n=1, max_tokens "
+            f"{ep['max_tokens']}; turn k+1 = the history + the reply + a user message) through "
+            f"`POST /v1/chat/completions` with `openai.AsyncOpenAI` (`extra_body` episode_id) vs "
+            f"`AsyncClient.complete(..., episode_id=...)`; {ep['rounds']} rounds each, alternating, medians; "
+            f"the sampler's prefix-cache hits (vLLM `num_cached_tokens`) of turns 2-{ep['turns']}")
+    measured = (f"{_f(ep['openai_eps'], 2)} vs {_f(ep['native_eps'], 2)} episodes/s: **{_f(ep['ratio'], 3)}** "
+                f"(per round {', '.join(_f(r, 2) for r in ep['round_ratios'])}). Prefix-cache hit rate of later "
+                f"turns: **{_f(later['hit_rate'], 3)}** (the previous turn's ids are {_f(later['reusable_share'], 2)} "
+                f"of their prompts); with a {first_turn}-token first prompt "
+                f"{_f(long['hit_rate'], 3)} (reusable {_f(long['reusable_share'], 2)}). "
+                f"{ep['feedback']['groups_rated']} groups of episodes rated (random rewards)")
+    return (name, what, measured, target, _verdict(ep["ratio"], 0.9) + _spread(ep["round_ratios"]))
+
+
 def _rounds(fig: dict) -> str:
     """The request mix and its alternating rounds, as the front-end and overlap figures run them."""
     return (f"{fig['requests']} requests x n={fig['n']}, max_tokens {fig['max_tokens']}, concurrency "
@@ -123,6 +144,8 @@ def render(results: dict) -> str:
                      f"{_f(fe['server_tok_s'], 1)} vs {_f(fe['direct_tok_s'], 1)} tok/s: **{_f(fe['ratio'], 3)}** "
                      f"(per round {', '.join(_f(r, 2) for r in fe['round_ratios'])})",
                      ">= 0.95", _verdict(fe["ratio"], 0.95) + _spread(fe["round_ratios"])))
+
+    rows.append(_episodes_row(figs.get("episodes")))
 
     ov = figs.get("overlap")
     err = _error(ov)
