@@ -248,12 +248,17 @@ class ExperimentCounters(ApiModel):
     groups_sampled: int = 0
     groups_received: int = 0
     groups_trained: int = 0
-    groups_dropped_stale: int = 0
+    groups_dropped_stale: int = Field(0, description=(
+        "Groups dropped before training: sampled by weights more than algorithm.max_staleness optimizer steps "
+        "(not pushed versions) behind the learner's"))
     groups_zero_variance: int = 0
     groups_expired: int = 0
     completions_sampled: int = 0
     completions_external: int = 0
     tokens_sampled: int = 0
+    completions_masked_truncated: int = Field(0, description=(
+        "Completions left out of the loss by algorithm.mask_truncated (cut at max_tokens; for an episode, a "
+        "sequence whose last turn was cut)"))
     episodes_started: int = 0
     episode_turns: int = 0
     episodes_rated: int = 0

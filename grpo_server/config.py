@@ -3,6 +3,19 @@
 Every model is strict (`extra="forbid"`): an unknown key is an error that names the key. Nothing here
 imports an ML package, so the client, the CLI and the front end can validate a config before any
 worker starts.
+
+An experiment's `algorithm` defaults by loss (protocol/worker_config.py CLIP_DEFAULTS; explicit values win, and
+the resolved numbers are what the learner, the status and the registry see):
+
+    loss      clip_low  clip_high  advantages        aggregation                      source
+    grpo      0.2       0.2        (r - mean) / std  sequence mean, then batch mean   DeepSeekMath
+    dr_grpo   0.2       0.2        r - mean          token sum / (seqs x max_tokens)  Dr. GRPO
+    dapo      0.2       0.28       (r - mean) / std  token mean over the batch        DAPO (clip-higher)
+    gspo      3e-4      4e-4       (r - mean) / std  sequence-level ratio             GSPO paper (v2) 5.1
+
+dr_grpo's max_tokens is the experiment's `sampling.max_tokens`, a constant for its whole life.
+`max_staleness` counts optimizer steps; `mask_truncated` (off by default) leaves completions cut at
+max_tokens out of the loss.
 """
 
 from __future__ import annotations
@@ -30,7 +43,10 @@ class SamplingConfig(StrictModel):
     n: int = Field(8, ge=1, le=256, description="Completions per prompt (the group size).")
     temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature (vLLM takes 0 to 2).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    max_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens per completion.")
+    max_tokens: int = Field(256, ge=1, le=1_048_576, description=(
+        "Most tokens per completion (a request may ask for its own). Also dr_grpo's constant normaliser: the loss "
+        "is the sum over trained tokens / (sequences x this), whatever a request, an external completion or an "
+        "episode (whose sequences hold several turns, and may be longer) brings."))
 
 
 class ExperimentConfig(StrictModel):

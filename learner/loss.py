@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 
 # Log-ratios beyond this are a broken batch, not a signal; clamping keeps exp() finite so one bad
 # token cannot turn the whole step into inf/NaN (exp(20) ~ 5e8 is far outside any clip range).
@@ -36,11 +37,34 @@ def token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: flo
 
 
 @dataclass(frozen=True)
+class RolloutCorrection:
+    """How the sampler/learner mismatch is corrected (AlgorithmConfig.rollout_correction; `rollout_weights`).
+
+    "none": the PPO ratio is taken against the sampler's logprobs (verl's "bypass" mode): the ratio is the
+    importance weight and the clip its only bound. Any other mode is the decoupled form: the PPO ratio is
+    taken against the learner's own pre-step logprobs (the proximal policy), and each token's loss is
+    multiplied by a detached weight computed from rho = exp(learner_old - sampler), the behaviour ratio.
+    """
+
+    mode: str = "none"  # "none" | "token_tis" | "token_mask" | "sequence_mask"
+    is_cap: float = 3.0  # token_tis: weight = min(rho, is_cap)
+    mask_low: float = 0.5  # token_mask / sequence_mask: kept when mask_low <= rho <= mask_high
+    mask_high: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {self.mode!r}")
+        if not (self.is_cap >= 1.0 and 0.0 < self.mask_low <= 1.0 <= self.mask_high):
+            raise ValueError(f"need is_cap >= 1 and 0 < mask_low <= 1 <= mask_high: {self}")
+
+
+@dataclass(frozen=True)
 class LossSettings:
     loss_type: str  # "grpo" | "dr_grpo" | "dapo" | "gspo"
     clip_low: float  # ratio lower bound is 1 - clip_low
     clip_high: float  # ratio upper bound is 1 + clip_high (clip-higher, DAPO)
     beta: float = 0.0  # KL-to-base weight
+    correction: RolloutCorrection = RolloutCorrection()
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -97,6 +121,44 @@ def _clipped_objective(
     return objective, is_clipped
 
 
+def rollout_weights(learner_old_logp_B_T: Tensor, sampler_logp_B_T: Tensor, mask_B_T: Tensor,
+                    correction: RolloutCorrection) -> tuple[Tensor, Tensor]:
+    """Per-token loss weights (detached; 0 on padding) and where the correction acted (capped or masked).
+
+    rho = exp(learner_old - sampler) per token. token_tis: min(rho, is_cap) (truncated IS; a weight is only
+    capped from above). token_mask: 1 where mask_low <= rho <= mask_high, else 0. sequence_mask: the
+    sequence's ratio is the GEOMETRIC mean of its tokens' rho (exp of the mean log-ratio: the product would
+    drift with length), and all its tokens get 1 inside the bounds, 0 outside. "none": 1 everywhere.
+    """
+    valid_B_T = mask_B_T.bool()
+    log_rho_B_T = _masked_log_diff(learner_old_logp_B_T.detach().float(), sampler_logp_B_T.detach().float(),
+                                   valid_B_T)
+    rho_B_T = log_rho_B_T.exp()
+    if correction.mode == "token_tis":
+        weight_B_T, acted_B_T = rho_B_T.clamp(max=correction.is_cap), rho_B_T > correction.is_cap
+    elif correction.mode == "token_mask":
+        acted_B_T = (rho_B_T < correction.mask_low) | (rho_B_T > correction.mask_high)
+        weight_B_T = (~acted_B_T).float()
+    elif correction.mode == "sequence_mask":
+        lengths_B = valid_B_T.sum(-1).clamp(min=1)
+        seq_rho_B = (log_rho_B_T.sum(-1) / lengths_B).exp()
+        acted_B = (seq_rho_B < correction.mask_low) | (seq_rho_B > correction.mask_high)
+        acted_B_T = acted_B.unsqueeze(-1).expand_as(valid_B_T)
+        weight_B_T = (~acted_B_T).float()
+    else:
+        weight_B_T, acted_B_T = torch.ones_like(rho_B_T), torch.zeros_like(valid_B_T)
+    zeros_B_T = torch.zeros_like(weight_B_T)
+    return torch.where(valid_B_T, weight_B_T, zeros_B_T), acted_B_T & valid_B_T
+
+
+def mismatch_kl_sum(learner_logp_B_T: Tensor, sampler_logp_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Sum over valid tokens of k3 = rho - 1 - log rho, rho = exp(learner - sampler): per token an unbiased,
+    nonnegative estimate of KL(sampler || learner) under the sampler's tokens (detached)."""
+    valid_B_T = mask_B_T.bool()
+    log_rho_B_T = _masked_log_diff(learner_logp_B_T.detach().float(), sampler_logp_B_T.detach().float(), valid_B_T)
+    return (log_rho_B_T.exp() - 1.0 - log_rho_B_T).sum()  # 0 on padding (log_rho = 0 there)
+
+
 def policy_loss(
     logp_B_T: Tensor,
     old_logp_B_T: Tensor,
@@ -108,11 +170,16 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the batch loss, and detached stats (sums and extremes).
 
-    old_logp are the sampler's (behaviour) logprobs; the ratio against them is the off-policy
-    correction. ref_logp are the base model's, used for the KL penalty when beta > 0. Stats:
-    token_count, seq_count, clipped_count, ratio_sum, ratio_sq_sum, ratio_min, ratio_max (+inf / -inf
-    when no valid token, the identities of min / max), kl_sum (computed whenever ref is given, for
-    monitoring, even when beta = 0).
+    old_logp are the sampler's (behaviour) logprobs. With no rollout correction the PPO ratio is taken
+    against them (that ratio is the off-policy correction). With one (settings.correction), the ratio is
+    taken against the learner's own pre-step logprobs, logp.detach(): the weights do not move within a step
+    (one optimizer step per batch, after the last micro-batch), so these are exactly the learner's "old"
+    policy; each token's loss, KL term included, is then multiplied by `rollout_weights`. Masked tokens still
+    count in the normalisers (their share is 0, not redistributed). ref_logp are the base model's, used for
+    the KL penalty when beta > 0. Stats: token_count, seq_count, clipped_count, ratio_sum, ratio_sq_sum,
+    ratio_min, ratio_max (+inf / -inf when no valid token, the identities of min / max; the PPO ratio without
+    a correction, the behaviour ratio rho before truncation with one), kl_sum (whenever ref is given),
+    mismatch_kl_sum (`mismatch_kl_sum`), corrected_count (tokens the correction capped or masked).
     """
     if settings.beta > 0 and ref_logp_B_T is None:
         raise ValueError("beta > 0 needs ref_logp_B_T (the base model's logprobs)")
@@ -122,10 +189,17 @@ def policy_loss(
     old_logp_B_T = old_logp_B_T.detach().float()
     adv_B = advantages_B.detach().float()
     lengths_B = mask_B_T.sum(-1)
+    correcting = settings.correction.mode != "none"
+    weight_B_T: Tensor | None = None
+    corrected_B_T = torch.zeros_like(valid_B_T)
+    anchor_B_T = old_logp_B_T  # the PPO ratio's denominator
+    if correcting:
+        weight_B_T, corrected_B_T = rollout_weights(logp_B_T, old_logp_B_T, valid_B_T, settings.correction)
+        anchor_B_T = logp_B_T.detach()
 
-    log_ratio_B_T = _masked_log_diff(logp_B_T, old_logp_B_T, valid_B_T)
+    log_ratio_B_T = _masked_log_diff(logp_B_T, anchor_B_T, valid_B_T)
 
-    if settings.loss_type == "gspo":
+    if settings.loss_type == "gspo" and not correcting:
         # One ratio per sequence: the geometric mean of its token ratios (GSPO); gradient flows
         # through the mean into every token.
         seq_log_ratio_B = log_ratio_B_T.sum(-1) / lengths_B.clamp(min=1.0)
@@ -136,13 +210,24 @@ def policy_loss(
         loss = -(objective_B * has_tokens_B).sum() / norm.num_sequences
         ratio_B_T = seq_ratio_B.unsqueeze(-1).expand_as(mask_B_T)
         clipped_B_T = clipped_B.unsqueeze(-1).expand_as(valid_B_T) & valid_B_T
+    elif settings.loss_type == "gspo":
+        # GSPO-token (same value and gradient as GSPO): every token carries the sequence ratio's value and
+        # its own logprob's gradient, so a per-token weight can scale each token's share.
+        seq_log_ratio_B = (log_ratio_B_T.sum(-1) / lengths_B.clamp(min=1.0)).detach()
+        tok_ratio_B_T = (seq_log_ratio_B.unsqueeze(-1) + log_ratio_B_T - log_ratio_B_T.detach()).exp()
+        objective_B_T, clipped_B_T = _clipped_objective(
+            tok_ratio_B_T, adv_B.unsqueeze(-1), settings.clip_low, settings.clip_high)
+        clipped_B_T = clipped_B_T & valid_B_T
+        loss = _aggregate(-objective_B_T * weight_B_T, mask_B_T, "grpo", norm)
+        ratio_B_T = tok_ratio_B_T
     else:
         ratio_B_T = log_ratio_B_T.exp()  # 1 on padding
         objective_B_T, clipped_B_T = _clipped_objective(
             ratio_B_T, adv_B.unsqueeze(-1), settings.clip_low, settings.clip_high
         )
         clipped_B_T = clipped_B_T & valid_B_T
-        loss = _aggregate(-objective_B_T * mask_B_T, mask_B_T, settings.loss_type, norm)
+        tok_weight_B_T = mask_B_T if weight_B_T is None else weight_B_T
+        loss = _aggregate(-objective_B_T * tok_weight_B_T, mask_B_T, settings.loss_type, norm)
 
     kl_sum = torch.zeros((), device=logp_B_T.device)
     if ref_logp_B_T is not None:
@@ -152,9 +237,12 @@ def policy_loss(
         kl_sum = kl_B_T.detach().sum()
         if settings.beta > 0:
             kl_loss_type = "grpo" if settings.loss_type == "gspo" else settings.loss_type
-            loss = loss + settings.beta * _aggregate(kl_B_T, mask_B_T, kl_loss_type, norm)
+            kl_tok_B_T = kl_B_T if weight_B_T is None else kl_B_T * weight_B_T
+            loss = loss + settings.beta * _aggregate(kl_tok_B_T, mask_B_T, kl_loss_type, norm)
 
     with torch.no_grad():
+        if correcting:  # the PPO ratio is 1 by construction: report the behaviour ratio instead
+            ratio_B_T = _masked_log_diff(logp_B_T.detach(), old_logp_B_T, valid_B_T).exp()
         ratio_B_T = ratio_B_T.detach()
         inf = torch.tensor(float("inf"), device=ratio_B_T.device)
         stats = {
@@ -166,5 +254,7 @@ def policy_loss(
             "ratio_min": torch.where(valid_B_T, ratio_B_T, inf).min() if ratio_B_T.numel() else inf,
             "ratio_max": torch.where(valid_B_T, ratio_B_T, -inf).max() if ratio_B_T.numel() else -inf,
             "kl_sum": kl_sum,
+            "mismatch_kl_sum": mismatch_kl_sum(logp_B_T, old_logp_B_T, valid_B_T),
+            "corrected_count": corrected_B_T.float().sum(),
         }
     return loss, stats

@@ -13,7 +13,7 @@ import torch
 from grpo_server.protocol.wire import TrainMetrics
 
 _SUM_KEYS = ("token_count", "seq_count", "clipped_count", "ratio_sum", "ratio_sq_sum", "kl_sum", "gap_sum",
-             "gap_tokens")
+             "gap_tokens", "mismatch_kl_sum", "corrected_count")
 
 
 class StepStats:
@@ -48,7 +48,8 @@ class StepStats:
         self.ratio_min, self.ratio_max, self.gap_max = -extremes[0].item(), extremes[1].item(), extremes[2].item()
 
     def metrics(self, step: int, rewards: list[float], grad_norm: float, seconds: float,
-                checked_version: int | None = None) -> TrainMetrics:
+                checked_version: int | None = None, kl_computed: bool = False) -> TrainMetrics:
+        """`kl_computed`: whether the step ran the reference forward (beta > 0); without it `kl` is None."""
         tokens = self.sums["token_count"]
         n = max(tokens, 1.0)
         ratio_mean = self.sums["ratio_sum"] / n
@@ -61,7 +62,7 @@ class StepStats:
             loss=self.loss,
             reward_mean=reward_mean,
             reward_std=math.sqrt(reward_var),
-            kl=self.sums["kl_sum"] / n,
+            kl=self.sums["kl_sum"] / n if kl_computed else None,
             clipped_fraction=self.sums["clipped_count"] / n,
             ratio_mean=ratio_mean,
             ratio_std=math.sqrt(ratio_var),
@@ -74,4 +75,6 @@ class StepStats:
             sampler_gap_tokens=int(self.sums["gap_tokens"]),
             sampler_gap_mean=self.sums["gap_sum"] / max(self.sums["gap_tokens"], 1.0),
             sampler_gap_max=self.gap_max,
+            mismatch_kl=self.sums["mismatch_kl_sum"] / n,
+            rollout_corrected_fraction=self.sums["corrected_count"] / n,
         )

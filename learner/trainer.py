@@ -37,7 +37,7 @@ from learner import adapter_io, checkpoint, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
 from learner.engine import make_engine, optimizer_step, release_engine
-from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
+from learner.loss import BatchNormalizer, LossSettings, RolloutCorrection, policy_loss, token_logprobs
 from learner.metrics import StepStats
 from learner.sharding import RankShare, rank_share
 
@@ -163,7 +163,8 @@ class MultiAdapterTrainer:
             _check_temperature(seq.temperature)
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"samples[{i}]")
         algo = exp.algorithm
-        settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
+        settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta, RolloutCorrection(
+            algo.rollout_correction, algo.rollout_is_cap, algo.rollout_mask_low, algo.rollout_mask_high))
         # Whole-batch normalisers on every rank: each rank's loss is its exact share of the batch loss. Tokens
         # are the trained ones (loss_mask 1), as the micro-batches' masks count them.
         norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(sum(s.trained()) for s in seqs),
@@ -187,7 +188,7 @@ class MultiAdapterTrainer:
         if exp.step % algo.checkpoint_every == 0:
             self.checkpoint(exp.name)
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
-                                time.perf_counter() - started, checked_version=checked)
+                                time.perf_counter() - started, checked_version=checked, kl_computed=algo.beta > 0)
         metrics.checkpointed_journal_seq = exp.journal_seq if exp.checkpointed_step == exp.step else None
         log.info("%s: step %d, %d sequences in %d micro-batches (+%d padding) on rank %d of %d, loss %.4f, grad "
                  "norm %.4f, %.2f s", exp.name, exp.step, len(seqs), len(share.micro_batches), share.padding_passes,

@@ -12,7 +12,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_name_alone_is_a_valid_experiment():
     config = ExperimentConfig(name="x")
     assert config.lora.r == 16 and config.lora.alpha == 32
-    assert config.algorithm.loss == "grpo" and config.algorithm.clip_high == 0.28
+    # grpo's clip is symmetric 0.2 (DeepSeekMath); clip-higher 0.28 is dapo's (tests/test_algorithm_defaults.py)
+    assert config.algorithm.loss == "grpo" and (config.algorithm.clip_low, config.algorithm.clip_high) == (0.2, 0.2)
     assert config.sampling.n == 8
     assert "gate_proj" in config.lora.target_modules
 

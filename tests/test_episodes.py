@@ -11,6 +11,7 @@ from grpo_server.protocol.errors import BadRequest, Conflict, NotFound, TooManyR
 from grpo_server.protocol.wire import Completion, ToolCall
 from grpo_server.runtime.episodes import EpisodeStore, trajectory_group
 from grpo_server.runtime.training import train_samples
+from grpo_server.runtime.verification import probe_of
 
 
 def completion(ids: list[int], text: str = "answer", **extra) -> Completion:
@@ -172,3 +173,15 @@ def test_a_turn_its_client_never_received_is_undone():
     store.done(lone)
     store.undo_turn("exp", "lone")  # its only turn: the episode is gone
     assert store.pending_count("exp") == 1
+
+
+def test_a_group_of_episodes_gives_the_version_check_its_probe():
+    store = EpisodeStore(ttl_s=60)
+    for name, prompt in (("a", [1, 2]), ("b", [1, 2]), ("c", [9])):
+        episode = open_turn(store, name)
+        episode.add_turn(prompt, completion([10 + len(name)]), version=0, messages=None, temperature=0.7)
+        store.done(episode)
+    group = trajectory_group("grp_p", "exp", store.take("exp", ["a", "b", "c"]))
+    probe = probe_of(group)
+    assert probe.prompt_token_ids == [1, 2] and probe.completions_token_ids == [[11], [11]]
+    assert probe.temperature == 0.7

@@ -76,6 +76,9 @@ async def test_a_group_of_episodes_trains_the_better_episodes_sampled_tokens_up(
         status = await client.status(name)
         assert status.counters.episodes_rated == 2 and status.state == "active", status
         assert status.last_metrics["tokens"] > 0
+        # The pushed version is checked on the episodes too (on the trained batch, or by a probe).
+        verified = await wait_for(lambda: _verified(client, name), timeout_s=120)
+        assert verified.ok and verified.version >= 1, verified
 
         changes = {}
         for label, (first, second) in episodes.items():
@@ -93,6 +96,10 @@ async def test_a_group_of_episodes_trains_the_better_episodes_sampled_tokens_up(
         assert changes["good"] > 0 > changes["bad"], changes
     finally:
         await client.delete_experiment(name)
+
+
+async def _verified(client: AsyncClient, name: str):
+    return (await client.status(name)).last_verification
 
 
 async def _version_at_least(client: AsyncClient, name: str, version: int) -> bool:

@@ -13,7 +13,8 @@ What a scrape reads, and nothing else: the orchestrator's `experiments` (name ->
 `counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`,
 `groups_zero_variance`, `groups_expired`, `episodes_*`, `episode_turns`, `completions_sampled`,
 `completions_external`, `tokens_sampled`),
-`queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `clipped_fraction`, `seconds`),
+`queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `rollout_corrected_fraction`,
+`clipped_fraction`, `seconds`),
 `last_push_seconds` and `staleness` (versions behind -> trained groups).
 """
 
@@ -32,7 +33,10 @@ if TYPE_CHECKING:
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
 GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired")
-LAST_STEP = (("kl", "grpo_kl", "KL to the base model, last step"),
+LAST_STEP = (("kl", "grpo_kl", "KL to the base model, last step (absent when beta = 0)"),
+             ("mismatch_kl", "grpo_mismatch_kl", "KL(sampler || learner) per trained token, last step"),
+             ("rollout_corrected_fraction", "grpo_rollout_corrected_fraction",
+              "Tokens capped or masked by the rollout correction, last step"),
              ("clipped_fraction", "grpo_clipped_fraction", "Tokens clipped, last step"),
              ("seconds", "grpo_learner_step_seconds", "Learner time of the last step"))
 # generate_latest writes the 0.0.4 text format (prometheus_client's own servers answer it with this type;
@@ -95,7 +99,8 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
     reward_mean = exp_gauge("grpo_reward_mean", "Mean reward of the recent groups")
     last_step = {key: exp_gauge(metric, help_text) for key, metric, help_text in LAST_STEP}
     push_seconds = exp_gauge("grpo_push_seconds", "Last push: save, load on every sampler, serve")
-    staleness = HistogramMetricFamily("grpo_trained_staleness", "Versions between sampling a group and training on it",
+    staleness = HistogramMetricFamily("grpo_trained_staleness",
+                                      "Optimizer steps between sampling a group and training on it",
                                       labels=["experiment"])
 
     for exp in experiments:

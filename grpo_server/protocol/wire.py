@@ -187,9 +187,9 @@ class TrainMetrics(WireModel):
     loss: float
     reward_mean: float
     reward_std: float
-    kl: float
+    kl: float | None  # mean k3 KL to the base model; None when beta = 0 (no reference forward is run then)
     clipped_fraction: float
-    ratio_mean: float
+    ratio_mean: float  # ratio_*: the PPO ratio; with a rollout correction, the behaviour ratio learner / sampler
     ratio_std: float
     ratio_min: float
     ratio_max: float
@@ -206,6 +206,11 @@ class TrainMetrics(WireModel):
     sampler_gap_max: float = 0.0
     checkpointed_journal_seq: int | None = None  # set when this step was checkpointed: journal entries up
     # to it are durable in the weights, and the front end may forget them
+    # Sampler/learner mismatch over all trained tokens (stale groups included, so it also holds their version
+    # gap): mean k3 estimate of KL(sampler || learner) (learner/loss.py `mismatch_kl_sum`), and the fraction of
+    # trained tokens the rollout correction capped (token_tis) or masked (token_mask, sequence_mask).
+    mismatch_kl: float = 0.0
+    rollout_corrected_fraction: float = 0.0
 
 
 class VersionProbe(WireModel):

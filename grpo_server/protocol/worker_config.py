@@ -12,9 +12,15 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Each loss's PPO clip (clip_low, clip_high) when the config gives none: grpo symmetric 0.2 (DeepSeekMath);
+# dapo clip-higher 0.2/0.28 (DAPO); gspo clips a sequence-level ratio, so the GSPO paper's 3e-4/4e-4 (TRL's
+# GSPO: epsilon=3e-4, epsilon_high=4e-4); dr_grpo as grpo (Dr. GRPO keeps GRPO's clip).
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
 
 
 class StrictModel(BaseModel):
@@ -43,8 +49,14 @@ class AlgorithmConfig(StrictModel):
     learning_rate: float = Field(5e-5, gt=0, le=1.0, description="AdamW learning rate of the adapter.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0 = off).")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
-    clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
+    # None (or left out) = the loss's default (CLIP_DEFAULTS), filled in once when the config is validated:
+    # the learner, the status and the registry see the resolved numbers.
+    clip_low: float | None = Field(None, ge=0, lt=1, description=(
+        "PPO clip: ratio lower bound is 1 - clip_low, in [0, 1). Default by loss: grpo 0.2, dr_grpo 0.2, "
+        "dapo 0.2, gspo 3e-4 (a sequence-level ratio)."))
+    clip_high: float | None = Field(None, ge=0, le=10, description=(
+        "PPO clip: ratio upper bound is 1 + clip_high, in [0, 10]. Default by loss: grpo 0.2, dr_grpo 0.2, "
+        "dapo 0.28 (clip-higher), gspo 4e-4."))
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
     micro_batch_size: int = Field(8, ge=1, le=4096, description="Sequences per forward/backward pass.")
@@ -52,10 +64,41 @@ class AlgorithmConfig(StrictModel):
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description=(
         "Optimizer steps between checkpoints (weights, optimizer state, RNG, journal position); the learner "
         "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
-    max_staleness: int = Field(
-        2, ge=0, le=1_000_000, description="Groups sampled more than this many versions ago are dropped."
-    )
+    max_staleness: int = Field(2, ge=0, le=1_000_000, description=(
+        "Groups sampled by weights more than this many optimizer steps older than the learner's are dropped "
+        "before a batch is formed (counted in groups_dropped_stale). Counted in steps, not pushed versions, so "
+        "push_every > 1 or a skipped push cannot stretch it; an episode group counts from its oldest turn."))
     skip_zero_variance: bool = Field(True, description="Skip groups whose rewards are all equal.")
+    mask_truncated: bool = Field(False, description=(
+        "Leave completions that hit max_tokens (finish_reason 'length'; for an episode, a sequence whose last "
+        "turn was cut) out of the loss, as DAPO's overlong filtering; counted in the status's "
+        "counters.completions_masked_truncated. Their group's advantages are unchanged."))
+    # Rollout correction (learner/loss.py `rollout_weights`): the sampler's logprobs are the behaviour policy,
+    # the learner's own pre-step logprobs the proximal one; they differ by numerics (bf16 vLLM) and staleness.
+    rollout_correction: Literal["none", "token_tis", "token_mask", "sequence_mask"] = Field(
+        "none", description=(
+            "none: PPO ratio against the sampler's logprobs, which is itself the importance weight, bounded by "
+            "the clip (verl's bypass mode, and its default). Otherwise the PPO ratio is taken "
+            "against the learner's own pre-step logprobs and each token's loss is weighted by the behaviour "
+            "ratio rho = exp(learner_old - sampler): token_tis: min(rho, rollout_is_cap); token_mask: 0 where "
+            "rho is outside [rollout_mask_low, rollout_mask_high], else 1; sequence_mask: 0 for the whole "
+            "sequence when the geometric mean of its rho is outside those bounds, else 1. With one optimizer step "
+            "per batch the PPO clip is then inactive (its ratio is 1): the weight is the only bound. token_tis "
+            "with cap 3 (TRL's cap) is the one to use with a bfloat16 sampler."))
+    rollout_is_cap: float = Field(3.0, ge=1.0, le=100.0, description="token_tis: the cap of the IS weight.")
+    rollout_mask_low: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "token_mask / sequence_mask: the lowest kept ratio (per token, or the sequence's geometric mean)."))
+    rollout_mask_high: float = Field(2.0, ge=1.0, le=100.0, description=(
+        "token_mask / sequence_mask: the highest kept ratio (per token, or the sequence's geometric mean)."))
+
+    @model_validator(mode="after")
+    def _clip_defaults_of_loss(self) -> "AlgorithmConfig":
+        """Fill in an unset clip_low / clip_high with the loss's default (CLIP_DEFAULTS); explicit values win.
+        Also on assignment (validate_assignment): None set later means the default again."""
+        for key, default in zip(("clip_low", "clip_high"), CLIP_DEFAULTS[self.loss]):
+            if getattr(self, key) is None:
+                self.__dict__[key] = default  # not setattr: that would validate (and come here) again
+        return self
 
 
 EngineName = Literal["vllm", "transformers", "auto"]

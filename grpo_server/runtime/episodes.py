@@ -40,6 +40,7 @@ class EpisodeSequence:
     logprobs: list[float] = field(default_factory=list)  # the sampler's where mask is 1, else 0.0
     mask: list[int] = field(default_factory=list)
     constrained: bool = False  # a turn of it was sampled under a grammar (Completion.constrained)
+    last_finish_reason: str | None = None  # its newest turn's ("length": cut by max_tokens)
 
     @property
     def full_ids(self) -> list[int]:
@@ -91,8 +92,8 @@ class Episode:
                  messages: Sequence[ChatMessage] | None, temperature: float) -> None:
         last = self.sequences[-1] if self.sequences else None
         self._before_last_turn = (len(self.sequences), len(last.token_ids) if last else 0,
-                                  last.constrained if last else False, self.last_messages, self.turns,
-                                  self.temperature, self.oldest_version)
+                                  (last.constrained, last.last_finish_reason) if last else (False, None),
+                                  self.last_messages, self.turns, self.temperature, self.oldest_version)
         if last is not None and prompt_ids[:len(last.full_ids)] == last.full_ids:
             between = prompt_ids[len(last.full_ids):]
             last.token_ids += between
@@ -105,6 +106,7 @@ class Episode:
         last.logprobs += completion.logprobs
         last.mask += [1] * len(completion.token_ids)
         last.constrained = last.constrained or completion.constrained
+        last.last_finish_reason = completion.finish_reason
         self.turns += 1
         self.temperature = temperature
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
@@ -126,7 +128,7 @@ class Episode:
         if self.sequences:
             last = self.sequences[-1]
             del last.token_ids[length:], last.logprobs[length:], last.mask[length:]
-            last.constrained = constrained
+            last.constrained, last.last_finish_reason = constrained
 
     def trainable(self) -> list[EpisodeSequence]:
         """Its sequences that hold at least one sampled token."""
@@ -153,8 +155,9 @@ def trajectory_group(group_id: str, experiment: str, episodes: list[Episode]) ->
     sequences = [(e, s) for e, episode in enumerate(episodes) for s in episode.trainable()]
     return Group(
         group_id=group_id, experiment=experiment, prompt_token_ids=sequences[0][1].prompt_token_ids,
-        completions=[Completion(text="", token_ids=s.token_ids, logprobs=s.logprobs, finish_reason="episode",
-                                constrained=s.constrained) for _, s in sequences],
+        completions=[Completion(text="", token_ids=s.token_ids, logprobs=s.logprobs, constrained=s.constrained,
+                                finish_reason="length" if s.last_finish_reason == "length" else "episode")
+                     for _, s in sequences],
         policy_version=min(e.oldest_version for e in episodes), temperature=episodes[0].temperature,
         max_tokens=max(len(s.token_ids) for _, s in sequences),
         episode_of=[e for e, _ in sequences], sequence_prompts=[s.prompt_token_ids for _, s in sequences],

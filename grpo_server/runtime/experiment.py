@@ -56,8 +56,9 @@ class Experiment:
     step: int = 0
     adapter_paths: dict[int, str] = field(default_factory=dict)  # versions loaded on the samplers
     inflight: Counter = field(default_factory=Counter)  # requests per version still being sampled
-    sampling_requests: int = 0  # sampler requests admitted and not answered yet (some may await their turn)
-    staleness: Counter = field(default_factory=Counter)  # trained groups by (learner version - sampled version)
+    sampling_requests: float = 0  # groups being sampled (sampling_request); an episode's turn is 1/n of one
+    staleness: Counter = field(default_factory=Counter)  # trained groups by optimizer steps behind the learner
+    version_steps: dict[int, int] = field(default_factory=lambda: {0: 0})  # the learner step of each version
     counters: ExperimentCounters = field(default_factory=ExperimentCounters)
     queue: list[Group] = field(default_factory=list)  # groups with feedback, waiting for a batch
     # Bumped when the queue is rebuilt from the journal (a learner restart): a batch taken before
@@ -91,16 +92,15 @@ class Experiment:
 
     async def complete(self, request: CompletionsRequest, group_id: str | None = None,
                        admitted: asyncio.Event | None = None) -> CompletionsResponse:
-        """A group of completions under the serving version, kept for its feedback; or with `episode_id`,
-        one turn of that episode. A stream (api/streaming.py) names the group before sampling (`group_id`, from
-        `groups.new_id()`) and starts its answer once `admitted` is set: every check passed, sampling starts."""
+        """A group of completions under the serving version, kept for its feedback (or one turn of an episode).
+        A stream (api/streaming.py) names the group first (`group_id`) and starts once `admitted` is set."""
         name, limits = self.name, self.server
         # Requests still sampling count too: their groups reach the queue later, and admitting them all
         # while the queue looks short only makes groups that go stale before the learner gets to them.
         backlog = limits.max_queued_batches * self.config.algorithm.batch_groups
         in_pipeline = len(self.queue) + self.sampling_requests
         if in_pipeline >= backlog:
-            raise TooManyRequests(f"{in_pipeline} groups of {name!r} are being sampled or wait for the learner "
+            raise TooManyRequests(f"{in_pipeline:.3g} groups of {name!r} are being sampled or wait for the learner "
                                   f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
                                   code="learner_behind", retry_after=2.0)
         defaults = self.config.sampling
@@ -168,7 +168,7 @@ class Experiment:
                         temperature: float) -> tuple[GenerateResponse, int]:
         """Sample under the serving version; the version is chosen once the sampling turn starts, so a
         request that waited for a train step samples the version that step pushed."""
-        with self.sampling_request():
+        with self.sampling_request(1 / self.config.sampling.n if request.episode_id else 1.0):
             async with self.workers.sampler() as sampler:
                 with self.pinned_serving_version() as version:
                     result = await sampler.generate(GenerateRequest(
@@ -219,7 +219,6 @@ class Experiment:
             self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
         if external and skipped is None:
             group.completions = group.completions + added
-            group.max_tokens = max([group.max_tokens] + [len(c.token_ids) for c in added])
             self.counters.completions_external += len(added)
         self._accept(group, request.rewards, advantages, skipped)
         return FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
@@ -247,6 +246,7 @@ class Experiment:
             self.counters.groups_zero_variance += 1
             return
         group.rewards, group.advantages = list(rewards), advantages
+        group.sampled_step = self.version_steps.get(group.policy_version, 0)  # max_staleness counts from it
         self.journal.append(group)
         self.queue.append(group)
         self.queue_changed.set()
@@ -259,9 +259,8 @@ class Experiment:
         self.serving_version = version
         self.retire_unused_versions()
 
-    def learned(self, version: int) -> None:
-        """The learner wrote `version` (it is served once every sampler loaded it)."""
-        self.learner_version = version
+    def learned(self, version: int, step: int) -> None:  # the learner wrote `version`, weights after `step` steps
+        self.learner_version, self.version_steps[version] = version, step
 
     def pushed(self, seconds: float, at: float) -> None:
         self.last_push_seconds, self.last_push_at = seconds, at
@@ -285,13 +284,13 @@ class Experiment:
                            f"unload-{self.name}-v{version}", finish_on_stop=True)
 
     @contextlib.contextmanager
-    def sampling_request(self) -> Iterator[None]:
-        """Counts a sampler request from its admission (it may wait for a sampling turn) to its end."""
-        self.sampling_requests += 1
+    def sampling_request(self, share: float = 1.0) -> Iterator[None]:
+        """Counts a sampler request (`share` of a group) from its admission (it may await a turn) to its end."""
+        self.sampling_requests += share
         try:
             yield
         finally:
-            self.sampling_requests -= 1
+            self.sampling_requests -= share
 
     @contextlib.contextmanager
     def pinned_serving_version(self) -> Iterator[int]:
@@ -326,7 +325,7 @@ class Experiment:
     def resume_from(self, state: AdapterVersion) -> None:
         """Take the learner's durable position: every journalled group after it is queued (again)."""
         self.step = state.step
-        self.learner_version = state.version
+        self.learner_version, self.version_steps[state.version] = state.version, state.step
         self.counters.groups_trained = state.groups_trained
         self.queue[:] = self.journal.pending(after_seq=state.journal_seq)
         self.queue_generation += 1
@@ -335,16 +334,14 @@ class Experiment:
     async def queue_grew(self, timeout_s: float) -> bool:
         """Wait until a group is queued (or the queue is rebuilt); False after `timeout_s` without one."""
         self.queue_changed.clear()
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.queue_changed.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return self.queue_changed.is_set()
 
     def drop_stale(self) -> int:
-        """Drop queued groups sampled more than max_staleness versions ago; return how many remain."""
+        """Drop queued groups sampled more than max_staleness optimizer steps (not versions) ago; return the rest."""
         limit = self.config.algorithm.max_staleness
-        fresh = [g for g in self.queue if self.learner_version - g.policy_version <= limit]
+        fresh = [g for g in self.queue if self.step - g.sampled_step <= limit]
         self.counters.groups_dropped_stale += len(self.queue) - len(fresh)
         self.queue[:] = fresh
         return len(fresh)
@@ -354,17 +351,18 @@ class Experiment:
         batch, self.queue[:size] = self.queue[:size], []
         return batch, self.queue_generation
 
-    def trained(self, groups: list[Group], metrics: TrainMetrics) -> None:
+    def trained(self, groups: list[Group], metrics: TrainMetrics | None, truncated: int = 0) -> None:
+        self.counters.completions_masked_truncated += truncated  # left out by mask_truncated; metrics None: no step
+        if metrics is None:
+            return
+        self.staleness.update(self.step - g.sampled_step for g in groups)  # behind the weights this step started from
         self.step = metrics.step
         self.counters.groups_trained += len(groups)
-        self.staleness.update(self.learner_version - g.policy_version for g in groups)
         if metrics.checkpointed_journal_seq is not None:
             self.journal.compact(through_seq=metrics.checkpointed_journal_seq)
-        # JSON has no inf/NaN: a non-finite metric (say, an empty ratio range) is shown as null.
         self.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                             for k, v in metrics.model_dump().items()}
-        # The version check's probe scores completions of one prompt: a group of episodes has none.
-        self.probe = next((g for g in reversed(groups) if g.episode_of is None), self.probe)
+                             for k, v in metrics.model_dump().items()}  # JSON has no inf/NaN: shown as null
+        self.probe = groups[-1]
 
     def verified(self, result: VerificationResult) -> None:
         if self.last_verification is None or self.last_verification.version <= result.version:

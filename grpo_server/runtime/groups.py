@@ -29,6 +29,9 @@ class Group:
     rewards: list[float] | None = None
     advantages: list[float] | None = None
     journal_seq: int = 0  # its number in the feedback journal, once accepted for training
+    # The learner's optimizer step count that the sampling version's weights were at (an episode group: its
+    # oldest turn's version's); set when accepted, journalled. max_staleness counts from it (Experiment.drop_stale).
+    sampled_step: int = 0
     # A group of episodes (runtime/episodes.py): completion i is a training sequence of episode
     # episode_of[i], with its own prompt and a loss mask over its tokens (1 = sampled by the model);
     # rewards and advantages are per episode. None for a group of completions of one prompt.

@@ -32,6 +32,7 @@ def group_record(group: Group) -> dict[str, Any]:
         "prompt_token_ids": group.prompt_token_ids, "completions": [c.model_dump() for c in group.completions],
         "policy_version": group.policy_version, "temperature": group.temperature, "max_tokens": group.max_tokens,
         "rewards": group.rewards, "advantages": group.advantages,
+        "sampled_step": group.sampled_step,  # absent in older journals: 0, counted from the first step
         **({} if group.episode_of is None else {"episode_of": group.episode_of,
                                                 "sequence_prompts": group.sequence_prompts,
                                                 "loss_masks": group.loss_masks}),

@@ -4,9 +4,11 @@
 Every line has `time` (wall clock, seconds since the epoch) and `kind`:
 - `train`: one learner step (written when its answer reaches the front end): `step`, `policy_version`
   (the version serving when the step ended), `groups`, and the learner's `loss`, `reward_mean`,
-  `reward_std`, `kl`, `clipped_fraction`, `ratio_mean`, `ratio_std`, `ratio_min`, `ratio_max`,
+  `reward_std`, `kl` (null when beta = 0: no reference forward), `clipped_fraction`, `ratio_mean`,
+  `ratio_std`, `ratio_min`, `ratio_max`,
   `grad_norm`, `tokens`, `step_seconds`, and the step's free check of the samplers (grpo_server/
-  verification.py): `checked_version`, `sampler_gap_tokens`, `sampler_gap_mean`, `sampler_gap_max`.
+  verification.py): `checked_version`, `sampler_gap_tokens`, `sampler_gap_mean`, `sampler_gap_max`, and the
+  sampler/learner `mismatch_kl` and `rollout_corrected_fraction` (grpo_server/protocol/wire.py TrainMetrics).
 - `push`: a new version served: `version`, `step`, `push_seconds`, and its check against the learner:
   `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`, `checked_on`
   (`trained_batch` or `probe`: grpo_server/runtime/verification.py). Written when the check is done.

@@ -9,7 +9,7 @@ import logging
 import time
 
 from grpo_server.protocol.errors import ApiError
-from grpo_server.protocol.wire import AdapterRef, TrainMetrics, TrainRequest, TrainSample
+from grpo_server.protocol.wire import AdapterRef, Completion, TrainMetrics, TrainRequest, TrainSample
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
@@ -19,7 +19,15 @@ from grpo_server.workers.pool import WorkerPool
 log = logging.getLogger(__name__)
 
 
-def train_samples(groups: list[Group]) -> list[TrainSample]:
+def truncated(completion: Completion) -> bool:
+    """Cut at its max_tokens (finish_reason 'length'). A group of episodes' sequence carries the finish reason
+    of its last turn when that turn was cut (runtime/episodes.py), so it counts as truncated then."""
+    return completion.finish_reason == "length"
+
+
+def train_samples(groups: list[Group], mask_truncated: bool = False) -> list[TrainSample]:
+    """The sequences of `groups` the loss sees: every non-empty one, less the truncated ones under
+    `mask_truncated` (DAPO's overlong filtering: their group's advantages stay as the rewards made them)."""
     return [
         TrainSample(
             prompt_token_ids=prompt_ids,
@@ -35,7 +43,15 @@ def train_samples(groups: list[Group]) -> list[TrainSample]:
         for group in groups
         for prompt_ids, completion, advantage, reward, mask in group.training_sequences()
         if completion.token_ids  # an empty completion carries no gradient
+        and not (mask_truncated and truncated(completion))
     ]
+
+
+def truncated_left_out(groups: list[Group], mask_truncated: bool) -> int:
+    """How many sequences `train_samples` leaves out of `groups` for being truncated."""
+    if not mask_truncated:
+        return 0
+    return sum(bool(c.token_ids) and truncated(c) for g in groups for _, c, *_ in g.training_sequences())
 
 
 class ExperimentTrainer:
@@ -66,13 +82,17 @@ class ExperimentTrainer:
 
     async def train(self, groups: list[Group], generation: int) -> None:
         exp = self.exp
-        samples = train_samples(groups)
+        mask_truncated = exp.config.algorithm.mask_truncated
+        samples, left_out = train_samples(groups, mask_truncated), truncated_left_out(groups, mask_truncated)
         if not samples:
+            exp.trained(groups, None, left_out)  # nothing left to train: counted, not sent
             return
         # Groups queued in journal order, stale ones dropped first: every entry up to the batch's newest
-        # is in this batch or was dropped, so the learner can record that one number.
+        # is in this batch or was dropped, so the learner can record that one number. Dr. GRPO's normaliser
+        # is the experiment's sampling.max_tokens, one constant for its whole life (not the batch's longest
+        # budget, which a request's own max_tokens, an external completion or an episode would move).
         request = TrainRequest(
-            name=exp.name, samples=samples, max_tokens=max(g.max_tokens for g in groups), num_groups=len(groups),
+            name=exp.name, samples=samples, max_tokens=exp.config.sampling.max_tokens, num_groups=len(groups),
             journal_seq=max(g.journal_seq for g in groups),
         )
         await self.workers.wait_learner_ready(self.train_timeout_s)
@@ -93,17 +113,18 @@ class ExperimentTrainer:
                 exp.record_error(f"train step failed, {len(groups)} groups not trained: {exc.message}")
                 log.error("%s: train step failed: %s", exp.name, exc.message)
                 return
-            self._trained(groups, metrics)
+            self._trained(groups, metrics, left_out)
             if pushing:
                 await self.push(slot)
 
-    def _trained(self, groups: list[Group], metrics: TrainMetrics) -> None:
+    def _trained(self, groups: list[Group], metrics: TrainMetrics, left_out: int = 0) -> None:
         exp = self.exp
-        exp.trained(groups, metrics)
+        exp.trained(groups, metrics, left_out)  # left_out: truncated completions mask_truncated kept out
         self.metrics_log.train(metrics, policy_version=exp.serving_version, groups=len(groups))
         self.checks.trained(metrics)
-        log.info("%s: step %d loss %.4f reward %.3f kl %.4f clipped %.3f", exp.name, metrics.step,
-                 metrics.loss, metrics.reward_mean, metrics.kl, metrics.clipped_fraction)
+        kl = "off" if metrics.kl is None else f"{metrics.kl:.4f}"  # None: beta = 0, no reference forward
+        log.info("%s: step %d loss %.4f reward %.3f kl %s clipped %.3f mismatch kl %.2e", exp.name, metrics.step,
+                 metrics.loss, metrics.reward_mean, kl, metrics.clipped_fraction, metrics.mismatch_kl)
 
     async def push(self, slot: bool) -> None:
         """Write a new version (the learner scores the check's probe under it as it saves), load it on every
@@ -117,7 +138,7 @@ class ExperimentTrainer:
         try:
             probe = probe_of(exp.probe)
             saved = await self.workers.learner.save_adapter(exp.name, probe)
-            exp.learned(saved.version)
+            exp.learned(saved.version, saved.step)
             await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path)
         except ApiError as exc:
             exp.record_error(f"push failed: {exc.message}")

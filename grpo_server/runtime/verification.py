@@ -41,12 +41,18 @@ IDLE_CHECK_S = 5.0  # training idle this long, and the samplers too: probe the n
 
 
 def probe_of(group: Group | None) -> VersionProbe | None:
-    """The completions scored on both sides: the first of the newest trained group (None: none yet)."""
-    completions = [c.token_ids for c in group.completions if c.token_ids][:PROBE_COMPLETIONS] if group else []
+    """The completions scored on both sides: the first of the newest trained group (None: none yet). Both
+    sides score the same ids, so an episode's sequences serve as well (the ones that share the first's
+    prompt), masked tokens and grammar-sampled turns included."""
+    if group is None:
+        return None
+    prompt = group.prompt_token_ids
+    prompts = group.sequence_prompts or [prompt] * len(group.completions)
+    completions = [c.token_ids for p, c in zip(prompts, group.completions) if p == prompt and c.token_ids]
+    completions = completions[:PROBE_COMPLETIONS]
     if not completions:
         return None
-    return VersionProbe(prompt_token_ids=group.prompt_token_ids, completions_token_ids=completions,
-                        temperature=group.temperature)
+    return VersionProbe(prompt_token_ids=prompt, completions_token_ids=completions, temperature=group.temperature)
 
 
 @dataclass(frozen=True)
