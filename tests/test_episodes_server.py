@@ -76,9 +76,10 @@ async def test_a_group_of_episodes_trains_the_better_episodes_sampled_tokens_up(
         status = await client.status(name)
         assert status.counters.episodes_rated == 2 and status.state == "active", status
         assert status.last_metrics["tokens"] > 0
-        # The pushed version is checked on the episodes too (on the trained batch, or by a probe).
-        verified = await wait_for(lambda: _verified(client, name), timeout_s=120)
-        assert verified.ok and verified.version >= 1, verified
+        # v0 was checked on the trained batch; v1, pushed after it, by a probe made of the episodes' sequences
+        # (nothing else was trained): the learner idles, so the probe runs.
+        verified = await wait_for(lambda: _verified(client, name, version=1), timeout_s=120)
+        assert verified.ok and verified.checked_on == "probe", verified
 
         changes = {}
         for label, (first, second) in episodes.items():
@@ -98,8 +99,9 @@ async def test_a_group_of_episodes_trains_the_better_episodes_sampled_tokens_up(
         await client.delete_experiment(name)
 
 
-async def _verified(client: AsyncClient, name: str):
-    return (await client.status(name)).last_verification
+async def _verified(client: AsyncClient, name: str, version: int):
+    verified = (await client.status(name)).last_verification
+    return verified if verified is not None and verified.version >= version else None
 
 
 async def _version_at_least(client: AsyncClient, name: str, version: int) -> bool:
