@@ -7,15 +7,20 @@ Pure and free of ML imports, like `openai_models.py`, which uses it for `chat_to
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from grpo_server.api_models import ChatMessage
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 
-if TYPE_CHECKING:
-    from grpo_server.api.openai_models import OpenAIChatMessage
+class ChatMessageIn(Protocol):
+    """An OpenAI chat message as `openai_models.OpenAIChatMessage` parses it (that module calls this one)."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None
+    tool_calls: list[Any] | None
+    tool_call_id: str | None
 
 
 def message_text(index: int, content: str | list[dict[str, Any]] | None) -> str | None:
@@ -38,7 +43,7 @@ def _tool_call(call: Any) -> Any:
     return call
 
 
-def chat_message(index: int, message: OpenAIChatMessage) -> ChatMessage:
+def chat_message(index: int, message: ChatMessageIn) -> ChatMessage:
     role = "system" if message.role == "developer" else message.role
     content = message_text(index, message.content)
     calls = [_tool_call(c) for c in message.tool_calls or ()] if role == "assistant" else message.tool_calls
@@ -55,5 +60,5 @@ def chat_message(index: int, message: OpenAIChatMessage) -> ChatMessage:
         raise Unprocessable(f"messages.{index}: {describe_validation_error(exc)}", code="invalid_request") from exc
 
 
-def chat_messages(messages: list[OpenAIChatMessage]) -> list[ChatMessage]:
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     return [chat_message(i, m) for i, m in enumerate(messages)]

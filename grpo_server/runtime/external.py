@@ -3,15 +3,29 @@ their token ids, and their behaviour logprobs scored by a sampler under the serv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Protocol
 
 from grpo_server.api_models import ExternalCompletion
 from grpo_server.protocol.wire import AdapterRef, Completion, ScoreRequest
 from grpo_server.runtime.groups import Group
 
 if TYPE_CHECKING:
-    from grpo_server.runtime.experiment import Experiment
     from grpo_server.runtime.prompts import PromptBuilder
+    from grpo_server.workers.pool import WorkerPool
+
+
+class Scorer(Protocol):
+    """What scoring needs of an experiment (runtime/experiment.py's Experiment, which calls this module, so it
+    is not imported here)."""
+
+    name: str
+    workers: "WorkerPool"
+    prompts: "PromptBuilder"
+
+    def sampling_request(self, share: float = 1.0) -> contextlib.AbstractContextManager[None]: ...
+
+    def pinned_serving_version(self) -> contextlib.AbstractContextManager[int]: ...
 
 
 def external_token_ids(prompts: "PromptBuilder", group: Group, external: list[ExternalCompletion]) -> list[list[int]]:
@@ -24,7 +38,7 @@ def external_token_ids(prompts: "PromptBuilder", group: Group, external: list[Ex
     return token_ids
 
 
-async def score_external(exp: "Experiment", group: Group, token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
+async def score_external(exp: Scorer, group: Group, token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
     """Score completions the model did not sample under the serving version: those logprobs are
     their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
     with exp.sampling_request():
