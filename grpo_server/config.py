@@ -16,6 +16,10 @@ the resolved numbers are what the learner, the status and the registry see):
 dr_grpo's max_tokens is the experiment's `sampling.max_tokens`, a constant for its whole life.
 `max_staleness` counts optimizer steps; `mask_truncated` (off by default) leaves completions cut at
 max_tokens out of the loss.
+
+Every int and float field has a lower and an upper bound (its Field's ge/gt and le/lt, in the JSON schema too;
+timeouts at most a week, WEEK_S), and floats must be finite: a value outside is a ValidationError naming the
+field, which the API answers with a 422 (tests/test_config_ranges.py checks that no field goes without).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # LoraConfig and AlgorithmConfig are the learner's too, so they live with the workers' config.
-from grpo_server.protocol.worker_config import (AlgorithmConfig, DTypeName, LearnerOptions, LoraConfig, SamplerOptions,
-                                                StrictModel, load_yaml)
+from grpo_server.protocol.worker_config import (MAX_CONTEXT, WEEK_S, AlgorithmConfig, DTypeName, LearnerOptions,
+                                                LoraConfig, SamplerOptions, StrictModel, load_yaml)
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 
@@ -122,7 +126,8 @@ class LearnerSettings(LearnerOptions):
 class ServerConfig(BaseSettings):
     """The whole server: the front end reads this, and hands the workers their part."""
 
-    model_config = SettingsConfigDict(env_prefix="GRPO_SERVER_", extra="forbid", validate_assignment=True)
+    model_config = SettingsConfigDict(env_prefix="GRPO_SERVER_", extra="forbid", validate_assignment=True,
+                                      allow_inf_nan=False)
 
     model: str = Field(
         EMBEDDED_MODEL_NAME, description=f"'{EMBEDDED_MODEL_NAME}' (the embedded model) or a local HF folder."
@@ -134,25 +139,27 @@ class ServerConfig(BaseSettings):
         None, description="Admin key (env GRPO_SERVER_API_KEY); generated and printed at start if unset."
     )
     dtype: DTypeName = Field("auto", description="Model dtype: auto = float32 on CPU, bfloat16 on GPU.")
-    max_model_len: int = Field(2048, ge=16, description="Context length (prompt + completion) in tokens.")
-    seed: int = Field(0, description="Seed of the workers' random generators.")
-    group_ttl_s: float = Field(900.0, gt=0, description="Groups without feedback expire after this long.")
+    max_model_len: int = Field(2048, ge=16, le=MAX_CONTEXT,
+                               description="Context length (prompt + completion) in tokens.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the workers' random generators.")
+    group_ttl_s: float = Field(900.0, gt=0, le=WEEK_S, description="Groups without feedback expire after this long.")
     max_queued_batches: int = Field(
-        2, ge=1, description="Completions get 429 while this many batches of an experiment's groups are being "
-        "sampled or wait for the learner: sampling more would only make stale groups (and steal the "
+        2, ge=1, le=1024, description="Completions get 429 while this many batches of an experiment's groups are "
+        "being sampled or wait for the learner: sampling more would only make stale groups (and steal the "
         "learner's CPU).")
-    worker_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one worker call.")
-    startup_timeout_s: float = Field(900.0, gt=0, description="Longest wait for a worker to become healthy.")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
-    max_experiments: int = Field(64, ge=1, description="Most experiments at once (each holds an adapter and "
-                                 "its optimizer in the learner).")
+    worker_timeout_s: float = Field(600.0, gt=0, le=WEEK_S, description="Longest wait for one worker call.")
+    startup_timeout_s: float = Field(900.0, gt=0, le=WEEK_S,
+                                     description="Longest wait for a worker to become healthy.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=2**32, description="Largest request body accepted.")
+    max_experiments: int = Field(64, ge=1, le=4096, description=(
+        "Most experiments at once (each holds an adapter and its optimizer in the learner)."))
     max_n: int = Field(64, ge=1, le=256, description="Largest group (n) one request may ask for.")
-    max_tokens: int = Field(4096, ge=1, description="Largest max_tokens one request may ask for.")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens (None = whatever "
-                                          "fits the context with max_tokens).")
+    max_tokens: int = Field(4096, ge=1, le=1_048_576, description="Largest max_tokens one request may ask for.")
+    max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT, description=(
+        "Longest prompt in tokens (None = whatever fits the context with max_tokens)."))
     max_pending_groups: int = Field(
-        1024, ge=1, description="Groups of one experiment that may await feedback at once; completions get "
-        "429 beyond it until feedback arrives or groups expire (group_ttl_s).")
+        1024, ge=1, le=1_000_000, description="Groups of one experiment that may await feedback at once; "
+        "completions get 429 beyond it until feedback arrives or groups expire (group_ttl_s).")
     max_pending_episodes: int = Field(
         1024, ge=1, le=1_000_000, description="Episodes of one experiment that may await their reward at once; a "
         "new episode's first turn gets 429 beyond it.")
@@ -160,18 +167,18 @@ class ServerConfig(BaseSettings):
     max_episode_tokens: int = Field(
         32768, ge=1, le=10_000_000, description="Tokens one episode may hold for training (its sequences: "
         "prompts, tool results and the model's turns).")
-    episode_ttl_s: float = Field(900.0, gt=0, description="An episode that gets no turn and no reward for this "
-                                 "long expires (counted in episodes_expired).")
+    episode_ttl_s: float = Field(900.0, gt=0, le=WEEK_S, description=(
+        "An episode that gets no turn and no reward for this long expires (counted in episodes_expired)."))
     max_loaded_versions: int = Field(
-        4, ge=2, description="Adapter versions of one experiment loaded on the samplers at once (the served "
-        "one plus older ones that requests still use); a push waits for a slot.")
+        4, ge=2, le=256, description="Adapter versions of one experiment loaded on the samplers at once (the "
+        "served one plus older ones that requests still use); a push waits for a slot.")
     schedule: Literal["auto", "overlap", "alternate"] = Field(
         "auto", description="Sampling and training at the same time (overlap: the sampler and the learner have "
         "their own devices) or in turns (alternate: a train step waits for the sampler calls running and holds "
         "new ones until it ends, for a CPU host where they share the cores). auto: alternate when the workers "
         "run on this machine and it has no NVIDIA GPU, overlap otherwise (grpo_server/workers/pool.py).")
     verify_tolerance: float = Field(
-        0.05, gt=0, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
+        0.05, gt=0, le=100, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")

@@ -23,8 +23,15 @@ CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
     "grpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
 
 
+# Every int and float field below (and in grpo_server/config.py) has a lower and an upper bound, and floats
+# must be finite: an out-of-range value is a ValidationError naming the field (a 422 on the API), never a number
+# that overflows on the way to a worker (msgpack takes 64-bit ints) or trains on nonsense. Ints stay far inside int64.
+WEEK_S = 7 * 24 * 3600.0  # the longest timeout or time-to-live
+MAX_CONTEXT = 2**24  # the largest context length (tokens) a config may name
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class LoraConfig(StrictModel):
@@ -47,8 +54,8 @@ class AlgorithmConfig(StrictModel):
         "gspo: sequence-level importance ratio.",
     )
     learning_rate: float = Field(5e-5, gt=0, le=1.0, description="AdamW learning rate of the adapter.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base model (0 = off).")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
+    beta: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to the base model (0 = off).")
     # None (or left out) = the loss's default (CLIP_DEFAULTS), filled in once when the config is validated:
     # the learner, the status and the registry see the resolved numbers.
     clip_low: float | None = Field(None, ge=0, lt=1, description=(
@@ -57,7 +64,7 @@ class AlgorithmConfig(StrictModel):
     clip_high: float | None = Field(None, ge=0, le=10, description=(
         "PPO clip: ratio upper bound is 1 + clip_high, in [0, 10]. Default by loss: grpo 0.2, dr_grpo 0.2, "
         "dapo 0.28 (clip-higher), gspo 4e-4."))
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm (1e6: in effect none).")
     batch_groups: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
     micro_batch_size: int = Field(8, ge=1, le=4096, description="Sequences per forward/backward pass.")
     push_every: int = Field(1, ge=1, le=1_000_000, description="Optimizer steps between adapter versions.")
@@ -109,14 +116,15 @@ class SamplerOptions(StrictModel):
     """Sampler engine options, the same for every replica."""
 
     engine: EngineName = Field("auto", description="vllm, transformers, or auto (vllm when importable).")
-    max_loras: int = Field(2, ge=1, description="Most distinct adapters in one engine batch (vLLM).")
-    max_cpu_loras: int = Field(16, ge=1, description="Adapters kept loaded in the engine's cache.")
-    max_lora_rank: int = Field(16, description="Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ...).")
+    max_loras: int = Field(2, ge=1, le=256, description="Most distinct adapters in one engine batch (vLLM).")
+    max_cpu_loras: int = Field(16, ge=1, le=4096, description="Adapters kept loaded in the engine's cache.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description=(
+        "Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ..., 512)."))
     gpu_memory_utilization: float = Field(
         0.15, gt=0, le=1, description="Share of device memory vLLM reserves (of RAM on CPU)."
     )
-    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine runs at once.")
+    kv_cache_gib: float = Field(2.0, gt=0, le=4096, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences the engine runs at once.")
     tool_parser: str = Field("hermes", description=(
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
@@ -143,14 +151,14 @@ class WorkerProcessConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(ge=1, le=65535)
     dtype: DTypeName = "auto"
-    max_model_len: int = Field(2048, ge=16)
-    seed: int = 0
+    max_model_len: int = Field(2048, ge=16, le=MAX_CONTEXT)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
 class SamplerConfig(WorkerProcessConfig, SamplerOptions):
     """What one sampler process reads."""
 
-    replica: int = 0
+    replica: int = Field(0, ge=0, le=1023)
 
 
 class LearnerConfig(WorkerProcessConfig, LearnerOptions):
@@ -158,7 +166,7 @@ class LearnerConfig(WorkerProcessConfig, LearnerOptions):
 
     # Bounds every collective (a rank stuck inside a step fails the step rather than hang it), and a
     # rank's start-up rendezvous.
-    collective_timeout_s: float = Field(300.0, gt=0)
+    collective_timeout_s: float = Field(300.0, gt=0, le=WEEK_S)
 
 
 C = TypeVar("C", bound=BaseModel)
