@@ -38,6 +38,12 @@ class Sequence:
     # One per completion token: 1 = sampled by the model (trained, old_logp real), 0 = context only (old_logp a
     # placeholder). None: every completion token is the model's.
     loss_mask: list[int] | None = None
+    top_p: float = 1.0  # the nucleus old_logp is renormalised over; the learner's logprobs must use it too
+
+    @property
+    def decoding(self) -> tuple[float, float]:
+        """(temperature, top_p): the sampling distribution its logprobs are under, one per micro-batch."""
+        return self.temperature, self.top_p
 
     def trained(self) -> list[bool]:
         """Per completion token: is it trained (and its old_logp real)?"""
@@ -57,7 +63,8 @@ class MicroBatch:
     mask_B_C: Tensor  # True on trained completion tokens (False on padding and on loss_mask 0)
     old_logp_B_C: Tensor
     advantages_B: Tensor
-    temperature: float  # shared by every sequence of the micro-batch
+    temperature: float  # shared by every sequence of the micro-batch, as top_p is
+    top_p: float
     checked_B: Tensor  # Sequence.checked
 
     @property
@@ -135,17 +142,17 @@ def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatc
     advantages_B = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
     checked_B = torch.tensor([s.checked for s in seqs], dtype=torch.bool)
     return MicroBatch(indices, input_ids_B_L, attention_mask_B_L, K, targets_B_K, gather_B_C, mask_B_C,
-                      old_logp_B_C, advantages_B, seqs[0].temperature, checked_B)
+                      old_logp_B_C, advantages_B, seqs[0].temperature, seqs[0].top_p, checked_B)
 
 
 def make_micro_batches(seqs: list[Sequence], micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
-    """Cut sequences into micro-batches of at most `micro_batch_size`, one sampling temperature each,
-    longest first."""
+    """Cut sequences into micro-batches of at most `micro_batch_size`, one sampling distribution
+    (temperature and top_p) each, longest first."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     batches = []
-    for temperature in sorted({s.temperature for s in seqs}):
-        same = [i for i, s in enumerate(seqs) if s.temperature == temperature]
+    for decoding in sorted({s.decoding for s in seqs}):
+        same = [i for i, s in enumerate(seqs) if s.decoding == decoding]
         order = sorted(same, key=lambda i: len(seqs[i].prompt) + len(seqs[i].completion), reverse=True)
         for start in range(0, len(order), micro_batch_size):
             chunk = order[start : start + micro_batch_size]

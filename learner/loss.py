@@ -13,19 +13,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_server.protocol.sampling_distribution import outside_nucleus
+
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 
 # Log-ratios beyond this are a broken batch, not a signal; clamping keeps exp() finite so one bad
 # token cannot turn the whole step into inf/NaN (exp(20) ~ 5e8 is far outside any clip range).
 _MAX_LOG_RATIO = 20.0
+# Vocabulary entries sorted at once when finding top-p nuclei (~17 bytes each: value, index, mask).
+_NUCLEUS_CHUNK_ENTRIES = 1 << 24
 
 
-def token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature) gathered at token_ids; float32.
+def token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: float = 1.0,
+                   top_p: float = 1.0) -> Tensor:
+    """The logprob of token_ids under the distribution the sampler drew them from; float32.
 
-    logits[:, t] is the distribution of token_ids[:, t] (the caller shifts). The temperature must be
-    the sampler's, or the learner's logprobs would not match the behaviour policy's.
+    That is log softmax(logits / temperature), renormalised over vLLM's top-p nucleus when top_p < 1
+    (protocol/sampling_distribution.py), with the token itself always counted in the nucleus: a sampled
+    token that the learner's logits put just outside it (float noise at the boundary, or weights that moved
+    since) gets a finite logprob, not -inf. logits[:, t] is the distribution of token_ids[:, t] (the caller
+    shifts). Temperature and top_p must be the sampler's, or the ratio would not start at 1.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
@@ -33,7 +41,28 @@ def token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: flo
     if temperature != 1.0:
         logits = logits / temperature
     logp_B_T_V = torch.log_softmax(logits, dim=-1)
-    return logp_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
+    logp_B_T = logp_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
+    if top_p < 1.0:
+        logp_B_T = logp_B_T - nucleus_log_mass(logp_B_T_V, token_ids_B_T, top_p)
+    return logp_B_T
+
+
+def nucleus_log_mass(logp_B_T_V: Tensor, token_ids_B_T: Tensor, top_p: float) -> Tensor:
+    """log of the probability in vLLM's top-p nucleus (plus token_ids, if outside it), per position.
+
+    Which tokens are in is decided without gradient, in row chunks (a sort over the vocabulary holds an
+    index per entry: 8 bytes x V per row); the mass is a differentiable logsumexp of their logprobs.
+    """
+    V = logp_B_T_V.shape[-1]
+    with torch.no_grad():
+        flat_N_V = logp_B_T_V.detach().reshape(-1, V)
+        dropped_N_V = torch.empty_like(flat_N_V, dtype=torch.bool)
+        rows = max(1, _NUCLEUS_CHUNK_ENTRIES // V)
+        for start in range(0, flat_N_V.shape[0], rows):
+            dropped_N_V[start:start + rows] = outside_nucleus(flat_N_V[start:start + rows], top_p)
+        dropped_B_T_V = dropped_N_V.view_as(logp_B_T_V)
+        dropped_B_T_V.scatter_(-1, token_ids_B_T.long().unsqueeze(-1), False)  # the token itself counts
+    return torch.logsumexp(logp_B_T_V.masked_fill(dropped_B_T_V, -float("inf")), dim=-1)
 
 
 @dataclass(frozen=True)

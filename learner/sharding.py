@@ -1,7 +1,7 @@
 """Data parallelism: which sequences of a batch each rank trains on, and how many passes every rank makes.
 
 Every rank holds the whole batch (rank 0 forwards the request), so each computes every rank's share
-without talking. Sequences are ordered by temperature, then length, longest first, and dealt round-robin,
+without talking. Sequences are ordered by sampling distribution (temperature, top_p), then length, longest first, and dealt round-robin,
 so the ranks get counts within one of each other and similar lengths. Each rank cuts its share into
 micro-batches of `micro_batch_size` (DeepSpeed's micro batch per GPU).
 
@@ -18,6 +18,7 @@ which the trainer undoes by scaling each rank's loss by the world size.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from learner.batching import MicroBatch, Sequence, make_micro_batches
@@ -39,17 +40,15 @@ def _length(seq: Sequence) -> int:
 
 
 def shard_indices(seqs: list[Sequence], world_size: int) -> list[list[int]]:
-    """Each rank's sequence indices (in request order), dealt round-robin by temperature and length."""
-    order = sorted(range(len(seqs)), key=lambda i: (seqs[i].temperature, -_length(seqs[i])))
+    """Each rank's sequence indices (in request order), dealt round-robin by distribution and length."""
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i].decoding, -_length(seqs[i])))
     return [sorted(order[rank::world_size]) for rank in range(world_size)]
 
 
 def count_micro_batches(seqs: list[Sequence], micro_batch_size: int) -> int:
-    """How many micro-batches make_micro_batches cuts (one temperature per micro-batch)."""
-    per_temperature: dict[float, int] = {}
-    for seq in seqs:
-        per_temperature[seq.temperature] = per_temperature.get(seq.temperature, 0) + 1
-    return sum(math.ceil(n / micro_batch_size) for n in per_temperature.values())
+    """How many micro-batches make_micro_batches cuts (one sampling distribution per micro-batch)."""
+    per_decoding = Counter(seq.decoding for seq in seqs)
+    return sum(math.ceil(n / micro_batch_size) for n in per_decoding.values())
 
 
 def rank_share(seqs: list[Sequence], micro_batch_size: int, rank: int, world_size: int) -> RankShare:

@@ -157,10 +157,11 @@ class MultiAdapterTrainer:
         # With LoRA dropout the training forward is not the function the samplers serve: nothing to compare.
         checked = exp.weights_version if self._lora_configs[exp.name].dropout == 0 else None
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature,
-                         checked=s.policy_version == checked and not s.constrained, loss_mask=s.loss_mask)
+                         checked=s.policy_version == checked and not s.constrained, loss_mask=s.loss_mask,
+                         top_p=s.top_p)
                 for s in request.samples]
         for i, seq in enumerate(seqs):
-            _check_temperature(seq.temperature)
+            _check_decoding(seq.temperature, seq.top_p)
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"samples[{i}]")
         algo = exp.algorithm
         settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta, RolloutCorrection(
@@ -227,8 +228,9 @@ class MultiAdapterTrainer:
     def logprobs(self, request: LogprobsRequest) -> list[list[float]]:
         """Per-token logprobs of each completion under the experiment's current adapter, eval mode."""
         exp = self._get(request.name)
-        _check_temperature(request.temperature)
-        seqs = [Sequence(request.prompt_token_ids, c, [0.0] * len(c)) for c in request.completions_token_ids]
+        _check_decoding(request.temperature)
+        seqs = [Sequence(request.prompt_token_ids, c, [0.0] * len(c), temperature=request.temperature)
+                for c in request.completions_token_ids]
         for i, seq in enumerate(seqs):
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"completions_token_ids[{i}]")
         self._activate(exp.adapter)
@@ -236,7 +238,7 @@ class MultiAdapterTrainer:
         out: list[list[float]] = [[] for _ in seqs]
         with torch.no_grad():
             for batch in make_micro_batches(seqs, exp.algorithm.micro_batch_size):
-                logp_B_C = self._completion_logp(self.model, batch.to(self.device), request.temperature)
+                logp_B_C = self._completion_logp(self.model, batch.to(self.device))
                 for row, index in enumerate(batch.indices):
                     out[index] = logp_B_C[row, : len(seqs[index].completion)].tolist()
         return out
@@ -315,8 +317,8 @@ class MultiAdapterTrainer:
             # Accumulate locally until the last micro-batch, then one step on the summed gradient
             # (learner/engine.py explains why this equals one step on the whole batch).
             exp.engine.set_gradient_accumulation_boundary(i == len(passes) - 1)
-            ref_logp_B_C = self._reference_logp(batch, batch.temperature) if settings.beta > 0 else None
-            logp_B_C = self._completion_logp(exp.engine, batch, batch.temperature)
+            ref_logp_B_C = self._reference_logp(batch) if settings.beta > 0 else None
+            logp_B_C = self._completion_logp(exp.engine, batch)
             loss, micro_stats = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C,
                                             settings, norm, ref_logp_B_C)
             # DeepSpeed AVERAGES gradients over the ranks, and the ranks' shares SUM to the batch gradient:
@@ -350,16 +352,18 @@ class MultiAdapterTrainer:
         self._activate(exp.adapter)
         exp.engine = make_engine(self.model, exp.params, exp.algorithm, self.config.zero_stage, self.dtype)
 
-    def _completion_logp(self, forward: Any, batch: MicroBatch, temperature: float) -> torch.Tensor:
-        """Completion-token logprobs [B, C] under `forward` (the DeepSpeed engine or the peft model)."""
+    def _completion_logp(self, forward: Any, batch: MicroBatch) -> torch.Tensor:
+        """Completion-token logprobs [B, C] under `forward` (the DeepSpeed engine or the peft model), in the
+        distribution the batch was sampled from (its temperature and top_p)."""
         logits_B_K_V = forward(input_ids=batch.input_ids_B_L, attention_mask=batch.attention_mask_B_L,
                                logits_to_keep=batch.logits_to_keep, use_cache=False).logits
-        return gather_completion_logp(token_logprobs(logits_B_K_V, batch.targets_B_K, temperature), batch)
+        logp_B_K = token_logprobs(logits_B_K_V, batch.targets_B_K, batch.temperature, batch.top_p)
+        return gather_completion_logp(logp_B_K, batch)
 
-    def _reference_logp(self, batch: MicroBatch, temperature: float) -> torch.Tensor:
+    def _reference_logp(self, batch: MicroBatch) -> torch.Tensor:
         """The base model's logprobs (adapter switched off, no second model), for the KL penalty."""
         with torch.no_grad(), self.model.disable_adapter():
-            return self._completion_logp(self.model, batch, temperature)
+            return self._completion_logp(self.model, batch)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -378,7 +382,9 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _check_temperature(temperature: float) -> None:
+def _check_decoding(temperature: float, top_p: float = 1.0) -> None:
     if not temperature > 0:
         raise BadRequest(f"temperature must be > 0 to score tokens, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from grpo_server.protocol.errors import BadRequest, Conflict
 from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.protocol.sampling_distribution import outside_nucleus
 from grpo_server.protocol.wire import (
     AdapterRef,
     Completion,
@@ -50,15 +51,8 @@ def _eos_ids(model_path: Path, tokenizer: Any) -> set[int]:
 
 
 def top_p_mask(logits_B_V: Any, top_p: float) -> Any:
-    """vLLM's top-p (apply_top_k_top_p_pytorch): -inf for tokens outside the nucleus."""
-    import torch
-
-    sorted_B_V, index_B_V = logits_B_V.sort(dim=-1, descending=False)
-    cumulative_B_V = sorted_B_V.softmax(dim=-1).cumsum(dim=-1)
-    drop_B_V = cumulative_B_V <= 1 - top_p
-    drop_B_V[:, -1] = False  # keep at least the most likely token
-    sorted_B_V = sorted_B_V.masked_fill(drop_B_V, -float("inf"))
-    return torch.empty_like(logits_B_V).scatter_(-1, index_B_V, sorted_B_V)
+    """vLLM's top-p (protocol/sampling_distribution.py): -inf for tokens outside the nucleus."""
+    return logits_B_V.masked_fill(outside_nucleus(logits_B_V, top_p), -float("inf"))
 
 
 def sample_step(logits_B_V: Any, temperature: float, top_p: float, generators: list[Any]) -> tuple[Any, Any]:

@@ -29,10 +29,10 @@ def open_turn(store: EpisodeStore, episode_id: str = "ep", experiment: str = "ex
 def test_turns_that_extend_each_other_make_one_sequence_with_the_model_spans_masked_in():
     store = EpisodeStore(ttl_s=60)
     episode = open_turn(store)
-    episode.add_turn([1, 2, 3], completion([10, 11]), version=3, messages=None, temperature=1.0)
+    episode.add_turn([1, 2, 3], completion([10, 11]), version=3, messages=None, decoding=(1.0, 1.0))
     store.done(episode)
     episode = open_turn(store)
-    episode.add_turn([1, 2, 3, 10, 11, 4, 5], completion([12]), version=4, messages=None, temperature=1.0)
+    episode.add_turn([1, 2, 3, 10, 11, 4, 5], completion([12]), version=4, messages=None, decoding=(1.0, 1.0))
     store.done(episode)
     [sequence] = episode.sequences
     assert sequence.prompt_token_ids == [1, 2, 3]
@@ -45,10 +45,10 @@ def test_turns_that_extend_each_other_make_one_sequence_with_the_model_spans_mas
 def test_a_turn_that_does_not_extend_the_last_starts_a_new_sequence():
     store = EpisodeStore(ttl_s=60)
     episode = open_turn(store)
-    episode.add_turn([1, 2, 3], completion([10, 11]), version=0, messages=None, temperature=1.0)
+    episode.add_turn([1, 2, 3], completion([10, 11]), version=0, messages=None, decoding=(1.0, 1.0))
     store.done(episode)
     episode = open_turn(store)
-    episode.add_turn([1, 2, 9], completion([12]), version=0, messages=None, temperature=1.0)
+    episode.add_turn([1, 2, 9], completion([12]), version=0, messages=None, decoding=(1.0, 1.0))
     assert [s.prompt_token_ids for s in episode.sequences] == [[1, 2, 3], [1, 2, 9]]
     assert [s.mask for s in episode.sequences] == [[1, 1], [1]]
 
@@ -59,7 +59,7 @@ def test_the_previous_turn_is_recognised_in_the_history_despite_the_framework_re
     first = [ChatMessage(role="system", content="Be brief."), user("2+3?")]
     call = ToolCall(id="call_1", name="add", arguments='{"a":2,"b":3}')
     episode.add_turn([1, 2], completion([10], text='<tool_call>{"name": "add"}</tool_call>', tool_calls=[call],
-                                       content=None), version=0, messages=first, temperature=1.0)
+                                       content=None), version=0, messages=first, decoding=(1.0, 1.0))
     store.done(episode)
     echoed = ChatMessage(role="assistant", content="", tool_calls=[
         {"id": "call_1", "function": {"name": "add", "arguments": '{\n "a": 2,\n "b": 3\n}'}}])
@@ -84,7 +84,7 @@ def test_the_store_refuses_what_it_cannot_take_and_takes_nothing_on_an_error():
     with pytest.raises(Conflict) as busy:
         open_turn(store, "a")
     assert busy.value.code == "episode_busy"
-    episode.add_turn([1], completion([2]), version=0, messages=None, temperature=1.0)
+    episode.add_turn([1], completion([2]), version=0, messages=None, decoding=(1.0, 1.0))
     store.done(episode)
     for turn in range(3):
         store.done(open_turn(store, "a"))
@@ -109,7 +109,7 @@ def test_pending_episodes_are_bounded_and_an_episode_whose_first_turn_failed_is_
     store = EpisodeStore(ttl_s=60)
     for i in range(8):
         episode = open_turn(store, f"e{i}")
-        episode.add_turn([1], completion([2]), version=0, messages=None, temperature=1.0)
+        episode.add_turn([1], completion([2]), version=0, messages=None, decoding=(1.0, 1.0))
         store.done(episode)
     with pytest.raises(TooManyRequests):
         open_turn(store, "e8")
@@ -122,7 +122,7 @@ def test_pending_episodes_are_bounded_and_an_episode_whose_first_turn_failed_is_
 def test_idle_episodes_expire_and_are_counted_but_not_while_a_turn_runs():
     store = EpisodeStore(ttl_s=10)
     idle = open_turn(store, "idle")
-    idle.add_turn([1], completion([2]), version=0, messages=None, temperature=1.0)
+    idle.add_turn([1], completion([2]), version=0, messages=None, decoding=(1.0, 1.0))
     store.done(idle)
     running = open_turn(store, "running")
     assert store.expire(now=idle.touched_at + 11) == {"exp": 1}
@@ -136,10 +136,12 @@ def test_a_group_of_episodes_trains_each_sequence_with_its_episodes_advantage_an
     episodes = []
     for name, prompt in (("good", [1, 2]), ("bad", [1, 3])):
         episode = open_turn(store, name)
-        episode.add_turn(prompt, completion([10, 11]), version=2, messages=None, temperature=0.8)
+        episode.add_turn(prompt, completion([10, 11]), version=2, messages=None, decoding=(0.8, 0.9))
         store.done(episode)
         episode = open_turn(store, name)
-        episode.add_turn(prompt + [10, 11, 5], completion([12]), version=3, messages=None, temperature=0.8)
+        with pytest.raises(Unprocessable, match="top_p 0.9"):  # its turns keep one distribution
+            episode.check_decoding(0.8, 1.0)
+        episode.add_turn(prompt + [10, 11, 5], completion([12]), version=3, messages=None, decoding=(0.8, 0.9))
         store.done(episode)
         episodes.append(episode)
     group = trajectory_group("grp_x", "exp", store.take("exp", ["good", "bad"]))
@@ -149,19 +151,19 @@ def test_a_group_of_episodes_trains_each_sequence_with_its_episodes_advantage_an
     assert [s.completion_token_ids for s in samples] == [[10, 11, 5, 12]] * 2
     assert [s.loss_mask for s in samples] == [[1, 1, 0, 1]] * 2
     assert [s.advantage for s in samples] == [0.7, -0.7] and [s.reward for s in samples] == [1.0, 0.0]
-    assert all(s.temperature == 0.8 and s.policy_version == 2 for s in samples)
+    assert all(s.temperature == 0.8 and s.top_p == 0.9 and s.policy_version == 2 for s in samples)
     assert group.max_tokens == 4
 
 
 def test_a_turn_its_client_never_received_is_undone():
     store = EpisodeStore(ttl_s=60)
     episode = open_turn(store)
-    episode.add_turn([1, 2], completion([10]), version=0, messages=[user("hi")], temperature=1.0)
+    episode.add_turn([1, 2], completion([10]), version=0, messages=[user("hi")], decoding=(1.0, 1.0))
     store.done(episode)
     before = [(s.token_ids[:], s.mask[:]) for s in episode.sequences], episode.last_messages
     for prompt in ([1, 2, 10, 3], [7, 8]):  # extending the sequence, then starting a new one
         episode = open_turn(store)
-        episode.add_turn(prompt, completion([11, 12]), version=1, messages=[user("again")], temperature=1.0)
+        episode.add_turn(prompt, completion([11, 12]), version=1, messages=[user("again")], decoding=(1.0, 1.0))
         store.done(episode)
         store.undo_turn("exp", "ep")
         assert ([(s.token_ids, s.mask) for s in episode.sequences], episode.last_messages) == before
@@ -169,7 +171,7 @@ def test_a_turn_its_client_never_received_is_undone():
     store.undo_turn("exp", "ep")  # only the newest turn can be undone
     assert episode.turns == 1
     lone = open_turn(store, "lone")
-    lone.add_turn([1], completion([2]), version=0, messages=None, temperature=1.0)
+    lone.add_turn([1], completion([2]), version=0, messages=None, decoding=(1.0, 1.0))
     store.done(lone)
     store.undo_turn("exp", "lone")  # its only turn: the episode is gone
     assert store.pending_count("exp") == 1
@@ -179,7 +181,7 @@ def test_a_group_of_episodes_gives_the_version_check_its_probe():
     store = EpisodeStore(ttl_s=60)
     for name, prompt in (("a", [1, 2]), ("b", [1, 2]), ("c", [9])):
         episode = open_turn(store, name)
-        episode.add_turn(prompt, completion([10 + len(name)]), version=0, messages=None, temperature=0.7)
+        episode.add_turn(prompt, completion([10 + len(name)]), version=0, messages=None, decoding=(0.7, 1.0))
         store.done(episode)
     group = trajectory_group("grp_p", "exp", store.take("exp", ["a", "b", "c"]))
     probe = probe_of(group)

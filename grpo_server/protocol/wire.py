@@ -167,6 +167,7 @@ class TrainSample(WireModel):
     reward: float
     policy_version: int  # the version that sampled it
     temperature: float = 1.0  # the sampling temperature its logprobs were taken at (> 0)
+    top_p: float = 1.0  # and the nucleus they were renormalised over (protocol/sampling_distribution.py)
     # One per completion token: 1 where the model sampled it (trained, and its sampler_logprobs are real),
     # 0 where it did not (an episode's tool results, user turns and template tokens between its turns:
     # their sampler_logprobs are placeholders). None: every token is the model's.

@@ -51,7 +51,10 @@ class EpisodeSequence:
 class Episode:
     episode_id: str
     experiment: str
-    temperature: float | None = None  # of its first turn; every turn must sample at it (one per sequence)
+    # Its first turn's temperature and top_p; every turn must sample at them (the learner scores each sequence
+    # under one distribution).
+    temperature: float | None = None
+    top_p: float = 1.0
     sequences: list[EpisodeSequence] = field(default_factory=list)
     turns: int = 0
     oldest_version: int | None = None  # the oldest policy version that sampled one of its turns
@@ -82,18 +85,19 @@ class Episode:
         added = len(prompt_ids) - len(last) if last and prompt_ids[:len(last)] == last else len(prompt_ids)
         return self.tokens + added + max_tokens
 
-    def check_temperature(self, temperature: float) -> None:
-        if self.temperature is not None and temperature != self.temperature:
-            raise Unprocessable(f"episode {self.episode_id} samples at temperature {self.temperature}: its turns "
-                                "keep one temperature (the learner scales each sequence by one)",
-                                code="episode_temperature_changed")
+    def check_decoding(self, temperature: float, top_p: float) -> None:
+        if self.temperature is not None and (temperature, top_p) != (self.temperature, self.top_p):
+            raise Unprocessable(f"episode {self.episode_id} samples at temperature {self.temperature}, top_p "
+                                f"{self.top_p}: its turns keep them (the learner scores each sequence under one "
+                                "distribution)", code="episode_temperature_changed")
 
     def add_turn(self, prompt_ids: list[int], completion: Completion, version: int,
-                 messages: Sequence[ChatMessage] | None, temperature: float) -> None:
+                 messages: Sequence[ChatMessage] | None, decoding: tuple[float, float]) -> None:
         last = self.sequences[-1] if self.sequences else None
         self._before_last_turn = (len(self.sequences), len(last.token_ids) if last else 0,
                                   (last.constrained, last.last_finish_reason) if last else (False, None),
-                                  self.last_messages, self.turns, self.temperature, self.oldest_version)
+                                  self.last_messages, self.turns, self.temperature, self.top_p,
+                                  self.oldest_version)
         if last is not None and prompt_ids[:len(last.full_ids)] == last.full_ids:
             between = prompt_ids[len(last.full_ids):]
             last.token_ids += between
@@ -108,7 +112,7 @@ class Episode:
         last.constrained = last.constrained or completion.constrained
         last.last_finish_reason = completion.finish_reason
         self.turns += 1
-        self.temperature = temperature
+        self.temperature, self.top_p = decoding
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
         self.last_messages = None if messages is None else (
             [message_key(m) for m in messages] + [reply_key(completion)])
@@ -121,8 +125,8 @@ class Episode:
     def undo_last_turn(self) -> None:
         """Forget the newest turn (its client never received it: a stream cut short), so that a retry of the
         same turn continues from the turn before."""
-        count, length, constrained, self.last_messages, self.turns, self.temperature, self.oldest_version = \
-            self._before_last_turn
+        (count, length, constrained, self.last_messages, self.turns, self.temperature, self.top_p,
+         self.oldest_version) = self._before_last_turn
         self._before_last_turn = None  # only the newest turn can be undone
         del self.sequences[count:]
         if self.sequences:
@@ -138,9 +142,10 @@ class Episode:
 def check_rateable(episodes: list[Episode]) -> None:
     """422 for episodes that cannot train together."""
     temperatures = {e.temperature for e in episodes}
-    if len(temperatures) > 1:
-        raise Unprocessable(f"these episodes were sampled at different temperatures {sorted(temperatures)}: "
-                            "rate episodes of one temperature together", code="mixed_temperatures")
+    if len({(e.temperature, e.top_p) for e in episodes}) > 1:
+        raise Unprocessable("these episodes were sampled at different temperatures or top_p "
+                            f"{sorted({(e.temperature, e.top_p) for e in episodes})}: rate episodes sampled alike "
+                            "together", code="mixed_temperatures")
     if 0 in temperatures:
         raise Unprocessable("episodes sampled at temperature 0 (greedy) have no policy gradient to train on",
                             code="greedy_group")
@@ -159,7 +164,7 @@ def trajectory_group(group_id: str, experiment: str, episodes: list[Episode]) ->
                                 finish_reason="length" if s.last_finish_reason == "length" else "episode")
                      for _, s in sequences],
         policy_version=min(e.oldest_version for e in episodes), temperature=episodes[0].temperature,
-        max_tokens=max(len(s.token_ids) for _, s in sequences),
+        top_p=episodes[0].top_p, max_tokens=max(len(s.token_ids) for _, s in sequences),
         episode_of=[e for e, _ in sequences], sequence_prompts=[s.prompt_token_ids for _, s in sequences],
         loss_masks=[s.mask for _, s in sequences],
     )

@@ -114,8 +114,9 @@ class Experiment:
             raise Unprocessable(f"n {n} / max_tokens {max_tokens} exceed the server's limits (max_n "
                                 f"{limits.max_n}, max_tokens {limits.max_tokens})", code="over_limit")
         temperature = defaults.temperature if request.temperature is None else request.temperature
+        decoding = (temperature, request.top_p or defaults.top_p)  # the distribution the learner scores under
         if request.episode_id is not None:
-            return await self._episode_turn(request, max_tokens, temperature, admitted)
+            return await self._episode_turn(request, max_tokens, decoding, admitted)
         if self.groups.pending_count(name) >= limits.max_pending_groups:
             raise TooManyRequests(f"{limits.max_pending_groups} groups of {name!r} await feedback "
                                   "(max_pending_groups); post feedback or let them expire",
@@ -124,10 +125,10 @@ class Experiment:
         self.prompts.check_fits(len(prompt_ids), max_tokens)
         if admitted is not None:
             admitted.set()
-        result, version = await self._generate(request, prompt_ids, n, max_tokens, temperature)
+        result, version = await self._generate(request, prompt_ids, n, max_tokens, decoding)
         group = Group(group_id=group_id or self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
-                      max_tokens=max_tokens)
+                      max_tokens=max_tokens, top_p=decoding[1])
         self.groups.add(group)
         self.counters.groups_sampled += 1
         return CompletionsResponse(
@@ -135,7 +136,7 @@ class Experiment:
             completions=[CompletionOut(**c.model_dump()) for c in result.completions],
         )
 
-    async def _episode_turn(self, request: CompletionsRequest, max_tokens: int, temperature: float,
+    async def _episode_turn(self, request: CompletionsRequest, max_tokens: int, decoding: tuple[float, float],
                             admitted: asyncio.Event | None) -> CompletionsResponse:
         """One completion in its episode (runtime/episodes.py): a history that repeats the previous turn
         continues from its sampled ids, not a re-rendering."""
@@ -143,7 +144,7 @@ class Experiment:
         episode = self.episodes.open(self.name, request.episode_id, limits.max_pending_episodes,
                                      limits.max_episode_turns)
         try:
-            episode.check_temperature(temperature)
+            episode.check_decoding(*decoding)
             continued = episode.continuation(request.messages)
             prompt_ids = (self.prompts.continue_conversation(*continued, tools=request.tools) if continued
                           else self.prompts.token_ids(request))
@@ -153,10 +154,10 @@ class Experiment:
                                     f"({limits.max_episode_tokens}) with this turn", code="episode_too_long")
             if admitted is not None:
                 admitted.set()
-            result, version = await self._generate(request, prompt_ids, 1, max_tokens, temperature)
+            result, version = await self._generate(request, prompt_ids, 1, max_tokens, decoding)
             self.counters.episodes_started += episode.turns == 0
             self.counters.episode_turns += 1
-            episode.add_turn(prompt_ids, result.completions[0], version, request.messages, temperature)
+            episode.add_turn(prompt_ids, result.completions[0], version, request.messages, decoding)
         finally:
             self.episodes.done(episode)
         return CompletionsResponse(
@@ -165,15 +166,15 @@ class Experiment:
         )
 
     async def _generate(self, request: CompletionsRequest, prompt_ids: list[int], n: int, max_tokens: int,
-                        temperature: float) -> tuple[GenerateResponse, int]:
+                        decoding: tuple[float, float]) -> tuple[GenerateResponse, int]:
         """Sample under the serving version; the version is chosen once the sampling turn starts, so a
         request that waited for a train step samples the version that step pushed."""
         with self.sampling_request(1 / self.config.sampling.n if request.episode_id else 1.0):
             async with self.workers.sampler() as sampler:
                 with self.pinned_serving_version() as version:
                     result = await sampler.generate(GenerateRequest(
-                        prompt_token_ids=prompt_ids, n=n, temperature=temperature,
-                        top_p=request.top_p or self.config.sampling.top_p, max_tokens=max_tokens,
+                        prompt_token_ids=prompt_ids, n=n, temperature=decoding[0], top_p=decoding[1],
+                        max_tokens=max_tokens,
                         stop=request.stop, seed=request.seed, adapter=AdapterRef(name=self.name, version=version),
                         tool_calling=tool_calling_of(request),
                     ))

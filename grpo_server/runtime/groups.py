@@ -1,7 +1,7 @@
 """The server-side store of sampled groups, waiting for their feedback.
 
 A group keeps what training needs (prompt and completion token ids, sampler logprobs, the policy version
-that sampled it, the sampling temperature), so clients never send tokens back. A group takes feedback
+that sampled it, the sampling temperature and top_p), so clients never send tokens back. A group takes feedback
 once; groups left without feedback expire after a TTL and are counted, so memory stays bounded.
 """
 
@@ -25,6 +25,7 @@ class Group:
     policy_version: int
     temperature: float
     max_tokens: int
+    top_p: float = 1.0  # its sampler logprobs are renormalised over this nucleus (absent in older journals)
     created_at: float = field(default_factory=time.monotonic)
     rewards: list[float] | None = None
     advantages: list[float] | None = None

@@ -30,7 +30,8 @@ def group_record(group: Group) -> dict[str, Any]:
     return {
         "seq": group.journal_seq, "group_id": group.group_id, "experiment": group.experiment,
         "prompt_token_ids": group.prompt_token_ids, "completions": [c.model_dump() for c in group.completions],
-        "policy_version": group.policy_version, "temperature": group.temperature, "max_tokens": group.max_tokens,
+        "policy_version": group.policy_version, "temperature": group.temperature, "top_p": group.top_p,
+        "max_tokens": group.max_tokens,
         "rewards": group.rewards, "advantages": group.advantages,
         "sampled_step": group.sampled_step,  # absent in older journals: 0, counted from the first step
         **({} if group.episode_of is None else {"episode_of": group.episode_of,

@@ -37,6 +37,8 @@ def train_samples(groups: list[Group], mask_truncated: bool = False) -> list[Tra
             reward=reward,
             policy_version=group.policy_version,
             temperature=group.temperature,
+            # A completion the model did not sample was scored over the whole vocabulary (runtime/external.py).
+            top_p=1.0 if completion.finish_reason == "external" else group.top_p,
             loss_mask=mask,
             constrained=completion.constrained,
         )
