@@ -78,6 +78,11 @@ class SamplerSettings(SamplerOptions):
     the replicas run."""
 
     replicas: int = Field(1, ge=1, le=64, description="Sampler processes (one per GPU on a GPU host).")
+    dtype: DTypeName | None = Field(None, description=(
+        "The samplers' dtype, when it differs from the server's `dtype` (which the learner keeps): e.g. "
+        "bfloat16 sampling with a float32 learner on a CPU with bf16 instructions. The merge of a lone "
+        "experiment is recomputed from float32 weights at each version, so no update is rounded away twice; "
+        "the sampler/learner gap this makes is what `algorithm.rollout_correction` is for (README)."))
     base_port: int = Field(0, ge=0, le=65535, description="Port of replica 0 (0 = pick free ports).")
     devices: list[str] = Field(
         default_factory=list, description="CUDA device ids per replica, e.g. ['0', '1']; empty = inherit."

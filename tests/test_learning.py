@@ -13,12 +13,12 @@ PROMPT = [{"role": "user", "content": "Pick a word."}]
 PROBE_N = 48
 
 
-def learning_config(name: str, **algorithm) -> dict:
+def learning_config(name: str, top_p: float = 1.0, **algorithm) -> dict:
     return {
         "name": name,
         "lora": {"r": 8, "alpha": 16},
         "algorithm": {"learning_rate": 3e-3, "batch_groups": 2, "max_staleness": 4, **algorithm},
-        "sampling": {"n": 8, "max_tokens": 2, "temperature": 1.0},
+        "sampling": {"n": 8, "max_tokens": 2, "temperature": 1.0, "top_p": top_p},
     }
 
 
@@ -45,10 +45,12 @@ async def train_towards(client: AsyncClient, name: str, target: int, versions: i
 
 
 async def test_two_experiments_learn_opposite_targets(client):
-    """Each experiment is rewarded for a different first token; both shift their own distribution."""
+    """Each experiment is rewarded for a different first token; both shift their own distribution. One samples
+    with top_p 0.9 (the learner scores under the same nucleus), the other trains with a rollout correction
+    (truncated importance sampling)."""
     names = ["learn-top", "learn-second"]
-    for name in names:
-        await client.create_experiment(learning_config(name))
+    await client.create_experiment(learning_config(names[0], top_p=0.9))
+    await client.create_experiment(learning_config(names[1], rollout_correction="token_tis"))
     before, version = await first_token_counts(client, names[0], seed=1)
     assert version == 0
     (top, top_count), (second, second_count) = before.most_common(2)
@@ -69,6 +71,10 @@ async def test_two_experiments_learn_opposite_targets(client):
         assert status.last_verification is not None and status.last_verification.ok
         assert status.last_verification.mean_abs_diff < 1e-3
         assert status.last_metrics["tokens"] > 0
+        assert "mismatch_kl" in status.last_metrics and "rollout_corrected_fraction" in status.last_metrics
+    settings = [((await client.status(name)).config["sampling"]["top_p"],
+                 (await client.status(name)).config["algorithm"]["rollout_correction"]) for name in names]
+    assert settings == [(0.9, "none"), (1.0, "token_tis")]  # both learned under their settings
     # Opposite targets: each experiment's own target overtook the other's.
     after_top, _ = await first_token_counts(client, names[0], seed=3)
     after_second, _ = await first_token_counts(client, names[1], seed=3)

@@ -141,6 +141,10 @@ class LearnerOptions(StrictModel):
         "Data-parallel DeepSpeed ranks of the learner (one per GPU on a GPU host). The front end still talks "
         "to one process, rank 0, which starts and drives the others; each trains on its share of a batch."))
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    autocast: Literal["auto", "bfloat16", "off"] = Field("off", description=(
+        "Train steps' forward and backward under bfloat16 autocast, weights and AdamW staying float32 (a "
+        "float32 learner only). auto: where the CPU has bf16 instructions (avx512_bf16 or amx_bf16). Scoring "
+        "for the push checks stays float32; the free check is skipped (README, 'bf16 learner')."))
 
 
 class WorkerProcessConfig(StrictModel):

@@ -60,7 +60,8 @@ class WorkerSet:
     def _sampler_process(self, replica: int, on_restart: Callable[[], Awaitable[None]] | None) -> WorkerProcess:
         c, s = self.config, self.config.sampler
         port = self._sampler_port(replica)
-        worker = fill(SamplerConfig, s, **self._process_fields(port), replica=replica)
+        process = {**self._process_fields(port), **({"dtype": s.dtype} if s.dtype is not None else {})}
+        worker = fill(SamplerConfig, s, **process, replica=replica)
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)
         env = {"CUDA_VISIBLE_DEVICES": s.devices[replica]} if replica < len(s.devices) else None

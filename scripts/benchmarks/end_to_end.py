@@ -6,6 +6,8 @@ alphabetize task (examples/alphabetize.py, configs/alphabetize.yaml), this serve
 
     .venv/bin/python -m scripts.benchmarks.end_to_end --target 0.35 --time-limit-s 1500     # both sides
     .venv/bin/python -m scripts.benchmarks.end_to_end --side server --target 0.3              # one side
+    .venv/bin/python -m scripts.benchmarks.end_to_end --side server --set sampler.dtype=bfloat16 \
+        --experiment-set algorithm.rollout_correction=token_tis                                 # other settings
 
 The race, the same on both sides (`Race`): each rated group (one prompt, n completions, scored by
 examples/alphabetize.py's `score`) is a row (seconds on the clock, policy version / optimizer steps done
@@ -48,6 +50,7 @@ import yaml
 
 from . import REPO
 from .host import loadavg, other_processes
+from .run_metrics import learning_summary
 
 ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
 SERVER_CONFIG = REPO / "configs" / "server.yaml"
@@ -158,8 +161,24 @@ def compare(server: dict, trl: dict, window: int) -> dict:
 # --- the server side ------------------------------------------------------------------------------
 
 
-def server_overrides() -> dict:
-    """configs/server.yaml (what scripts/demo serves with), less what start_server sets per run."""
+def with_settings(config: dict, settings: list[str]) -> dict:
+    """`config` with each "dotted.key=value" of `settings` set (the value read as YAML: 0.5, true, a name)."""
+    config = json.loads(json.dumps(config))
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise ValueError(f"expected dotted.key=value, got {setting!r}")
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return config
+
+
+def server_overrides(settings: list[str] = ()) -> dict:
+    """configs/server.yaml (what scripts/demo serves with), less what start_server sets per run, with
+    `settings` (--set) applied."""
     config = yaml.safe_load(SERVER_CONFIG.read_text())
     for key in ("model", "host", "port", "run_dir", "api_key", "experiments"):
         config.pop(key, None)
@@ -168,7 +187,7 @@ def server_overrides() -> dict:
     config.setdefault("group_ttl_s", 900.0)
     config.setdefault("worker_timeout_s", 600.0)
     config.setdefault("verify_tolerance", 0.05)
-    return config
+    return with_settings(config, list(settings))
 
 
 async def wait_healthy(client, timeout_s: float = 900.0) -> dict:
@@ -187,20 +206,22 @@ async def wait_healthy(client, timeout_s: float = 900.0) -> dict:
 
 
 async def server_side(model_dir: Path, target: float, window: int, time_limit_s: float,
-                      concurrency: int = DEMO_CONCURRENCY, seed: int = 0, keep: bool = False) -> dict:
+                      concurrency: int = DEMO_CONCURRENCY, seed: int = 0, keep: bool = False,
+                      server_settings: list[str] = (), experiment_settings: list[str] = ()) -> dict:
     from examples.alphabetize import make_prompt, score
     from examples.task_runner import ensure_experiment, single_turn
     from grpo_server.client import AsyncClient
 
     from .server import start, stop
 
-    config = yaml.safe_load(ALPHABETIZE_CONFIG.read_text())
+    config = with_settings(yaml.safe_load(ALPHABETIZE_CONFIG.read_text()), list(experiment_settings))
     name = config["name"]
-    overrides = server_overrides()
+    overrides = server_overrides(server_settings)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     t0 = time.perf_counter()
     handle = await start(run_dir, model_dir, **overrides)
-    out: dict = {"side": "server", "concurrency": concurrency, "server_config": overrides}
+    out: dict = {"side": "server", "concurrency": concurrency, "server_config": overrides,
+                 "experiment_settings": list(experiment_settings)}
     try:
         async with AsyncClient(handle.url, handle.api_key, timeout_s=900) as client:
             await wait_healthy(client)
@@ -240,6 +261,7 @@ async def server_side(model_dir: Path, target: float, window: int, time_limit_s:
                              "errors": status.errors}
     finally:
         out["server_exit_code"] = await stop(handle)
+        out["learning"] = learning_summary(run_dir / "metrics" / f"{name}.jsonl")
         if keep or "reached" not in out:
             out["run_dir"] = str(run_dir)
         else:
@@ -278,7 +300,8 @@ def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> 
 
 
 async def race_both(model_dir: Path, target: float, window: int, time_limit_s: float, seed: int = 0,
-                    keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None) -> dict:
+                    keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None,
+                    server_settings: list[str] = (), experiment_settings: list[str] = ()) -> dict:
     """Both sides, the server first. `others`: a function naming the other busy processes on the box
     (host.py's other_processes), called as each side starts."""
     import importlib.util
@@ -293,7 +316,8 @@ async def race_both(model_dir: Path, target: float, window: int, time_limit_s: f
                           "running mean to the target; model load and server start excluded on both sides"}
     if "server" in sides:
         busy = await asyncio.to_thread(others) if others else None
-        out["server"] = await server_side(model_dir, target, window, time_limit_s, seed=seed, keep=keep)
+        out["server"] = await server_side(model_dir, target, window, time_limit_s, seed=seed, keep=keep,
+                                          server_settings=server_settings, experiment_settings=experiment_settings)
         out["server"]["others_at_start"] = busy
         _brief("server", out["server"])
     if "trl" in sides:
@@ -333,6 +357,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="server config setting, e.g. sampler.dtype=bfloat16 (repeatable)")
+    parser.add_argument("--experiment-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="experiment setting, e.g. algorithm.rollout_correction=token_tis (repeatable)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from grpo_server.config import EMBEDDED_MODEL_NAME
@@ -344,7 +372,8 @@ def main() -> int:
 
     sides = ("server", "trl") if args.side == "both" else (args.side,)
     result = asyncio.run(race_both(resolve_model(EMBEDDED_MODEL_NAME), args.target, args.window,
-                                   args.time_limit_s, args.seed, args.keep, sides))
+                                   args.time_limit_s, args.seed, args.keep, sides,
+                                   server_settings=args.set, experiment_settings=args.experiment_set))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

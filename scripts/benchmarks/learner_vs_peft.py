@@ -1,6 +1,7 @@
 """Learner: training tok/s of the real learner's train step vs a plain peft + AdamW loop, on the same batches.
 
     .venv/bin/python -m scripts.benchmarks.learner_vs_peft [--sequences 16 --steps 2 --max-completion 48]
+    .venv/bin/python -m scripts.benchmarks.learner_vs_peft --autocast    # the bf16 learner (LearnerOptions.autocast)
 
 The learner side is `learner.trainer.MultiAdapterTrainer.train` (DeepSpeed ZeRO-2 engine over the peft
 model, its micro-batches, its GRPO loss), in this process. The plain side is a second copy of the same
@@ -12,6 +13,11 @@ Steps alternate (learner, plain, learner, ...) after one warm-up step each, so b
 The learner checkpoints after every step by default (`checkpoint_every` 1). That write is timed on
 its own here (the experiment is created with checkpoint_every large, and `trainer.checkpoint` is called
 and timed after each measured step), so the ratio can be read with and without it.
+
+With `--autocast`, the learner's steps alternate between float32 and bf16 autocast (the same trainer, its
+`autocast` switched between steps), and the plain loop runs under the same autocast: learner bf16 vs float32,
+learner vs plain in bf16, and the logprob gap bf16 autocast makes (mean |bf16 - float32| over the batch's
+completion tokens, what the free check would see against a float32 sampler).
 
 Tokens are real tokens (prompt + completion) of the batch; padding waste is the padded positions of the
 learner's micro-batches over the real tokens. Prints one JSON object (scripts/bench runs this in a fresh
@@ -77,7 +83,7 @@ def padding_waste(request, micro_batch_size: int) -> dict:
 class PlainLoop:
     """peft + torch AdamW, no DeepSpeed, the learner's batches and loss."""
 
-    def __init__(self, model_dir: Path, lora, algorithm):
+    def __init__(self, model_dir: Path, lora, algorithm, autocast: bool = False):
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
@@ -93,6 +99,7 @@ class PlainLoop:
         self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate,
                                            weight_decay=algorithm.weight_decay)
         self.algorithm = algorithm
+        self.autocast = autocast
 
     def train(self, request) -> None:
         import torch
@@ -107,8 +114,9 @@ class PlainLoop:
         norm = BatchNormalizer(num_sequences=len(seqs), num_tokens=sum(len(s.completion) for s in seqs),
                                max_tokens=request.max_tokens)
         for batch in make_micro_batches(seqs, algo.micro_batch_size):
-            logits = self.model(input_ids=batch.input_ids_B_L, attention_mask=batch.attention_mask_B_L,
-                                logits_to_keep=batch.logits_to_keep, use_cache=False).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                logits = self.model(input_ids=batch.input_ids_B_L, attention_mask=batch.attention_mask_B_L,
+                                    logits_to_keep=batch.logits_to_keep, use_cache=False).logits
             logp_B_C = gather_completion_logp(token_logprobs(logits, batch.targets_B_K, batch.temperature), batch)
             loss, _ = policy_loss(logp_B_C, batch.old_logp_B_C, batch.advantages_B, batch.mask_B_C, settings, norm)
             loss.backward()
@@ -118,7 +126,7 @@ class PlainLoop:
 
 
 def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completion: int = 48, steps: int = 2,
-        seed: int = 0) -> dict:
+        seed: int = 0, autocast: bool = False) -> dict:
     """Warm-up one step each, then `steps` alternating steps of each; tokens/s of both and the ratio."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "0", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}.items():
@@ -136,6 +144,9 @@ def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completio
     algorithm = AlgorithmConfig(checkpoint_every=1_000_000)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-learner-"))  # versions and checkpoints; removed at the end
     try:
+        if autocast:
+            return _run_autocast(model_dir, run_dir, lora, algorithm, sequences, group_size, max_completion, steps,
+                                 seed)
         return _run(model_dir, run_dir, lora, algorithm, started, sequences, group_size, max_completion, steps, seed)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -188,6 +199,62 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
     }
 
 
+def _run_autocast(model_dir: Path, run_dir: Path, lora, algorithm, sequences: int, group_size: int,
+                  max_completion: int, steps: int, seed: int) -> dict:
+    import torch
+
+    from grpo_server.protocol.worker_config import LearnerConfig
+    from learner.batching import Sequence, make_micro_batches
+    from learner.trainer import MultiAdapterTrainer
+
+    trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=run_dir, port=1, max_model_len=1024,
+                                                dtype="float32", autocast="bfloat16"))
+    trainer.add_experiment("learn", lora, algorithm)
+    plain = PlainLoop(model_dir, lora, algorithm, autocast=True)
+    request = make_batch(sequences, group_size, max_completion, seed)
+    tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in request.samples)
+
+    def learner_step(bf16: bool) -> float:
+        trainer.autocast = bf16
+        t0 = time.perf_counter()
+        trainer.train(request)
+        return time.perf_counter() - t0
+
+    def plain_step() -> float:
+        t0 = time.perf_counter()
+        plain.train(request)
+        return time.perf_counter() - t0
+
+    learner_step(True), learner_step(False), plain_step()  # warm-up
+    fp32_s, bf16_s, plain_s = [], [], []
+    for _ in range(steps):
+        fp32_s.append(learner_step(False))
+        bf16_s.append(learner_step(True))
+        plain_s.append(plain_step())
+    # The gap: the same batch scored both ways by the trainer's training forward, without grad.
+    seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs) for s in request.samples]
+    gaps = []
+    trainer.model.eval()
+    with torch.no_grad():
+        for batch in make_micro_batches(seqs, algorithm.micro_batch_size):
+            exact = trainer._completion_logp(trainer.model, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                bf16 = trainer._completion_logp(trainer.model, batch)
+            gaps.append((bf16 - exact).abs()[batch.mask_B_C])
+    gap = torch.cat(gaps)
+    return {
+        "sequences": len(request.samples), "tokens_per_step": tokens, "steps": steps, "cpu_bf16": trainer.autocast,
+        "learner_fp32_step_s": [round(x, 3) for x in fp32_s], "learner_bf16_step_s": [round(x, 3) for x in bf16_s],
+        "plain_bf16_step_s": [round(x, 3) for x in plain_s],
+        "learner_fp32_tok_s": round(tokens * steps / sum(fp32_s), 1),
+        "learner_bf16_tok_s": round(tokens * steps / sum(bf16_s), 1),
+        "plain_bf16_tok_s": round(tokens * steps / sum(plain_s), 1),
+        "bf16_over_fp32": round(sum(fp32_s) / sum(bf16_s), 3),
+        "learner_over_plain_bf16": round(sum(plain_s) / sum(bf16_s), 3),
+        "logprob_gap_mean": round(float(gap.mean()), 5), "logprob_gap_max": round(float(gap.max()), 4),
+    }
+
+
 async def learner_figure(mode) -> dict:
     """The figure in scripts/bench: `run` in a fresh process, with the mode's counts."""
     cmd = [sys.executable, "-m", __spec__.name, "--sequences", str(mode.learner_sequences),
@@ -205,10 +272,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-completion", type=int, default=48)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--autocast", action="store_true", help="the bf16 learner against the float32 one")
     args = parser.parse_args()
     from grpo_server.workers.model_prep import resolve_model
 
-    result = run(resolve_model(args.model), args.sequences, args.group_size, args.max_completion, args.steps)
+    result = run(resolve_model(args.model), args.sequences, args.group_size, args.max_completion, args.steps,
+                 autocast=args.autocast)
     print(json.dumps(result))
 
 
