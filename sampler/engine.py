@@ -154,7 +154,7 @@ class Engine(abc.ABC):
     def __init__(self, config: SamplerConfig) -> None:
         self.config = config
         self.limits = ModelLimits(config.model_path, config.max_model_len)
-        # Merged serving of a lone experiment (the vLLM engine): the version in the weights now, and
+        # Merged serving (the vLLM engine; sampler/merged_serving.py): the version in the weights now, and
         # why this engine never merges (None when it does).
         self.merged: str | None = None
         self.merge_unsupported: str | None = f"the {self.name} engine serves adapters as adapters"

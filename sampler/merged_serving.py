@@ -1,12 +1,14 @@
 """Which weights serve a request on the vLLM engine: the base model's (adapters through LoRA), or one
 experiment's adapter merged into them (sampler/merged_weights.py does the merge inside vLLM's worker).
 
-While one experiment is loaded, its newest version is
-folded into the base weights and its requests carry no LoRA: base-model speed on CPU, the same
-function. The weights change only with the gate held exclusively (no request running) and the
-prefix cache is reset after each change, since un-adapted blocks are keyed by tokens alone. The merged
-version only moves forward: a request for an older version, a second experiment or the base model
-restores the base weights and runs through LoRA as before.
+A request for an experiment's newest loaded version needs that version merged in and carries no LoRA:
+base-model speed on CPU, the same function. Every other request (an older version, an adapter merging
+refused, the base model) needs the base weights. While several experiments sample, the weight states take
+turns (sampler/weight_turns.py): each turn serves one state's requests, batched together, and the weights
+change between turns only, with the gate held exclusively (no request running); the prefix cache is reset
+after each change, since un-adapted blocks are keyed by tokens alone. A lone experiment simply keeps its
+turn. Where merging is off or unsupported (GPU, `merge_lone_adapter: false`, a failed merge) every
+request needs the base weights: one state, no turns, LoRA as before.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator
 from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.wire import AdapterRef, ServedAs
 from sampler.engine import adapter_not_loaded
+from sampler.weight_turns import WeightTurns
 
 log = logging.getLogger(__name__)
 
@@ -31,48 +34,48 @@ class MergedServing:
     """Mixed into `VllmEngine`: uses its `_llm`, `_adapters` (key -> entry with `.ref`, `.path`), `_gate`,
     and its `merged` / `merge_unsupported` attributes."""
 
+    @property
+    def _turns(self) -> WeightTurns:
+        # Made on first use, beside the engine's own attributes (VllmEngine.__init__ knows nothing of it).
+        turns = getattr(self, "_weight_turns", None)
+        if turns is None:
+            turns = self._weight_turns = WeightTurns(lambda: self.merged, self._switch_weights)
+        return turns
+
     def _merge_target(self, adapter: AdapterRef | None) -> str | None:
-        """The adapter key the weights should hold for a request on `adapter`: its own when it is the
-        only experiment loaded and not older than what is merged now; else None (base weights)."""
+        """The weight state a request on `adapter` needs: its own key when it is its experiment's newest
+        loaded version and merging works here; else None (the base weights, adapters through LoRA)."""
         if adapter is None or self.merge_unsupported is not None or adapter.key not in self._adapters:
             return None
-        if any(entry.ref.name != adapter.name for entry in self._adapters.values()):
-            return None
-        if self.merged is not None and self.merged != adapter.key:
-            merged = self._adapters.get(self.merged)
-            if merged is not None and merged.ref.version > adapter.version:
-                return None
-        return adapter.key
+        newest = max(entry.ref.version for entry in self._adapters.values() if entry.ref.name == adapter.name)
+        return adapter.key if adapter.version == newest else None
 
-    def _served_as(self, adapter: AdapterRef | None) -> ServedAs:
+    @staticmethod
+    def _served_as(adapter: AdapterRef | None, held: str | None) -> ServedAs:
         if adapter is None:
             return "base"
-        return "merged" if self.merged == adapter.key else "lora"
+        return "merged" if held == adapter.key else "lora"
 
     @contextlib.asynccontextmanager
     async def _serving(self, adapter: AdapterRef | None, alone: bool = False) -> AsyncIterator[ServedAs]:
-        """Hold the gate with the weights right for `adapter`; yields how its requests are to be sent.
+        """Wait for the turn of the weights right for `adapter`, then hold the gate; yields how its requests
+        are to be sent. The weights stay put until the body is done.
 
-        `alone`: the requests must have the engine to themselves (prompt logprobs, see the module
-        docstring)."""
+        `alone`: the requests must have the engine to themselves (prompt logprobs, see vllm_engine.py's
+        docstring): the gate exclusively, inside the turn, so the turn's other requests wait around them."""
         if adapter is not None and adapter.key not in self._adapters:
-            raise adapter_not_loaded(adapter)  # before any weight change: a bad request must not unmerge
-        if alone:
-            async with self._gate.exclusive():
-                await self._set_merged(self._merge_target(adapter))
-                yield self._served_as(adapter)
-            return
-        while True:
-            target = self._merge_target(adapter)
-            if target == self.merged:
-                async with self._gate.shared():
-                    if self._merge_target(adapter) == self.merged:
-                        yield self._served_as(adapter)
-                        return
-                continue
-            async with self._gate.exclusive_then_shared(lambda: self._set_merged(self._merge_target(adapter))):
-                yield self._served_as(adapter)
-                return
+            raise adapter_not_loaded(adapter)  # before any waiting: a bad request must not take a turn
+        async with self._turns.turn(lambda: self._merge_target(adapter)) as held:
+            async with self._gate.exclusive() if alone else self._gate.shared():
+                yield self._served_as(adapter, held)
+
+    async def _switch_weights(self, key: str | None) -> None:
+        """The turns' switch: no request runs (WeightTurns calls it only then); the gate is taken anyway,
+        so nothing else that holds it can overlap a weight change."""
+        if key is not None and key not in self._adapters:
+            return  # unloaded while its requests waited: they need the base weights now, the next switch
+        async with self._gate.exclusive():
+            await self._set_merged(key)
 
     async def _set_merged(self, key: str | None) -> None:
         """Fold `key`'s adapter into the weights (None: restore the base). Called with the gate held
@@ -90,7 +93,8 @@ class MergedServing:
             await self._llm.collective_rpc("merge_adapter", args=(None,))
             await self._reset_prefix_cache()
             return
-        log.info("weights now %s (%.2f s)", f"merged with {key}" if key else "the base model's", seconds)
+        # Debug: with several experiments this happens every turn.
+        log.debug("weights now %s (%.2f s)", f"merged with {key}" if key else "the base model's", seconds)
         self.merged = key
 
     async def _reset_prefix_cache(self) -> None:

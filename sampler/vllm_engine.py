@@ -23,7 +23,7 @@ right. The layer runs whenever LoRA is enabled, with or without an adapter in th
 weights included). So such a score waits for running generations to finish, holds new ones back, and sends its
 completions one after another.
 
-Merged serving of a lone experiment: sampler/merged_serving.py. Tool calls (vLLM's parsers and
+Merged serving (experiments taking turns on the merged weights): sampler/merged_serving.py. Tool calls (vLLM's parsers and
 structured outputs): sampler/tool_calls.py.
 
 Temperature 0 is greedy decoding; its logprobs (sampled and scored) are those of the untempered
@@ -129,7 +129,7 @@ class VllmEngine(MergedServing, Engine):
             self.merge_unsupported = "merge_lone_adapter is off"
         else:
             self.merge_unsupported = (await self._llm.collective_rpc("merge_support"))[0]
-        log.info("merged serving of a lone experiment: %s",
+        log.info("merged serving (experiments in turns on the weights): %s",
                  "on" if self.merge_unsupported is None else f"off ({self.merge_unsupported})")
 
     async def shutdown(self) -> None:

@@ -38,7 +38,9 @@ async def train_towards(client: AsyncClient, name: str, target: int, versions: i
     for _ in range(200):
         await asyncio.gather(*(one_group() for _ in range(2)))
         status = await client.status(name)
-        mastered = status.policy_version >= 3 and (status.recent_reward_mean or 0) >= 0.9
+        # At top_p 0.9 a target holding 90% of the mass is the whole nucleus: every group then has zero
+        # variance, and nothing trains any more (here after 2 versions).
+        mastered = status.policy_version >= 2 and (status.recent_reward_mean or 0) >= 0.9
         if status.policy_version >= versions or mastered:
             return
     raise AssertionError(f"{name} did not reach version {versions}: {await client.status(name)}")
@@ -62,7 +64,7 @@ async def test_two_experiments_learn_opposite_targets(client):
         after, version = await first_token_counts(client, name, seed=2)
         start = before[targets[name]] / PROBE_N
         end = after[targets[name]] / PROBE_N
-        assert version >= 3
+        assert version >= 2
         assert end >= start + 0.25, f"{name}: target share {start:.2f} -> {end:.2f}"
         status = await client.status(name)
         assert status.step == version and status.counters.groups_trained >= 2 * status.step

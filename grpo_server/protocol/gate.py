@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 
 class Gate:
@@ -36,25 +36,6 @@ class Gate:
             yield
         finally:
             await self._release_exclusive()
-
-    @contextlib.asynccontextmanager
-    async def exclusive_then_shared(self, prepare: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
-        """Run `prepare` alone, then hold the gate shared, with no exclusive holder in between: what
-        `prepare` set up (the vLLM engine's merged weights) is still there for the body."""
-        await self._acquire_exclusive()
-        try:
-            await prepare()
-        except BaseException:
-            await self._release_exclusive()
-            raise
-        async with self._cond:  # exclusive -> shared in one step under the lock
-            self._exclusive = False
-            self._shared += 1
-            self._cond.notify_all()
-        try:
-            yield
-        finally:
-            await self._release_shared()
 
     async def _acquire_exclusive(self) -> None:
         async with self._cond:

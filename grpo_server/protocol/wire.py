@@ -134,7 +134,7 @@ class SamplerHealth(WireModel):
     adapters: list[str]  # AdapterRef.key of every loaded version
     max_model_len: int
     merged_adapter: str | None = None  # the version folded into the weights now, if any
-    merge_unsupported: str | None = None  # why this engine never merges (None: it does when alone)
+    merge_unsupported: str | None = None  # why this engine never merges (None: it merges, in turns)
     prefix_cache: PrefixCacheCounts | None = None  # None: an engine without a prefix cache (hf)
 
 

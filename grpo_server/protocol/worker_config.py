@@ -129,8 +129,10 @@ class SamplerOptions(StrictModel):
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
     merge_lone_adapter: bool = Field(True, description=(
-        "vLLM on CPU in float32: while one experiment is served, fold its adapter into the base weights "
-        "(base-model speed; LoRA again when a second experiment or an older version is asked for)."))
+        "vLLM on CPU: serve each experiment's newest version with its adapter folded into the base weights "
+        "(base-model speed), several experiments taking turns on the weights; older versions and the base "
+        "model go through LoRA. The name is older than the turns: it once merged a lone experiment only. "
+        "false: everything through LoRA."))
 
 
 class LearnerOptions(StrictModel):
