@@ -190,7 +190,7 @@ def render(results: dict) -> str:
             m = lone
             shared = push["direct"]["median_s"]
             lone_note = (f" The experiment alone on the sampler ({', '.join(sorted(set(push['lone']['served_as'])))}"
-                         f"); with the experiments figure's experiments also loaded (LoRA): {_f(shared['push_total'], 2)} s = save "
+                         f"); with the experiments figure's experiments also loaded (in turns): {_f(shared['push_total'], 2)} s = save "
                          f"{_f(shared['save_adapter'], 3)} + load {_f(shared['load_adapter'], 3)} + first "
                          f"completion {_f(shared['first_completion'], 3)}.")
         else:
@@ -238,7 +238,9 @@ def render(results: dict) -> str:
         rows.append(("experiments", "1, 2, 4 experiments sampling at once", err, "report", ""))
     else:
         curve = "; ".join(f"{lv['experiments']}: {_f(lv['total_tok_s'], 1)} total, "
-                          f"{_f(lv['mean_per_experiment_tok_s'], 1)} each" for lv in ex["levels"])
+                          f"{_f(lv['mean_per_experiment_tok_s'], 1)} each"
+                          + (f" ({_f(lv['total_tok_s_vs_one'], 2)}x one; worst p95 {_f(lv['worst_p95_vs_one'], 2)}x)"
+                             if "worst_p95_vs_one" in lv else "") for lv in ex["levels"])
         rows.append(("experiments",
                      f"completion tok/s in total and per experiment with k experiments sampling at once on one "
                      f"base model through the server; each: {ex['requests_per_experiment']} request(s) x n={ex['n']}, "
