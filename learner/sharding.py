@@ -1,9 +1,9 @@
 """Data parallelism: which sequences of a batch each rank trains on, and how many passes every rank makes.
 
 Every rank holds the whole batch (rank 0 forwards the request), so each computes every rank's share
-without talking. Sequences are ordered by sampling distribution (temperature, top_p), then length, longest first, and dealt round-robin,
-so the ranks get counts within one of each other and similar lengths. Each rank cuts its share into
-micro-batches of `micro_batch_size` (DeepSpeed's micro batch per GPU).
+without talking. Sequences are ordered by sampling distribution (temperature, top_p), then length, longest
+first, and dealt round-robin, so the ranks get counts within one of each other and similar lengths. Each rank
+cuts its share into micro-batches of `micro_batch_size` (DeepSpeed's micro batch per GPU).
 
 Every rank must run the same number of backward passes: ZeRO-2 reduces gradients inside each backward (a
 collective), and the last pass is the accumulation boundary everywhere. A rank with fewer micro-batches

@@ -23,8 +23,8 @@ right. The layer runs whenever LoRA is enabled, with or without an adapter in th
 weights included). So such a score waits for running generations to finish, holds new ones back, and sends its
 completions one after another.
 
-Merged serving (experiments taking turns on the merged weights): sampler/merged_serving.py. Tool calls (vLLM's parsers and
-structured outputs): sampler/tool_calls.py.
+Merged serving (experiments taking turns on the merged weights): sampler/merged_serving.py. Tool calls
+(vLLM's parsers and structured outputs): sampler/tool_calls.py.
 
 Temperature 0 is greedy decoding; its logprobs (sampled and scored) are those of the untempered
 distribution (T = 1), which is what vLLM reports for greedy requests.
