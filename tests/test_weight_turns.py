@@ -69,6 +69,14 @@ async def settle(rounds: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+async def holding(e: FakeEngine, log: list[str], need: str | None, name: str) -> tuple[asyncio.Task, asyncio.Event]:
+    """A request let into the current turn, running until the returned event is set."""
+    release = asyncio.Event()
+    running = asyncio.create_task(e.request(need, log, name, release))
+    await settle()
+    return running, release
+
+
 async def test_requests_for_the_held_state_run_together() -> None:
     e, log = FakeEngine(), []
     release = asyncio.Event()
@@ -128,9 +136,7 @@ async def test_past_the_budget_a_stream_for_the_held_state_cannot_starve_another
 
 async def test_within_the_budget_the_held_state_still_lets_its_requests_in() -> None:
     e, log = FakeEngine(), []
-    release = asyncio.Event()
-    running = asyncio.create_task(e.request(None, log, "r0", release))
-    await settle()
+    running, release = await holding(e, log, None, "r0")
     waiting_b = asyncio.create_task(e.request("B", log, "b"))
     e.now += e.turns.budget() - 0.1
     joined = asyncio.create_task(e.request(None, log, "r1", release))
@@ -149,9 +155,7 @@ async def test_within_the_budget_the_held_state_still_lets_its_requests_in() -> 
 
 async def test_a_state_nobody_waits_for_gets_no_turn() -> None:
     e, log = FakeEngine(), []  # FakeEngine.switch asserts someone waits for every switch's state
-    release = asyncio.Event()
-    running = asyncio.create_task(e.request(None, log, "r0", release))
-    await settle()
+    running, release = await holding(e, log, None, "r0")
     gone = asyncio.create_task(e.request("C", log, "c"))
     b = asyncio.create_task(e.request("B", log, "b"))
     await settle()
@@ -180,9 +184,7 @@ async def test_the_need_is_asked_again_while_waiting() -> None:
     """A request for an experiment's newest version needs it merged; a newer version loaded while the request
     waits makes it an older one: the base weights (LoRA), and no turn for the version it first named."""
     e, log = FakeEngine(), []
-    release = asyncio.Event()
-    running = asyncio.create_task(e.request("A@v2", log, "a", release))
-    await settle()
+    running, release = await holding(e, log, "A@v2", "a")
     newest = {"B": "B@v1"}
     b = asyncio.create_task(e.request("B@v1", log, "b",
                                       need_fn=lambda: "B@v1" if newest["B"] == "B@v1" else None))
@@ -198,9 +200,7 @@ async def test_the_need_is_asked_again_while_waiting() -> None:
 async def test_a_failed_switch_fails_that_states_waiters_and_the_others_go_on() -> None:
     e, log = FakeEngine(), []
     e.fail.add("B")
-    release = asyncio.Event()
-    running = asyncio.create_task(e.request(None, log, "r0", release))
-    await settle()
+    running, release = await holding(e, log, None, "r0")
     b = asyncio.create_task(e.request("B", log, "b"))
     c = asyncio.create_task(e.request("C", log, "c"))
     await settle()
