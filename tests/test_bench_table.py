@@ -110,7 +110,7 @@ def test_table_end_to_end_row():
 
 def test_end_to_end_race_window():
     """The race both sides share: the mean of the last `window` groups, only once there are that many."""
-    e2e = _load("end_to_end")
+    e2e = _load("race")
     race = e2e.Race(target=0.5, window=3, time_limit_s=3600)
     race.start()
     assert not race.add(1.0, 0) and not race.add(1.0, 0)  # a lucky start is not the running mean yet
@@ -132,3 +132,34 @@ def test_end_to_end_race_window():
            "curve": [[1.0, 0, 0.3], [2.0, 0, 0.3], [8.0, 1, 0.3]]}
     out = e2e.compare(server, trl, 3)
     assert out["speedup"] is None and out["common_level"] == 0.3 and out["trl_s_at_common"] == 8.0
+
+
+def test_end_to_end_over_runs():
+    """Several pairs: the median time to each level per side, a run that never got there counted as slower
+    than every run that did, and the row built from that summary."""
+    race, table = _load("race"), _load("table")
+
+    def side(times_to_one: float | None) -> dict:  # a window-2 curve that jumps to 1.0 at `times_to_one`
+        at = times_to_one or 999.0
+        return {"curve": [[1.0, 0, 0.0], [2.0, 0, 0.0]] + ([[at, 1, 1.0], [at + 1, 1, 1.0]] if times_to_one else [])}
+
+    runs = [{"server": side(10.0), "trl": side(40.0)}, {"server": side(30.0), "trl": side(50.0)},
+            {"server": side(20.0), "trl": side(None)}]
+    summary = race.summarize_runs(runs, window=2, levels=(0.35, 0.6))
+    # the running mean of 2 first reaches 0.5 (>= 0.35) at the first 1.0 and 1.0 (>= 0.6) one group later
+    assert summary["0.35"]["server"]["seconds"] == [10.0, 30.0, 20.0]
+    server, trl = summary["0.60"]["server"], summary["0.60"]["trl"]
+    assert server["median_s"] == 21.0 and (server["min_s"], server["max_s"], server["reached"]) == (11.0, 31.0, 3)
+    assert trl["seconds"] == [41.0, 51.0, None] and trl["reached"] == 2 and trl["median_s"] == 51.0
+    assert summary["0.60"]["median_speedup"] == round(51.0 / 21.0, 3)
+    runs[0]["trl"] = side(None)  # most TRL runs miss: no median, and no ratio of medians
+    summary = race.summarize_runs(runs, window=2, levels=(0.6,))
+    assert summary["0.60"]["trl"]["median_s"] is None and summary["0.60"]["median_speedup"] is None
+
+    e2e = _e2e({}, {}, runs=[{"server": {"concurrency": 4}, "trl": {"versions": {"trl": "1.16.0"}}}] * 3,
+               summary=race.summarize_runs(runs, 2, (0.35, 0.6)), target=0.6, time_limit_s=1800.0)
+    row = _row(table, e2e)
+    assert "0.60: server median **21 s** (11-31 s, 3 of 3 runs) vs TRL median not reached (1 of 3" in row
+    assert "met: more than 85.7x (most TRL runs stopped at the limit)" in row
+    e2e["summary"]["0.60"]["server"]["reached"] = 2
+    assert "**missed**: the server reached 0.6 in 2 of 3 runs" in _row(table, e2e)

@@ -4,17 +4,20 @@ The end-to-end figure of scripts/bench: wall time for SmolLM2-135M-Instruct to r
 alphabetize task (examples/alphabetize.py, configs/alphabetize.yaml), this server vs TRL's GRPOTrainer
 (trl_side.py), one after the other in the same run.
 
-    .venv/bin/python -m scripts.benchmarks.end_to_end --target 0.35 --time-limit-s 1500     # both sides
+    .venv/bin/python -m scripts.benchmarks.end_to_end --runs 3 --target 0.6 --time-limit-s 1800  # the figure
+    .venv/bin/python -m scripts.benchmarks.end_to_end --target 0.35 --time-limit-s 1500     # one run a side
     .venv/bin/python -m scripts.benchmarks.end_to_end --side server --target 0.3              # one side
     .venv/bin/python -m scripts.benchmarks.end_to_end --side server --set sampler.dtype=bfloat16 \
         --experiment-set algorithm.rollout_correction=token_tis                                 # other settings
 
-The race, the same on both sides (`Race`): each rated group (one prompt, n completions, scored by
+The race, the same on both sides (race.py's `Race`): each rated group (one prompt, n completions, scored by
 examples/alphabetize.py's `score`) is a row (seconds on the clock, policy version / optimizer steps done
 when it was sampled, the group's mean reward), in the order the groups were scored. The running mean is
 the mean of the last `window` groups, taken only once `window` groups exist; a side has reached the
 target when its running mean is >= target, at the time the group that brought it there was scored. A
-side stops there, or when `time_limit_s` has passed on its clock.
+side stops there, or when `time_limit_s` has passed on its clock. With `--runs N` the pair runs N times
+(seed i for run i: other prompts, other samples), and the figure is each side's median time to each level,
+its spread and how many runs reached it (race.py's `summarize_runs`).
 
 The clock, the same on both sides: it starts once the base model is loaded and ready to use, just before
 the task's adapter is made, and runs until the target (or the limit). Excluded on both sides: loading
@@ -50,112 +53,13 @@ import yaml
 
 from . import REPO
 from .host import loadavg, other_processes
+from .race import Race, compare, summarize_runs
 from .run_metrics import learning_summary
 
 ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
 SERVER_CONFIG = REPO / "configs" / "server.yaml"
 DEMO_CONCURRENCY = 4  # scripts/demo runs examples/alphabetize.py with task_runner's default --concurrency
 TRL_MODULE = "scripts.benchmarks.trl_side"
-
-
-# --- the race: the same on both sides -------------------------------------------------------------
-
-
-class Race:
-    """Rows of (seconds, step, group mean reward); reached when the mean of the last `window` groups is
-    >= `target`; done when reached or `time_limit_s` has passed since `start()`."""
-
-    def __init__(self, target: float, window: int, time_limit_s: float):
-        self.target, self.window, self.time_limit_s = target, window, time_limit_s
-        self.started: float | None = None
-        self.rows: list[list[float]] = []
-        self.reached: dict | None = None
-        self.load_samples: list[list[float]] = []  # [seconds, 1-minute load average], about every 30 s
-
-    def start(self) -> None:
-        self.started = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return 0.0 if self.started is None else time.perf_counter() - self.started
-
-    @property
-    def timed_out(self) -> bool:
-        return self.elapsed() >= self.time_limit_s
-
-    @property
-    def done(self) -> bool:
-        return self.reached is not None or self.timed_out
-
-    def add(self, reward: float, step: int) -> bool:
-        """One scored group; returns `done`."""
-        seconds = self.elapsed()
-        self.rows.append([round(seconds, 2), int(step), round(float(reward), 4)])
-        if not self.load_samples or seconds - self.load_samples[-1][0] >= 30:
-            self.load_samples.append([round(seconds), loadavg()])
-        if self.reached is None and len(self.rows) >= self.window:
-            running = statistics.fmean(r[2] for r in self.rows[-self.window:])
-            if running >= self.target:
-                self.reached = {"seconds": round(seconds, 1), "groups": len(self.rows), "step": int(step),
-                                "running_mean": round(running, 4)}
-        return self.done
-
-    def summary(self) -> dict:
-        running = running_means(self.rows, self.window)
-        best = max(running, key=lambda p: p[1], default=None)
-        rewards = [r[2] for r in self.rows]
-        return {
-            "reached": self.reached is not None,
-            "reached_s": self.reached["seconds"] if self.reached else None,
-            "reached_groups": self.reached["groups"] if self.reached else None,
-            "reached_step": self.reached["step"] if self.reached else None,
-            "timed_out": self.reached is None,
-            "wall_s": round(self.elapsed(), 1),
-            "groups": len(self.rows),
-            "last_step": self.rows[-1][1] if self.rows else None,
-            "first_window_mean": round(statistics.fmean(rewards[:self.window]), 4) if rewards else None,
-            "last_window_mean": round(statistics.fmean(rewards[-self.window:]), 4) if rewards else None,
-            "best_running_mean": round(best[1], 4) if best else None,
-            "best_running_mean_s": best[0] if best else None,
-            "milestones": milestones(self.rows, self.window, self.target),
-            "load_samples": self.load_samples,
-            "curve": self.rows,  # [seconds, step, group mean reward], one per group in scoring order
-        }
-
-
-def running_means(rows: list[list[float]], window: int) -> list[tuple[float, float]]:
-    """(seconds, mean of the last `window` groups) at each group from the `window`-th on."""
-    return [(rows[i][0], statistics.fmean(r[2] for r in rows[i + 1 - window:i + 1]))
-            for i in range(window - 1, len(rows))]
-
-
-def first_time_at(rows: list[list[float]], window: int, level: float) -> float | None:
-    """Seconds at which the running mean first reached `level` (None if never)."""
-    return next((round(s, 1) for s, m in running_means(rows, window) if m >= level - 1e-12), None)
-
-
-def milestones(rows: list[list[float]], window: int, target: float) -> dict[str, float | None]:
-    """Reward-vs-time in brief: when the running mean first reached each 0.05 step up to the target."""
-    levels = [round(0.05 * k, 2) for k in range(1, 21) if 0.05 * k <= target + 1e-9]
-    if target not in levels:
-        levels.append(target)
-    return {f"{level:.2f}": first_time_at(rows, window, level) for level in levels}
-
-
-def compare(server: dict, trl: dict, window: int) -> dict:
-    """The speed-up (TRL seconds / server seconds to the target), and, for a side that missed, the same ratio
-    at the highest running mean both sides reached."""
-    out: dict = {"speedup": None}
-    if server.get("reached") and trl.get("reached"):
-        out["speedup"] = round(trl["reached_s"] / server["reached_s"], 3)
-    # From the curves, not the rounded best_running_mean: a level a hair above a side's own best is never reached.
-    bests = [max((m for _, m in running_means(side.get("curve") or [], window)), default=None)
-             for side in (server, trl)]
-    if None not in bests:
-        common = min(bests)
-        s_at, t_at = first_time_at(server["curve"], window, common), first_time_at(trl["curve"], window, common)
-        out.update(common_level=round(common, 4), server_s_at_common=s_at, trl_s_at_common=t_at,
-                   ratio_at_common=round(t_at / s_at, 3) if s_at and t_at else None)
-    return out
 
 
 # --- the server side ------------------------------------------------------------------------------
@@ -337,23 +241,45 @@ def _brief(side: str, result: dict) -> None:
           f"{result.get('load_start')} / {result.get('load_end')}", flush=True)
 
 
+async def race_runs(model_dir: Path, target: float, window: int, time_limit_s: float, runs: int,
+                    keep: bool = False, others=None, server_settings: list[str] = (),
+                    experiment_settings: list[str] = (), out_path: Path | None = None) -> dict:
+    """`runs` pairs, run i with seed i, and the summary over them at 0.35 and at the target. Written to
+    `out_path` after every pair, so a long series that is stopped keeps the pairs it finished."""
+    levels = tuple(sorted({0.35, target}))
+    out: dict = {"target": target, "window": window, "time_limit_s": time_limit_s, "runs": []}
+    for seed in range(runs):
+        print(f"[e2e] pair {seed + 1} of {runs} (seed {seed})", flush=True)
+        pair = await race_both(model_dir, target, window, time_limit_s, seed=seed, keep=keep, others=others,
+                               server_settings=server_settings, experiment_settings=experiment_settings)
+        out["experiment"], out["clock"] = pair.pop("experiment"), pair.pop("clock")
+        out["runs"].append(pair)
+        out["summary"] = summarize_runs(out["runs"], window, levels)
+        print(f"[e2e] after {seed + 1} pairs: {json.dumps(out['summary'])}", flush=True)
+        if out_path:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def end_to_end_minutes(mode) -> int:
-    """The most the end_to_end figure takes: both sides to their time limit, and the server's start."""
-    return round((2 * mode.e2e_time_limit_s + 300) / 60)
+    """The most the end_to_end figure takes: every pair's sides to their time limit, and the server's start."""
+    return round(mode.e2e_runs * (2 * mode.e2e_time_limit_s + 300) / 60)
 
 
 async def end_to_end_figure(model_dir: Path, mode, keep: bool) -> dict:
-    """The figure in scripts/bench: both sides with the mode's target, window and time limit."""
-    return await race_both(model_dir, mode.e2e_target, mode.e2e_window, mode.e2e_time_limit_s, keep=keep,
-                           others=other_processes)
+    """The figure in scripts/bench: the mode's number of pairs, target, window and time limit."""
+    return await race_runs(model_dir, mode.e2e_target, mode.e2e_window, mode.e2e_time_limit_s, mode.e2e_runs,
+                           keep=keep, others=other_processes)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--side", choices=("both", "server", "trl"), default="both")
-    parser.add_argument("--target", type=float, default=0.35, help="running mean reward to reach")
+    parser.add_argument("--target", type=float, default=0.6, help="running mean reward to reach")
     parser.add_argument("--window", type=int, default=16, help="groups in the running mean")
-    parser.add_argument("--time-limit-s", type=float, default=1500.0, help="per side, on its clock")
+    parser.add_argument("--time-limit-s", type=float, default=1800.0, help="per side, on its clock")
+    parser.add_argument("--runs", type=int, default=1, help="pairs (both sides only), run i with seed i")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -371,9 +297,17 @@ def main() -> int:
     stop_on_signals()
 
     sides = ("server", "trl") if args.side == "both" else (args.side,)
-    result = asyncio.run(race_both(resolve_model(EMBEDDED_MODEL_NAME), args.target, args.window,
-                                   args.time_limit_s, args.seed, args.keep, sides,
-                                   server_settings=args.set, experiment_settings=args.experiment_set))
+    model_dir = resolve_model(EMBEDDED_MODEL_NAME)
+    if args.runs > 1:
+        if args.side != "both":
+            parser.error("--runs needs both sides")
+        result = asyncio.run(race_runs(model_dir, args.target, args.window, args.time_limit_s, args.runs,
+                                       args.keep, others=other_processes, server_settings=args.set,
+                                       experiment_settings=args.experiment_set, out_path=args.out))
+    else:
+        result = asyncio.run(race_both(model_dir, args.target, args.window, args.time_limit_s, args.seed,
+                                       args.keep, sides, server_settings=args.set,
+                                       experiment_settings=args.experiment_set))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

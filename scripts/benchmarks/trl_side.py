@@ -29,7 +29,7 @@ Not matched, because TRL has no such knob: skip_zero_variance (TRL keeps groups 
 batch; their advantages are 0, so they add no gradient but count in the loss's batch mean), max_staleness
 (TRL is on-policy: no stale groups), push_every (no separate sampler to push to).
 
-The clock and the race are end_to_end.py's (`Race`): from just before `GRPOTrainer(...)`
+The clock and the race are end_to_end.py's (race.py's `Race`): from just before `GRPOTrainer(...)`
 (the base model already loaded: excluded, as the server's start is on the other side) to the group that
 brought the mean of the last `window` groups to the target; each group's mean reward is taken in the
 reward function, when TRL scores it. Prints one JSON line on stdout (TRL's own logging goes to stderr).
@@ -49,8 +49,9 @@ from pathlib import Path
 
 import yaml
 
-from .end_to_end import ALPHABETIZE_CONFIG, Race
+from .end_to_end import ALPHABETIZE_CONFIG
 from .host import loadavg
+from .race import Race
 
 LOSS_TYPES = {"grpo": ("grpo", "group", "token"), "dr_grpo": ("dr_grpo", "none", "token"),
               "dapo": ("dapo", "group", "token"), "gspo": ("grpo", "group", "sequence")}
