@@ -38,15 +38,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from grpo_server.plot import NoMetrics, plot_run
+    from grpo_server.plot import NoMetrics, describe, plot_run
 
     try:
         written = plot_run(args.run_dir, args.out)
     except NoMetrics as exc:
         print(f"grpo-server plot: {exc}", file=sys.stderr)
         return 2
-    for path in written:
+    for path, series in written:
         print(path)
+        if args.describe:
+            print(f"  {describe(series)}")
     return 0
 
 
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                       help="the server's run_dir (reads RUN_DIR/metrics/*.jsonl)")
     plot.add_argument("--out", type=Path, help="folder for the PNGs (default RUN_DIR/plots)")
+    plot.add_argument("--describe", action="store_true", help="also print each reward curve as a line of text")
     plot.set_defaults(handler=_cmd_plot)
 
     model = commands.add_parser("model", help="the embedded model")

@@ -1,7 +1,8 @@
 """`grpo-server plot RUN_DIR`: one PNG per experiment, `RUN_DIR/plots/<name>.png`, from its metrics log
 (`RUN_DIR/metrics/<name>.jsonl`, see `grpo_server/runtime/metrics_log.py`), with three panels: mean reward per
 learner step (with its spread across the batch), KL to the base model per step, and sampling throughput
-(completion tokens per second) over the run's wall-clock time.
+(completion tokens per second) over the run's wall-clock time. With `--describe`, each PNG's path is
+followed by its reward curve in one line of text (`describe`), for a terminal or a log with no image viewer.
 
 matplotlib draws on its Agg canvas: no display, no GUI toolkit. It is imported inside the functions, so
 the CLI starts without it.
@@ -99,15 +100,49 @@ def plot_series(series: Series, out: Path) -> Path:
     return out
 
 
+SPARK = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 40  # characters; longer runs average neighbouring steps into one
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """`values` (NaN: skipped) as block characters from the lowest to the highest; more than `width` values are
+    averaged in `width` consecutive buckets, so the line keeps the curve's shape at any length."""
+    values = [v for v in values if not math.isnan(v)]
+    if len(values) > width:
+        edges = [round(i * len(values) / width) for i in range(width + 1)]
+        values = [sum(values[a:b]) / (b - a) for a, b in zip(edges, edges[1:])]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in values)
+
+
+def describe(series: Series) -> str:
+    """The reward curve in one line: first and last steps' mean reward, and the curve between its low and high."""
+    rewards = [r for r in series.reward_mean if not math.isnan(r)]
+    if not rewards:
+        return f"{series.name}: no train steps yet"
+    edge = max(1, min(3, len(rewards) // 4))  # a few steps on each end: one batch's mean is noisy
+    first, last = sum(rewards[:edge]) / edge, sum(rewards[-edge:]) / edge
+    return (f"{series.name}: {len(series.step)} steps, mean reward {first:.2f} (first {edge}) -> {last:.2f} "
+            f"(last {edge}); per step {min(rewards):.2f} {sparkline(rewards)} {max(rewards):.2f}")
+
+
 def metrics_logs(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "metrics").glob("*.jsonl"))
 
 
-def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
-    """A PNG per metrics log of `run_dir` (into `out_dir`, default `run_dir/plots`); the paths written."""
+def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[tuple[Path, Series]]:
+    """A PNG per metrics log of `run_dir` (into `out_dir`, default `run_dir/plots`); the paths written, each
+    with the series it shows."""
     logs = metrics_logs(run_dir)
     if not logs:
         raise NoMetrics(f"no metrics logs in {run_dir / 'metrics'} (*.jsonl): give the run directory of a "
                         "server (its run_dir) where an experiment has run")
     out_dir = run_dir / "plots" if out_dir is None else out_dir
-    return [plot_series(load_series(log), out_dir / f"{log.stem}.png") for log in logs]
+    drawn = []
+    for log in logs:
+        series = load_series(log)
+        drawn.append((plot_series(series, out_dir / f"{log.stem}.png"), series))
+    return drawn

@@ -102,6 +102,21 @@ def test_plot_writes_a_png_per_experiment(tmp_path, capsys):
     assert len(series.reward_std) == 5 and len(series.tokens_per_s) == len(series.sampling_minutes) == 5
     assert series.push_steps == [1, 2, 3, 4, 5]
 
+    assert cli_main(["plot", "--describe", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == str(tmp_path / "plots" / "alpha.png")  # the rewards 0.1 .. 0.5, rising
+    assert lines[1] == "  alpha: 5 steps, mean reward 0.10 (first 1) -> 0.50 (last 1); per step 0.10 ▁▃▅▇█ 0.50"
+    assert lines[3].startswith("  beta: 2 steps, mean reward 0.10 (first 1) -> 0.20 (last 1)")
+
+
+def test_sparkline_keeps_the_shape_of_a_long_curve():
+    from grpo_server.plot import SPARK_WIDTH, sparkline
+
+    rising = sparkline([i / 99 for i in range(100)])
+    assert len(rising) == SPARK_WIDTH and rising[0] == "▁" and rising[-1] == "█"
+    assert list(rising) == sorted(rising)  # averaged buckets of a rising curve still rise
+    assert sparkline([0.5, float("nan"), 0.5]) == "▁▁" and sparkline([]) == ""
+
 
 def test_plot_without_metrics_says_so(tmp_path, capsys):
     assert cli_main(["plot", str(tmp_path)]) != 0
