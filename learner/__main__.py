@@ -3,8 +3,9 @@
 The config is validated before torch or DeepSpeed is imported, so a bad file fails in a second with a
 message naming the key, not after a minute of imports. Then the distributed environment DeepSpeed needs
 (learner/ranks.py: rank 0 hosts the rendezvous and starts the other ranks as
-`python -m learner --config PATH --rank R --parent-pid P`), the model, and learner/job.py: rank 0
-serves HTTP until SIGTERM / SIGINT, the others follow it.
+`python -m learner --config PATH --rank R --parent-pid P`; or, under torchrun / the deepspeed launcher,
+every rank takes RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the launcher), the model, and
+learner/job.py: rank 0 serves HTTP until SIGTERM / SIGINT, the others follow it.
 """
 
 from __future__ import annotations
@@ -27,23 +28,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    follower = args.rank > 0
-    if follower:
-        from learner.ranks import die_with_parent, ignore_stop_signals
+    from learner.ranks import die_with_parent, ignore_stop_signals, launcher_env
 
-        die_with_parent(args.parent_pid)  # first: no window in which rank 0 could die unnoticed
+    # Started by torchrun / the deepspeed launcher (several hosts): the rank is theirs, not our --rank.
+    launched = launcher_env(dict(os.environ)) if args.parent_pid is None else None
+    rank = launched.rank if launched is not None else args.rank
+    follower = rank > 0
+    if follower:
+        if launched is None:
+            die_with_parent(args.parent_pid)  # first: no window in which rank 0 could die unnoticed
         ignore_stop_signals()
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     try:
         config = LearnerConfig.model_validate(load_yaml(args.config))
     except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError; named for the reader
         print(f"learner: bad config {args.config}: {exc}", file=sys.stderr)
         return 2
+    if launched is not None and config.ranks != launched.world_size:
+        logging.getLogger("learner").info("learner.ranks %d: the launcher's WORLD_SIZE %d rules", config.ranks,
+                                          launched.world_size)
+        config = config.model_copy(update={"ranks": launched.world_size})
     followers = None
     if not follower:
         write_resolved(config, config.run_dir / "config" / "learner.resolved.yaml")
-        if config.ranks > 1:
+        if config.ranks > 1 and launched is None:
             from learner.ranks import Followers
 
             # Before our own heavy imports, so that theirs overlap them.
@@ -63,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if follower:
         # Not a normal interpreter exit: nothing here needs one, and joining threads could hang.
-        exit_now(run_follower(config, args.rank))
-    return run_rank0(config, followers)
+        exit_now(run_follower(config, rank, launched))
+    return run_rank0(config, followers, launched)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ the keys, no embedding weights. A folder is written under a temporary name and r
 so a reader (the sampler, a restarted learner) never sees half a version: every `v*` folder is whole.
 
 The training step count rides in the safetensors metadata (readers ignore it), so a restarted learner
-continues its step numbering without an extra file in the folder.
+continues its step numbering without an extra file in the folder; so does the version's fingerprint
+(grpo_server/protocol/adapter_files.py: how a sampler on another host knows its copy is this version).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from grpo_server.protocol.adapter_files import CONFIG_FILE, FINGERPRINT_KEY, WEIGHTS_FILE, read_fingerprint
+
 STEP_KEY = "grpo_server_step"
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
 
@@ -35,6 +37,10 @@ def adapter_root(run_dir: Path, name: str) -> Path:
 
 def version_dir(run_dir: Path, name: str, version: int) -> Path:
     return adapter_root(run_dir, name) / f"v{version:06d}"
+
+
+def fingerprint(run_dir: Path, name: str, version: int) -> str | None:
+    return read_fingerprint(version_dir(run_dir, name, version))
 
 
 def list_versions(run_dir: Path, name: str) -> list[int]:
@@ -75,7 +81,9 @@ def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch
         # Clone: the live parameters are views into DeepSpeed's flat buffers, and safetensors refuses
         # tensors that share storage.
         cpu_tensors = {key: value.detach().to("cpu").clone().contiguous() for key, value in tensors.items()}
-        save_file(cpu_tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", STEP_KEY: str(step)})
+        # The fingerprint: a fresh id per write, so a copy on another host is known for this version.
+        save_file(cpu_tensors, str(tmp / WEIGHTS_FILE),
+                  metadata={"format": "pt", STEP_KEY: str(step), FINGERPRINT_KEY: uuid.uuid4().hex})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
         # safetensors creates its file 0600; a sampler running as another user (compose) must read it.
         for path in (tmp, tmp / WEIGHTS_FILE, tmp / CONFIG_FILE):

@@ -2,24 +2,31 @@
 `grpo_server/protocol/dispatch.py`, which parses the msgpack bodies and maps every error to its answer.
 
 All torch work runs in a worker thread under ONE lock (the model and its adapters are shared state), so
-the event loop stays free: /health and /status answer while a train step runs.
+the event loop stays free: /health and /status answer while a train step runs, and so does
+GET /adapters/{name}/{version}/{file} (adapter versions for samplers on other hosts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
 
+from grpo_server.protocol.adapter_files import FILES, ROUTE
 from grpo_server.protocol.dispatch import worker_app
+from grpo_server.protocol.errors import NotFound
 from grpo_server.protocol.verbs import Healthy, LearnerVerbs, Removed
 from grpo_server.protocol.wire import (
     AdapterVersion, AddExperimentRequest, LearnerStatus, LogprobsRequest, LogprobsResponse,
     RemoveExperimentRequest, SaveAdapterRequest, TrainMetrics, TrainRequest,
 )
+from learner import adapter_io
 
 MAX_BODY_BYTES = 512 * 1024 * 1024  # a train batch carries token ids and logprobs of every sample
+EXPERIMENT_NAME = re.compile(r"[a-z0-9_-]{1,64}")  # an experiment name (grpo_server/config.py): no path in it
 
 
 class LearnerHandler:
@@ -64,5 +71,23 @@ class LearnerHandler:
         return Healthy(status="ok")
 
 
-def create_app(trainer: Any) -> web.Application:
-    return worker_app(LearnerVerbs.ALL, LearnerHandler(trainer), MAX_BODY_BYTES)
+def adapter_file_route(run_dir: Path) -> web.RouteDef:
+    """GET /adapters/{name}/{version}/{file}: one file of a version as is, for samplers that do not see this
+    run directory (grpo_server/protocol/adapter_files.py). Versions are written once and renamed into place,
+    so a file served here is whole; aiohttp sends it (sendfile) on the event loop, beside a train step."""
+    async def serve(request: web.Request) -> web.FileResponse:
+        name, version, file = (request.match_info[k] for k in ("name", "version", "file"))
+        if file not in FILES or not EXPERIMENT_NAME.fullmatch(name) or not version.isdigit():
+            raise NotFound(f"no adapter file {request.path}", code="version_not_found")
+        path = adapter_io.version_dir(run_dir, name, int(version)) / file
+        if not path.is_file():
+            raise NotFound(f"the learner has no version {version} of {name!r} ({path})", code="version_not_found")
+        return web.FileResponse(path)
+
+    return web.get(ROUTE, serve)
+
+
+def create_app(trainer: Any, run_dir: Path) -> web.Application:
+    app = worker_app(LearnerVerbs.ALL, LearnerHandler(trainer), MAX_BODY_BYTES)
+    app.add_routes([adapter_file_route(run_dir)])
+    return app

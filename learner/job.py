@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from grpo_server.protocol.worker_config import LearnerConfig
 from learner.lockstep import CommandChannel, LockstepTrainer, exit_now, follow
-from learner.ranks import Followers, RankEnv, host_store, init_process_group, join_store, read_master_port
+from learner.ranks import (Followers, LaunchedFollowers, RankEnv, host_store, init_process_group, join_store,
+                           launcher_store, read_master_port)
 
 log = logging.getLogger("learner")
 
@@ -82,27 +83,33 @@ async def _serve(app: Any, config: LearnerConfig, lifetime: Lifetime, on_stopped
     await asyncio.to_thread(on_stopped)
 
 
-def run_rank0(config: LearnerConfig, followers: Followers | None) -> int:
-    """`followers`: ranks 1..N-1, already started (learner/__main__.py), waiting for the rendezvous port."""
+def run_rank0(config: LearnerConfig, followers: Followers | None, launched: RankEnv | None = None) -> int:
+    """`followers`: ranks 1..N-1, already started (learner/__main__.py), waiting for the rendezvous port;
+    or `launched`: a launcher started every rank, and the store is at its MASTER_ADDR:MASTER_PORT."""
     import torch.distributed as dist
 
     from learner.app import create_app
     from learner.trainer import MultiAdapterTrainer
 
     lifetime = Lifetime()
-    if followers is not None:
-        followers.watch(lambda rank, code: lifetime.break_job(f"rank {rank} exited with code {code}"))
-    store = host_store(config.ranks, config.collective_timeout_s)
-    env = RankEnv(0, config.ranks, store.port)
-    os.environ.update(env.variables())
-    if followers is not None:
-        followers.send_master_port(store.port)
+    if launched is not None:
+        followers = LaunchedFollowers(launched.world_size)
+        store, env = launcher_store(launched, config.collective_timeout_s), launched
+    else:
+        if followers is not None:
+            followers.watch(lambda rank, code: lifetime.break_job(f"rank {rank} exited with code {code}"))
+        store = host_store(config.ranks, config.collective_timeout_s)
+        env = RankEnv(0, config.ranks, store.port)
+        os.environ.update(env.variables())
+        if followers is not None:
+            followers.send_master_port(store.port)
     init_process_group(env, store, config.collective_timeout_s)
     trainer = MultiAdapterTrainer(config)
     dist.barrier()  # healthy only once every rank holds the model
 
     if followers is None:  # one rank: the learner as it always was
-        asyncio.run(_serve(create_app(trainer), config, lifetime, trainer.checkpoint_all, on_broken=None))
+        asyncio.run(_serve(create_app(trainer, config.run_dir), config, lifetime, trainer.checkpoint_all,
+                           on_broken=None))
     else:
         lockstep = LockstepTrainer(trainer, CommandChannel(store), followers, lifetime.break_job,
                                    config.collective_timeout_s + OUTCOME_MARGIN_S)
@@ -113,18 +120,22 @@ def run_rank0(config: LearnerConfig, followers: Followers | None) -> int:
             finally:
                 lockstep.stop_followers(FOLLOWER_STOP_S)
 
-        asyncio.run(_serve(create_app(lockstep), config, lifetime, stop_job, on_broken=followers.kill))
+        asyncio.run(_serve(create_app(lockstep, config.run_dir), config, lifetime, stop_job,
+                           on_broken=followers.kill))
     dist.destroy_process_group()
     return 0
 
 
-def run_follower(config: LearnerConfig, rank: int) -> int:
+def run_follower(config: LearnerConfig, rank: int, launched: RankEnv | None = None) -> int:
     import torch.distributed as dist
 
     from learner.trainer import MultiAdapterTrainer
 
-    env = read_master_port(RankEnv(rank, int(os.environ["WORLD_SIZE"])))
-    store = join_store(env, config.collective_timeout_s)
+    if launched is not None:
+        env, store = launched, launcher_store(launched, config.collective_timeout_s)
+    else:
+        env = read_master_port(RankEnv(rank, int(os.environ["WORLD_SIZE"])))
+        store = join_store(env, config.collective_timeout_s)
     init_process_group(env, store, config.collective_timeout_s)
     trainer = MultiAdapterTrainer(config)
     dist.barrier()

@@ -164,9 +164,21 @@ class LockstepTrainer:
             self.followers.expect_exit()
             if self.broken is None:
                 self.channel.publish(self._seq, STOP, ())
+                self._acknowledged(self._seq, timeout_s)
             else:  # out of step: they may be stuck in a collective, deaf to commands
                 self.followers.kill()
         self.followers.wait_or_kill(timeout_s)
+
+    def _acknowledged(self, seq: int, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) until every follower has read the stop: followers a launcher started are
+        not ours to wait for, and the store they read it from may be ours, gone when we exit."""
+        deadline = time.monotonic() + timeout_s
+        for rank in self.followers.ranks:
+            while self.channel.outcome(seq, rank) is None and self.followers.exit_code(rank) is None:
+                if time.monotonic() >= deadline:
+                    log.warning("rank %d did not acknowledge the stop within %.0f s", rank, timeout_s)
+                    return
+                time.sleep(_POLL_S[1])
 
     def _everywhere(self, verb: str, *args: Any) -> Any:
         with self._lock:
@@ -234,6 +246,7 @@ def follow(trainer: Any, channel: CommandChannel, rank: int) -> int:
             return 1
         if verb == STOP:
             log.info("rank %d: stopping as rank 0 asked", rank)
+            channel.post(seq, Outcome(rank))
             return 0
         if verb not in LOCKSTEP_VERBS:
             channel.post(seq, Outcome(rank, failure=f"unknown lockstep verb {verb!r}"))

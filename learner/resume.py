@@ -92,6 +92,29 @@ def find(run_dir: Path, name: str, peft_config: Any, rank: int, world_size: int)
     return OnDisk(latest, saved, resumed)
 
 
+def find_for_every_rank(run_dir: Path, name: str, peft_config: Any, rank: int, world_size: int) -> OnDisk:
+    """`find`, read by rank 0 alone and handed to every rank (its own checkpoint shard each): ranks on other
+    hosts may not see this run directory (docs/multi-host.md), and only rank 0 writes it. A collective: every
+    rank calls it at the same point of `add_experiment`; an error reading or checking is raised on all alike."""
+    if world_size == 1:
+        return find(run_dir, name, peft_config, rank, world_size)
+    import torch.distributed as dist
+
+    shares: list[Any] | None = None
+    if rank == 0:
+        try:
+            mine = find(run_dir, name, peft_config, 0, world_size)
+            shares = [mine] + [OnDisk(mine.latest, mine.saved, checkpoint.read_latest(run_dir, name, r, world_size))
+                               for r in range(1, world_size)]
+        except Exception as exc:  # the same error on every rank: an ApiError is then a normal answer
+            shares = [exc] * world_size
+    received: list[Any] = [None]
+    dist.scatter_object_list(received, shares, src=0)
+    if isinstance(received[0], BaseException):
+        raise received[0]
+    return received[0]
+
+
 def check_compatible(saved_config: dict[str, Any], peft_config: Any, name: str, version: int) -> None:
     """What is on disk must have the shape and scaling of the adapter asked for."""
     want = {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha,

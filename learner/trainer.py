@@ -119,7 +119,7 @@ class MultiAdapterTrainer:
                              f"(it has {sorted(self.linear_names)})")
         peft_config = self._peft_config(lora)
         # Read and checked before the model is touched, so that a bad folder fails cleanly.
-        found = resume.find(self.config.run_dir, name, peft_config, self.rank, self.world_size)
+        found = resume.find_for_every_rank(self.config.run_dir, name, peft_config, self.rank, self.world_size)
         start = found.start()
         adapter = f"exp_{name}"
         # LoRA A's init draws from the global generator: seed it per experiment, so an experiment's v0
@@ -129,8 +129,8 @@ class MultiAdapterTrainer:
         self._add_peft_adapter(adapter, peft_config)
         if self.rank > 0:  # the same init on every rank (above); from here each draws its own dropout masks
             torch.manual_seed(experiment_seed + self.rank)
-        # Every rank has read the disk before rank 0 writes to it (v0, or a resumed version's new number):
-        # a rank reading after the write would start from another version than the others.
+        # Every rank holds its start (rank 0 read the disk for all) before rank 0 writes to it (v0, or a
+        # resumed version's new number): a start read after the write would be another version's.
         self._all_ranks_here()
         try:
             params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
@@ -276,7 +276,8 @@ class MultiAdapterTrainer:
         path = adapter_io.version_dir(self.config.run_dir, name, version)
         exp = self.experiments[name]
         return AdapterVersion(name=name, version=version, path=str(path.resolve()), step=exp.step,
-                              journal_seq=exp.journal_seq, groups_trained=exp.groups_trained)
+                              journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
+                              fingerprint=adapter_io.fingerprint(self.config.run_dir, name, version))
 
     def _peft_config(self, lora: LoraConfig) -> Any:
         from peft import LoraConfig as PeftLoraConfig

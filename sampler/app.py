@@ -3,7 +3,8 @@
 POST /generate /score /load_adapter /unload_adapter, GET /health, as routes of
 `grpo_server/protocol/dispatch.py`, which also maps every error to `{"error": {"code", "message"}}`
 (an `ApiError` the engine raises keeps its code and status). The engine starts and stops with the app
-(a cleanup context), so the port only answers once the model is loaded.
+(a cleanup context), so the port only answers once the model is loaded. A version whose folder this
+host does not see is copied from the learner first (sampler/adapter_copies.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from grpo_server.protocol.wire import (
     GenerateRequest, GenerateResponse, LoadAdapterRequest, SamplerHealth, ScoreRequest, ScoreResponse,
     UnloadAdapterRequest,
 )
+from sampler.adapter_copies import AdapterCopies
 from sampler.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,9 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 class SamplerHandler:
     """One method per sampler verb, each named like it, over the engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, copies: AdapterCopies) -> None:
         self.engine = engine
+        self.copies = copies
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         return await self.engine.generate(req)
@@ -40,11 +43,18 @@ class SamplerHandler:
         return await self.engine.score(req)
 
     async def load_adapter(self, req: LoadAdapterRequest) -> AdapterList:
-        await self.engine.load_adapter(req.adapter, req.path)
+        path = await self.copies.local_path(req)  # the learner's folder, or a copy of it fetched over HTTP
+        try:
+            await self.engine.load_adapter(req.adapter, path)
+        except Exception:
+            if path != req.path and req.adapter.key not in await self.engine.loaded_adapters():
+                self.copies.forget(req.adapter)
+            raise
         return AdapterList(adapters=await self.engine.loaded_adapters())
 
     async def unload_adapter(self, req: UnloadAdapterRequest) -> AdapterList:
         await self.engine.unload_adapter(req.adapter)
+        self.copies.forget(req.adapter)
         return AdapterList(adapters=await self.engine.loaded_adapters())
 
     async def health(self) -> SamplerHealth:
@@ -67,6 +77,8 @@ def create_app(engine: Engine) -> web.Application:
         yield
         await engine.shutdown()
 
-    app = worker_app(SamplerVerbs.ALL, SamplerHandler(engine), MAX_BODY_BYTES)
+    handler = SamplerHandler(engine, AdapterCopies(engine.config.run_dir, engine.config.replica))
+    app = worker_app(SamplerVerbs.ALL, handler, MAX_BODY_BYTES)
     app.cleanup_ctx.append(engine_lifetime)
+    app.on_cleanup.append(lambda _: handler.copies.close())
     return app

@@ -79,7 +79,7 @@ class FakeWorkers:
     async def wait_learner_ready(self, timeout_s):
         return None
 
-    async def load_everywhere(self, ref, path):
+    async def load_everywhere(self, ref, path, fingerprint=None):
         self.loaded.add(ref.version)
 
     async def unload_everywhere(self, ref):

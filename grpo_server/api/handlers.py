@@ -260,11 +260,11 @@ async def download_adapter(request: web.Request) -> web.Response:
         version = None if raw_version is None else int(raw_version)
     except ValueError as exc:
         raise BadRequest(f"version must be an integer, got {raw_version!r}", code="bad_version") from exc
-    folder = request.app[ORCHESTRATOR].adapter_dir(name, version)
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for path in sorted(folder.iterdir()):
-            archive.add(path, arcname=f"{name}-{folder.name}/{path.name}")
+    async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            for path in sorted(folder.iterdir()):
+                archive.add(path, arcname=f"{name}-{folder.name}/{path.name}")
     return web.Response(body=buffer.getvalue(), content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
 

@@ -99,9 +99,11 @@ class SamplerClient(_Client):
     async def score(self, request: ScoreRequest) -> ScoreResponse:
         return await self.transport.request(SamplerVerbs.score, request)
 
-    async def load_adapter(self, adapter: AdapterRef, path: str, *, syncing_ok: bool = False) -> AdapterList:
-        return await self.transport.request(SamplerVerbs.load_adapter, LoadAdapterRequest(adapter=adapter, path=path),
-                                            syncing_ok=syncing_ok)
+    async def load_adapter(self, adapter: AdapterRef, path: str, *, source_url: str | None = None,
+                           fingerprint: str | None = None, syncing_ok: bool = False) -> AdapterList:
+        """`source_url`: the learner, to copy the version from where `path` is not readable (LoadAdapterRequest)."""
+        request = LoadAdapterRequest(adapter=adapter, path=path, source_url=source_url, fingerprint=fingerprint)
+        return await self.transport.request(SamplerVerbs.load_adapter, request, syncing_ok=syncing_ok)
 
     async def unload_adapter(self, adapter: AdapterRef, *, syncing_ok: bool = False) -> AdapterList:
         return await self.transport.request(SamplerVerbs.unload_adapter, UnloadAdapterRequest(adapter=adapter),

@@ -111,7 +111,12 @@ class ScoreResponse(WireModel):
 
 class LoadAdapterRequest(WireModel):
     adapter: AdapterRef
-    path: str  # a folder in peft format, new for every version
+    path: str  # a folder in peft format, new for every version (the learner's: used as is where it is readable)
+    # Where it is not (a sampler on another host, with its own run directory): the learner's URL, whose
+    # GET /adapters/{name}/{version}/{file} the sampler copies it from; and the version's fingerprint, which
+    # tells the version from another folder at the same path (protocol/adapter_files.py).
+    source_url: str | None = None
+    fingerprint: str | None = None
 
 
 class UnloadAdapterRequest(WireModel):
@@ -151,6 +156,7 @@ class AdapterVersion(WireModel):
     name: str
     version: int
     path: str  # a folder that peft and vLLM load as is
+    fingerprint: str | None = None  # the id in its safetensors header (protocol/adapter_files.py)
     step: int = 0
     journal_seq: int = 0  # the newest feedback-journal entry the learner's weights include
     groups_trained: int = 0  # over the experiment's whole life (kept in its checkpoints)

@@ -5,11 +5,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import tempfile
 from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
 
 from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeResponse
 from grpo_server.config import ExperimentConfig, ServerConfig
+from grpo_server.protocol.adapter_files import fetch_version, holds
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.wire import AdapterRef
 from grpo_server.runtime.episodes import EpisodeStore
@@ -68,7 +74,8 @@ class Orchestrator:
             # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
             first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
             try:
-                await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path)
+                await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path,
+                                                   first.fingerprint)
             except ApiError:
                 await self.workers.learner.remove_experiment(config.name)
                 raise
@@ -105,13 +112,26 @@ class Orchestrator:
                 log.warning("remove_experiment %s: %s", name, exc.message)
             log.info("experiment %s deleted (its adapters stay on disk)", name)
 
-    def adapter_dir(self, name: str, version: int | None) -> Path:
+    @contextlib.asynccontextmanager
+    async def adapter_dir(self, name: str, version: int | None) -> AsyncIterator[Path]:
+        """The version's folder: in this run directory (the learner's, on this host), else a temporary copy
+        from the learner's HTTP (a learner on another host: grpo_server/protocol/adapter_files.py)."""
         exp = self.get(name)
         version = exp.serving_version if version is None else version
         folder = self.config.run_dir / "adapters" / name / f"v{version:06d}"
-        if not (folder / "adapter_config.json").is_file():
-            raise NotFound(f"experiment {name!r} has no adapter version {version}", code="version_not_found")
-        return folder
+        if holds(folder, None):
+            yield folder
+            return
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=self.config.run_dir) as scratch:
+            async with aiohttp.ClientSession() as session:
+                try:
+                    copy = await fetch_version(session, self.workers.learner_connection.process.url,
+                                               AdapterRef(name=name, version=version), Path(scratch) / folder.name,
+                                               None, self.config.worker_timeout_s)
+                except NotFound as exc:
+                    raise NotFound(f"experiment {name!r} has no adapter version {version}",
+                                   code="version_not_found") from exc
+            yield copy
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         if request.continue_from is not None:
@@ -138,11 +158,11 @@ class Orchestrator:
 
     async def resync_sampler(self, sampler_index: int) -> None:
         """After a sampler restart: load every live version again."""
-        sampler = self.workers.replica(sampler_index)
         for exp in list(self.experiments.values()):
             for version, path in list(exp.adapter_paths.items()):
-                await sampler.load_adapter(AdapterRef(name=exp.name, version=version), path, syncing_ok=True)
-        log.info("%s re-loaded %d experiments' adapters", sampler.name, len(self.experiments))
+                await self.workers.load_on(sampler_index, AdapterRef(name=exp.name, version=version), path)
+        log.info("%s re-loaded %d experiments' adapters", self.workers.replica(sampler_index).name,
+                 len(self.experiments))
 
     async def resync_learner(self) -> None:
         """After a learner restart: add every experiment again; the learner resumes the newest version
@@ -156,7 +176,7 @@ class Orchestrator:
                                  f"{len(exp.queue)} journalled groups queued to train")
                 if resumed.version != exp.serving_version:
                     await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
-                                                       resumed.path)
+                                                       resumed.path, resumed.fingerprint)
                     exp.serve(resumed.version, resumed.path)
 
     async def log_sampling_forever(self, interval_s: float = SAMPLING_INTERVAL_S) -> None:

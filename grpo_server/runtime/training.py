@@ -141,7 +141,8 @@ class ExperimentTrainer:
             probe = probe_of(exp.probe)
             saved = await self.workers.learner.save_adapter(exp.name, probe)
             exp.learned(saved.version, saved.step)
-            await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path)
+            await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path,
+                                               saved.fingerprint)
         except ApiError as exc:
             exp.record_error(f"push failed: {exc.message}")
             log.error("%s: push failed: %s", exp.name, exc.message)

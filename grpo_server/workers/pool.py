@@ -202,6 +202,7 @@ class WorkerPool:
         self.learner = LearnerClient(learner) if learner is not None else None
         self.turns = turns or ComputeTurns(alternate=False)  # held by sampler calls and train steps
         self.load = {id(s): ReplicaLoad() for s in samplers}
+        self.fingerprints: dict[str, str | None] = {}  # AdapterRef.key -> its fingerprint, while loaded
         self._turn = itertools.count()
 
     def ready_samplers(self) -> list[WorkerConnection]:
@@ -234,18 +235,31 @@ class WorkerPool:
         states = ", ".join(f"{s.name}: {s.process.state}" for s in self.samplers)
         return Unavailable(f"no sampler is ready ({states}); retry shortly", code="sampler_unavailable")
 
-    async def load_everywhere(self, adapter: AdapterRef, path: str) -> None:
+    async def load_everywhere(self, adapter: AdapterRef, path: str, fingerprint: str | None = None) -> None:
         """Load a version on every replica; raises if any ready replica fails. A replica that is
         re-syncing after a restart gets it too (its re-sync may have listed versions before this one),
         and so does one that became ready or re-syncing while the others loaded: the caller records
         the version (which later re-syncs then list) right after this returns, so no replica that
-        serves can miss it."""
+        serves can miss it. `fingerprint` (AdapterVersion's) is kept for re-syncs (`load_on`)."""
+        self.fingerprints[adapter.key] = fingerprint
         done: set[int] = set()
         while targets := [s for s in self.samplers if s.process.state in ("ready", "syncing") and id(s) not in done]:
-            await asyncio.gather(*(SamplerClient(s).load_adapter(adapter, path, syncing_ok=True) for s in targets))
+            await asyncio.gather(*(self._load(s, adapter, path) for s in targets))
             done.update(id(s) for s in targets)
 
+    async def load_on(self, index: int, adapter: AdapterRef, path: str) -> None:
+        """Load a version already loaded elsewhere on one replica (its re-sync after a restart)."""
+        await self._load(self.samplers[index], adapter, path)
+
+    async def _load(self, sampler: WorkerConnection, adapter: AdapterRef, path: str) -> None:
+        # `path` is the learner's; a sampler that cannot read it (another host, no shared run directory)
+        # copies the version from the learner's URL (grpo_server/protocol/adapter_files.py).
+        source = self.learner_connection.process.url if self.learner_connection is not None else None
+        await SamplerClient(sampler).load_adapter(adapter, path, source_url=source,
+                                                  fingerprint=self.fingerprints.get(adapter.key), syncing_ok=True)
+
     async def unload_everywhere(self, adapter: AdapterRef) -> None:
+        self.fingerprints.pop(adapter.key, None)
         # A replica that already lost it (restart) is fine: unloading is best effort.
         targets = [s for s in self.samplers if s.process.state in ("ready", "syncing")]
         await asyncio.gather(*(SamplerClient(s).unload_adapter(adapter, syncing_ok=True) for s in targets),

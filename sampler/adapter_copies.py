@@ -1,0 +1,65 @@
+"""Where this replica loads an adapter version from: the learner's folder where this host sees it (a shared
+run directory: nothing is copied), else its own copy, fetched over the learner's HTTP into
+`run_dir/adapter-copies/sampler-<replica>/<name>/v<version>/` (grpo_server/protocol/adapter_files.py).
+
+A copy lives as long as the version is loaded: vLLM reads the folder again when the LoRA falls out of its
+cache, and merged serving reads it at each merge. It is deleted when the version is unloaded, and the whole
+folder is emptied when the replica starts (the front end loads the live versions into a (re)started
+sampler, through this same route). Each replica has its own folder: replicas on one host unload at
+different times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import aiohttp
+
+from grpo_server.protocol.adapter_files import fetch_version, holds
+from grpo_server.protocol.wire import AdapterRef, LoadAdapterRequest
+
+log = logging.getLogger(__name__)
+
+FETCH_TIMEOUT_S = 600.0  # a whole version; a stalled transfer fails sooner (adapter_files.READ_TIMEOUT_S)
+
+
+class AdapterCopies:
+    def __init__(self, run_dir: Path, replica: int):
+        self.root = Path(run_dir) / "adapter-copies" / f"sampler-{replica}"
+        shutil.rmtree(self.root, ignore_errors=True)  # an earlier life's copies: nothing loads them now
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()  # one fetch at a time: a retried push must not race its first try
+
+    def copy_dir(self, adapter: AdapterRef) -> Path:
+        return self.root / adapter.name / f"v{adapter.version:06d}"
+
+    async def local_path(self, req: LoadAdapterRequest) -> str:
+        """A folder on this host that holds the version: the learner's path as given, our copy, or a fresh
+        copy from `req.source_url`. Without a source URL the path is used as given (the engine's check then
+        says what is wrong with it)."""
+        if req.source_url is None or holds(Path(req.path), req.fingerprint):
+            return req.path
+        copy = self.copy_dir(req.adapter)
+        async with self._lock:
+            if holds(copy, req.fingerprint):
+                return str(copy)
+            if self._session is None:
+                self._session = aiohttp.ClientSession()
+            started = time.monotonic()
+            await fetch_version(self._session, req.source_url, req.adapter, copy, req.fingerprint, FETCH_TIMEOUT_S)
+        size = sum(f.stat().st_size for f in copy.iterdir())
+        log.info("%s: %s not readable here; copied %.1f MB from %s in %.2f s", req.adapter.key, req.path,
+                 size / 1e6, req.source_url, time.monotonic() - started)
+        return str(copy)
+
+    def forget(self, adapter: AdapterRef) -> None:
+        """After the version is unloaded: its copy, if we made one."""
+        shutil.rmtree(self.copy_dir(adapter), ignore_errors=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
