@@ -15,9 +15,13 @@ Run every module from the repository root (`.venv/bin/python -m scripts.benchmar
     learner_vs_peft.py  the learner's train step vs a plain peft + AdamW loop
     adapter.py          vLLM sampling with an adapter vs without
     end_to_end.py       time to a mean reward on alphabetize, this server vs TRL
+    race.py             the race both end-to-end sides share, and the median over several runs
     trl_side.py         TRL's GRPOTrainer side of the end-to-end race
     load.py             a bounded load test: C concurrent clients for D seconds
     table.py            the summary table written into BENCHMARKS.md
+    gpu_check.py        scripts/gpu-check's driver: each phase in its own process and time limit, one JSON
+    gpu_phases.py       scripts/gpu-check's phases: model, learner, sampler, server, the race's two sides
+    gpu_carry.py        what scripts/gpu-check carries to the GPU machine: wheels, the model in two halves
 """
 
 from pathlib import Path

@@ -6,7 +6,8 @@ running mean reward reaches a target (or a time limit passes). Needs the `bench`
 
     .venv/bin/python -m scripts.benchmarks.trl_side --target 0.35 --window 16 --time-limit-s 1500
 
-SmolLM2-135M-Instruct from the embedded copy (grpo_server.workers.model_prep.resolve_model), float32 on CPU;
+SmolLM2-135M-Instruct from the embedded copy (grpo_server.workers.model_prep.resolve_model), float32 on CPU
+(on a CUDA machine: the GPU, bf16 autocast over float32 weights, for scripts/gpu-check);
 prompts and reward are examples/alphabetize.py's own `make_prompt` and `score` (imported), prompts drawn
 from `random.Random(seed)` in order as the server side's client does. Matched to configs/alphabetize.yaml
 (and AlgorithmConfig's defaults for what it leaves out):
@@ -64,8 +65,9 @@ def experiment_config(path: Path) -> dict:
     return ExperimentConfig.model_validate(yaml.safe_load(path.read_text())).model_dump(mode="json")
 
 
-def trl_settings(exp: dict, seed: int, output_dir: str) -> dict:
-    """GRPOConfig keyword arguments matched to the experiment config."""
+def trl_settings(exp: dict, seed: int, output_dir: str, cuda: bool = False) -> dict:
+    """GRPOConfig keyword arguments matched to the experiment config. `cuda`: train on the GPU in bf16 (float32
+    master weights), TRL's fastest there; on CPU it stays float32, as the server's learner is by default."""
     alg, smp = exp["algorithm"], exp["sampling"]
     batch = alg["batch_groups"] * smp["n"]
     micro = min(alg["micro_batch_size"], batch)
@@ -73,7 +75,7 @@ def trl_settings(exp: dict, seed: int, output_dir: str) -> dict:
         micro = smp["n"]  # a micro-batch size TRL can divide the batch by
     loss_type, scale_rewards, level = LOSS_TYPES[alg["loss"]]
     return dict(
-        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=seed, data_seed=seed,
+        output_dir=output_dir, use_cpu=not cuda, bf16=cuda, fp16=False, seed=seed, data_seed=seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_iterations=1,
         num_generations=smp["n"], max_completion_length=smp["max_tokens"], temperature=smp["temperature"],
         top_p=smp["top_p"], top_k=0, learning_rate=alg["learning_rate"], lr_scheduler_type="constant",
@@ -154,7 +156,7 @@ def main() -> int:
 
     load_start = loadavg()
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
-        settings = trl_settings(exp, args.seed, output_dir)
+        settings = trl_settings(exp, args.seed, output_dir, cuda=torch.cuda.is_available())
         race.start()  # the clock: from making the adapter (GRPOTrainer wraps the model with peft) on
         trainer = GRPOTrainer(model=model, reward_funcs=alphabetize_reward, args=GRPOConfig(**settings),
                               train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
