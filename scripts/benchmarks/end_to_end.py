@@ -205,7 +205,8 @@ def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> 
 
 async def race_both(model_dir: Path, target: float, window: int, time_limit_s: float, seed: int = 0,
                     keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None,
-                    server_settings: list[str] = (), experiment_settings: list[str] = ()) -> dict:
+                    server_settings: list[str] = (), experiment_settings: list[str] = (),
+                    concurrency: int = DEMO_CONCURRENCY) -> dict:
     """Both sides, the server first. `others`: a function naming the other busy processes on the box
     (host.py's other_processes), called as each side starts."""
     import importlib.util
@@ -220,7 +221,7 @@ async def race_both(model_dir: Path, target: float, window: int, time_limit_s: f
                           "running mean to the target; model load and server start excluded on both sides"}
     if "server" in sides:
         busy = await asyncio.to_thread(others) if others else None
-        out["server"] = await server_side(model_dir, target, window, time_limit_s, seed=seed, keep=keep,
+        out["server"] = await server_side(model_dir, target, window, time_limit_s, concurrency, seed=seed, keep=keep,
                                           server_settings=server_settings, experiment_settings=experiment_settings)
         out["server"]["others_at_start"] = busy
         _brief("server", out["server"])
@@ -243,7 +244,8 @@ def _brief(side: str, result: dict) -> None:
 
 async def race_runs(model_dir: Path, target: float, window: int, time_limit_s: float, runs: int,
                     keep: bool = False, others=None, server_settings: list[str] = (),
-                    experiment_settings: list[str] = (), out_path: Path | None = None) -> dict:
+                    experiment_settings: list[str] = (), out_path: Path | None = None,
+                    concurrency: int = DEMO_CONCURRENCY) -> dict:
     """`runs` pairs, run i with seed i, and the summary over them at 0.35 and at the target. Written to
     `out_path` after every pair, so a long series that is stopped keeps the pairs it finished."""
     levels = tuple(sorted({0.35, target}))
@@ -251,7 +253,8 @@ async def race_runs(model_dir: Path, target: float, window: int, time_limit_s: f
     for seed in range(runs):
         print(f"[e2e] pair {seed + 1} of {runs} (seed {seed})", flush=True)
         pair = await race_both(model_dir, target, window, time_limit_s, seed=seed, keep=keep, others=others,
-                               server_settings=server_settings, experiment_settings=experiment_settings)
+                               server_settings=server_settings, experiment_settings=experiment_settings,
+                               concurrency=concurrency)
         out["experiment"], out["clock"] = pair.pop("experiment"), pair.pop("clock")
         out["runs"].append(pair)
         out["summary"] = summarize_runs(out["runs"], window, levels)
@@ -281,6 +284,8 @@ def main() -> int:
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="per side, on its clock")
     parser.add_argument("--runs", type=int, default=1, help="pairs (both sides only), run i with seed i")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=int, default=DEMO_CONCURRENCY,
+                        help="server side: groups in flight (the client's workers)")
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -303,11 +308,12 @@ def main() -> int:
             parser.error("--runs needs both sides")
         result = asyncio.run(race_runs(model_dir, args.target, args.window, args.time_limit_s, args.runs,
                                        args.keep, others=other_processes, server_settings=args.set,
-                                       experiment_settings=args.experiment_set, out_path=args.out))
+                                       experiment_settings=args.experiment_set, out_path=args.out,
+                                       concurrency=args.concurrency))
     else:
         result = asyncio.run(race_both(model_dir, args.target, args.window, args.time_limit_s, args.seed,
                                        args.keep, sides, server_settings=args.set,
-                                       experiment_settings=args.experiment_set))
+                                       experiment_settings=args.experiment_set, concurrency=args.concurrency))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

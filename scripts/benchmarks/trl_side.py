@@ -65,9 +65,9 @@ def experiment_config(path: Path) -> dict:
     return ExperimentConfig.model_validate(yaml.safe_load(path.read_text())).model_dump(mode="json")
 
 
-def trl_settings(exp: dict, seed: int, output_dir: str, cuda: bool = False) -> dict:
+def trl_settings(exp: dict, seed: int, output_dir: str, cuda: bool = False, bf16: bool = False) -> dict:
     """GRPOConfig keyword arguments matched to the experiment config. `cuda`: train on the GPU in bf16 (float32
-    master weights), TRL's fastest there; on CPU it stays float32, as the server's learner is by default."""
+    master weights), TRL's fastest there; on CPU float32 unless `bf16` (the same autocast on the CPU)."""
     alg, smp = exp["algorithm"], exp["sampling"]
     batch = alg["batch_groups"] * smp["n"]
     micro = min(alg["micro_batch_size"], batch)
@@ -75,7 +75,7 @@ def trl_settings(exp: dict, seed: int, output_dir: str, cuda: bool = False) -> d
         micro = smp["n"]  # a micro-batch size TRL can divide the batch by
     loss_type, scale_rewards, level = LOSS_TYPES[alg["loss"]]
     return dict(
-        output_dir=output_dir, use_cpu=not cuda, bf16=cuda, fp16=False, seed=seed, data_seed=seed,
+        output_dir=output_dir, use_cpu=not cuda, bf16=cuda or bf16, fp16=False, seed=seed, data_seed=seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_iterations=1,
         num_generations=smp["n"], max_completion_length=smp["max_tokens"], temperature=smp["temperature"],
         top_p=smp["top_p"], top_k=0, learning_rate=alg["learning_rate"], lr_scheduler_type="constant",
@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("--time-limit-s", type=float, default=1500.0, help="on the clock")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=int, default=8192, help="prompts in the dataset (more than needed)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast on the CPU too (always on CUDA)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -156,7 +157,7 @@ def main() -> int:
 
     load_start = loadavg()
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
-        settings = trl_settings(exp, args.seed, output_dir, cuda=torch.cuda.is_available())
+        settings = trl_settings(exp, args.seed, output_dir, cuda=torch.cuda.is_available(), bf16=args.bf16)
         race.start()  # the clock: from making the adapter (GRPOTrainer wraps the model with peft) on
         trainer = GRPOTrainer(model=model, reward_funcs=alphabetize_reward, args=GRPOConfig(**settings),
                               train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
