@@ -189,10 +189,10 @@ def _progress(side: str, race: Race) -> None:
 # --- the TRL side ---------------------------------------------------------------------------------
 
 
-def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> dict:
+def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0, extra: list[str] = ()) -> dict:
     """trl_side.py in a fresh process; its last stdout line is its JSON."""
     cmd = [sys.executable, "-m", TRL_MODULE, "--target", str(target), "--window", str(window),
-           "--time-limit-s", str(time_limit_s), "--seed", str(seed)]
+           "--time-limit-s", str(time_limit_s), "--seed", str(seed), *extra]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_limit_s + 1800,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO)
     if proc.returncode != 0:
@@ -206,9 +206,9 @@ def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0) -> 
 async def race_both(model_dir: Path, target: float, window: int, time_limit_s: float, seed: int = 0,
                     keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None,
                     server_settings: list[str] = (), experiment_settings: list[str] = (),
-                    concurrency: int = DEMO_CONCURRENCY) -> dict:
+                    concurrency: int = DEMO_CONCURRENCY, trl_args: list[str] = ()) -> dict:
     """Both sides, the server first. `others`: a function naming the other busy processes on the box
-    (host.py's other_processes), called as each side starts."""
+    (host.py's other_processes), called as each side starts. `trl_args`: more of trl_side.py's flags (`--bf16`)."""
     import importlib.util
 
     if "trl" in sides and importlib.util.find_spec("trl") is None:  # before the server side's minutes
@@ -228,7 +228,8 @@ async def race_both(model_dir: Path, target: float, window: int, time_limit_s: f
     if "trl" in sides:
         busy = await asyncio.to_thread(others) if others else None
         print(f"[e2e] TRL side (load {loadavg()}) ...", flush=True)
-        out["trl"] = await asyncio.to_thread(trl_side, target, window, time_limit_s, seed)
+        out["trl"] = await asyncio.to_thread(trl_side, target, window, time_limit_s, seed, list(trl_args))
+        out["trl"]["trl_args"] = list(trl_args)
         out["trl"]["others_at_start"] = busy
         _brief("trl", out["trl"])
     if "server" in out and "trl" in out:
@@ -245,7 +246,7 @@ def _brief(side: str, result: dict) -> None:
 async def race_runs(model_dir: Path, target: float, window: int, time_limit_s: float, runs: int,
                     keep: bool = False, others=None, server_settings: list[str] = (),
                     experiment_settings: list[str] = (), out_path: Path | None = None,
-                    concurrency: int = DEMO_CONCURRENCY) -> dict:
+                    concurrency: int = DEMO_CONCURRENCY, trl_args: list[str] = ()) -> dict:
     """`runs` pairs, run i with seed i, and the summary over them at 0.35 and at the target. Written to
     `out_path` after every pair, so a long series that is stopped keeps the pairs it finished."""
     levels = tuple(sorted({0.35, target}))
@@ -254,7 +255,7 @@ async def race_runs(model_dir: Path, target: float, window: int, time_limit_s: f
         print(f"[e2e] pair {seed + 1} of {runs} (seed {seed})", flush=True)
         pair = await race_both(model_dir, target, window, time_limit_s, seed=seed, keep=keep, others=others,
                                server_settings=server_settings, experiment_settings=experiment_settings,
-                               concurrency=concurrency)
+                               concurrency=concurrency, trl_args=trl_args)
         out["experiment"], out["clock"] = pair.pop("experiment"), pair.pop("clock")
         out["runs"].append(pair)
         out["summary"] = summarize_runs(out["runs"], window, levels)
@@ -286,6 +287,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=DEMO_CONCURRENCY,
                         help="server side: groups in flight (the client's workers)")
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL side: bf16 autocast on the CPU (trl_side --bf16)")
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -302,6 +304,7 @@ def main() -> int:
     stop_on_signals()
 
     sides = ("server", "trl") if args.side == "both" else (args.side,)
+    trl_args = ["--bf16"] if args.trl_bf16 else []
     model_dir = resolve_model(EMBEDDED_MODEL_NAME)
     if args.runs > 1:
         if args.side != "both":
@@ -309,11 +312,12 @@ def main() -> int:
         result = asyncio.run(race_runs(model_dir, args.target, args.window, args.time_limit_s, args.runs,
                                        args.keep, others=other_processes, server_settings=args.set,
                                        experiment_settings=args.experiment_set, out_path=args.out,
-                                       concurrency=args.concurrency))
+                                       concurrency=args.concurrency, trl_args=trl_args))
     else:
         result = asyncio.run(race_both(model_dir, args.target, args.window, args.time_limit_s, args.seed,
                                        args.keep, sides, server_settings=args.set,
-                                       experiment_settings=args.experiment_set, concurrency=args.concurrency))
+                                       experiment_settings=args.experiment_set, concurrency=args.concurrency,
+                                       trl_args=trl_args))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
