@@ -33,7 +33,7 @@ def test_a_hung_phase_is_stopped_with_its_children(tmp_path):
     started = time.monotonic()
     with open(tmp_path / "log", "w") as log:
         out = run_phase([sys.executable, "-c", code], 3, {}, log, "hang")
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 90  # its 3 s limit, not the 120 s sleep (a loaded box is slow)
     assert out["timed_out"] and not out["ok"] and "no result within 3 s" in out["error"]
     child = int(re.search(r"child (\d+)", out["log_tail"]).group(1))
     time.sleep(0.5)

@@ -260,6 +260,8 @@ async def download_adapter(request: web.Request) -> web.Response:
         version = None if raw_version is None else int(raw_version)
     except ValueError as exc:
         raise BadRequest(f"version must be an integer, got {raw_version!r}", code="bad_version") from exc
+    if version is not None and version < 0:  # no such folder, and no version the learner could be asked for
+        raise BadRequest(f"version must be 0 or more, got {version}", code="bad_version")
     buffer = io.BytesIO()
     async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
         with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
