@@ -214,16 +214,23 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
 
             # It comes back (compose's restart policy; here by hand) and is re-synced before it serves.
             sampler = spawn(run_dir, config, "sampler", "--replica", "0")
-            await wait_for(lambda: _worker_state(client, "sampler-0", "ready"), timeout_s=STARTUP_TIMEOUT_S)
-            served = (await client.status(name)).policy_version
-            assert f"{name}@v{served}" in await sampler_adapters(sampler_url)
-            group = await client.complete(name, prompt="Back?")
-            assert group.policy_version == served and len(group.completions) == 2
+            await served_again(client, name, sampler_url)
         assert end(frontend, signal.SIGINT) == 0
     finally:
         for process in (frontend, sampler, learner):
             if process.poll() is None:
                 end(process)
+
+
+async def served_again(client: AsyncClient, name: str, sampler_url: str) -> int:
+    """After a sampler restart: once sampler-0 is ready, it holds the live version and a completion is served
+    at it. Returns that version."""
+    await wait_for(lambda: _worker_state(client, "sampler-0", "ready"), timeout_s=STARTUP_TIMEOUT_S)
+    served = (await client.status(name)).policy_version
+    assert f"{name}@v{served}" in await sampler_adapters(sampler_url)
+    group = await client.complete(name, prompt="Back?")
+    assert group.policy_version == served and len(group.completions) == 2
+    return served
 
 
 async def _worker_state(client: AsyncClient, worker: str, state: str) -> bool:

@@ -21,7 +21,7 @@ import yaml
 from grpo_server.client import AsyncClient
 from grpo_server.protocol.adapter_files import holds, read_fingerprint
 from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, wait_for
-from tests.test_roles import end, sampler_adapters, wait_for_port
+from tests.test_roles import end, sampler_adapters, served_again, wait_for_port
 
 HIDE = ["unshare", "--mount", "--map-root-user", "--propagation", "private", "sh", "-c",
         'mount -t tmpfs none "$0" && exec "$@"']
@@ -99,13 +99,9 @@ async def test_a_sampler_on_another_host_gets_versions_over_http(tiny_model_dir,
             end(sampler, signal.SIGKILL)
             await wait_for(lambda: _worker_state(client, "sampler-0", "down"), timeout_s=60)
             sampler = spawn(host_b, config_b, "sampler", "--replica", "0", hide=host_a)
-            await wait_for(lambda: _worker_state(client, "sampler-0", "ready"), timeout_s=STARTUP_TIMEOUT_S)
-            served = (await client.status(name)).policy_version
-            assert f"{name}@v{served}" in await sampler_adapters(sampler_url)
+            served = await served_again(client, name, sampler_url)
             assert holds(copies / f"v{served:06d}", read_fingerprint(host_a / "run" / "adapters" / name /
                                                                     f"v{served:06d}"))
-            group = await client.complete(name, prompt="Back on host B?")
-            assert group.policy_version == served and len(group.completions) == 2
         assert end(frontend, signal.SIGINT) == 0
     finally:
         for process in (frontend, sampler, learner):
