@@ -1,14 +1,25 @@
 """Which weights serve a request on the vLLM engine: the base model's (adapters through LoRA), or one
 experiment's adapter merged into them (sampler/merged_weights.py does the merge inside vLLM's worker).
 
-A request for an experiment's newest loaded version needs that version merged in and carries no LoRA:
+A request for a lone experiment's newest loaded version needs that version merged in and carries no LoRA:
 base-model speed on CPU, the same function. Every other request (an older version, an adapter merging
-refused, the base model) needs the base weights. While several experiments sample, the weight states take
-turns (sampler/weight_turns.py): each turn serves one state's requests, batched together, and the weights
-change between turns only, with the gate held exclusively (no request running); the prefix cache is reset
-after each change, since un-adapted blocks are keyed by tokens alone. A lone experiment simply keeps its
-turn. Where merging is off or unsupported (GPU, `merge_lone_adapter: false`, a failed merge) every
-request needs the base weights: one state, no turns, LoRA as before.
+refused, the base model) needs the base weights, its adapter through LoRA. While several experiments
+sample at once (any of their requests waiting or running here, or done within `lone_after_s`: a client
+pauses between its groups), `several_experiments` decides:
+
+- `lora_batch` (default): their requests all need the base weights, so vLLM batches them together, each
+  through its own adapter. With sampler/lora_cpu_ops.py's grouped ops that beats merged turns on this
+  CPU in total tok/s and in latency alike (BENCHMARKS.md, "Several experiments on one sampler"): a batch
+  of k experiments' sequences costs far less than k batches of one. Once the others' requests are done,
+  the remaining experiment's next ones need its merge again.
+- `turns`: each experiment's newest version still needs its own merge, and the states take turns.
+
+Either way the weight states change through sampler/weight_turns.py: requests needing the state held now
+run, batched together, and the weights change between turns only, with the gate held exclusively (no
+request running); the prefix cache is reset after each change, since un-adapted blocks are keyed by
+tokens alone. The turns' budget also keeps a lone experiment and a batch of several from trading the
+weights faster than every few seconds. Where merging is off or unsupported (GPU, `merge_lone_adapter:
+false`, a failed merge) every request needs the base weights: one state, no turns, LoRA as before.
 """
 
 from __future__ import annotations
@@ -16,6 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from grpo_server.protocol.errors import Unavailable
@@ -30,6 +44,39 @@ log = logging.getLogger(__name__)
 PREFIX_RESET_TRIES = 50
 
 
+class ExperimentsSampling:
+    """Which experiments sample here now: requests waiting or running, by experiment ("" for the base
+    model), and when each experiment's last request ended."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()
+        self.last_end: dict[str, float] = {}
+
+    def started(self, name: str) -> _Request:
+        self.requests[name] += 1
+        return _Request(self, name)
+
+    def others_than(self, name: str, within_s: float) -> bool:
+        """Whether another experiment has a request here, or had one that ended within `within_s`."""
+        recent = time.monotonic() - within_s
+        return any(other != name and (self.requests[other] > 0 or self.last_end.get(other, -math.inf) > recent)
+                   for other in self.requests)
+
+
+class _Request:
+    __slots__ = ("sampling", "name", "ended")
+
+    def __init__(self, sampling: ExperimentsSampling, name: str) -> None:
+        self.sampling, self.name, self.ended = sampling, name, False
+
+    def end(self) -> None:
+        """Idempotent: the first call counts."""
+        if not self.ended:
+            self.ended = True
+            self.sampling.requests[self.name] -= 1
+            self.sampling.last_end[self.name] = time.monotonic()
+
+
 class MergedServing:
     """Mixed into `VllmEngine`: uses its `_llm`, `_adapters` (key -> entry with `.ref`, `.path`), `_gate`,
     and its `merged` / `merge_unsupported` attributes."""
@@ -42,13 +89,27 @@ class MergedServing:
             turns = self._weight_turns = WeightTurns(lambda: self.merged, self._switch_weights)
         return turns
 
+    @property
+    def _sampling_now(self) -> ExperimentsSampling:
+        # Made on first use, as _turns.
+        sampling = getattr(self, "_experiments_sampling", None)
+        if sampling is None:
+            sampling = self._experiments_sampling = ExperimentsSampling()
+        return sampling
+
     def _merge_target(self, adapter: AdapterRef | None) -> str | None:
         """The weight state a request on `adapter` needs: its own key when it is its experiment's newest
-        loaded version and merging works here; else None (the base weights, adapters through LoRA)."""
+        loaded version, merging works here, and (with `lora_batch`) no other experiment samples now; else
+        None (the base weights, adapters through LoRA)."""
         if adapter is None or self.merge_unsupported is not None or adapter.key not in self._adapters:
             return None
         newest = max(entry.ref.version for entry in self._adapters.values() if entry.ref.name == adapter.name)
-        return adapter.key if adapter.version == newest else None
+        if adapter.version != newest:
+            return None
+        if self.config.several_experiments == "lora_batch" and self._sampling_now.others_than(
+                adapter.name, self.config.lone_after_s):
+            return None
+        return adapter.key
 
     @staticmethod
     def _served_as(adapter: AdapterRef | None, held: str | None) -> ServedAs:
@@ -65,9 +126,17 @@ class MergedServing:
         docstring): the gate exclusively, inside the turn, so the turn's other requests wait around them."""
         if adapter is not None and adapter.key not in self._adapters:
             raise adapter_not_loaded(adapter)  # before any waiting: a bad request must not take a turn
-        async with self._turns.turn(lambda: self._merge_target(adapter)) as held:
-            async with self._gate.exclusive() if alone else self._gate.shared():
-                yield self._served_as(adapter, held)
+        name = adapter.name if adapter is not None else ""
+        request = self._sampling_now.started(name)
+        try:
+            async with self._turns.turn(lambda: self._merge_target(adapter)) as held:
+                try:
+                    async with self._gate.exclusive() if alone else self._gate.shared():
+                        yield self._served_as(adapter, held)
+                finally:
+                    request.end()  # before the turn's end decides what runs next: the others' needs change
+        finally:
+            request.end()  # cancelled or failed while waiting for the turn
 
     async def _switch_weights(self, key: str | None) -> None:
         """The turns' switch: no request runs (WeightTurns calls it only then); the gate is taken anyway,

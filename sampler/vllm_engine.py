@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ from grpo_server.protocol.wire import (
     ScoreResponse,
     ServedAs,
 )
+from sampler import lora_cpu_ops
 from sampler.engine import (
     Engine,
     adapter_not_loaded,
@@ -82,6 +84,8 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
     benchmark's "vLLM directly" runs the very same engine)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    # The engine core, a child process, inherits the environment; its worker extension reads this there.
+    os.environ[lora_cpu_ops.ENV] = cfg.cpu_lora_ops
     return AsyncEngineArgs(
         model=str(cfg.model_path),
         dtype=torch_dtype_name(cfg.dtype),

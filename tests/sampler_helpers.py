@@ -112,6 +112,7 @@ def _start(engine: str, model_dir: Path, tmp: Path, **options: Any) -> Sampler:
         "max_cpu_loras": 8,
         "kv_cache_gib": 1,
         "max_num_seqs": 16,
+        "lone_after_s": 0,  # the tests send one experiment's requests right after another's, and mean them alone
         **options,
     }
     config_path = tmp / "sampler.yaml"

@@ -1,6 +1,6 @@
 """LoRA adapters in the sampler process, over real HTTP + msgpack, on both engines: loading and unloading,
-new versions from new folders (no leak through the prefix cache), vLLM's merged serving (experiments taking
-turns on the weights), refused adapters, and scoring while generating under LoRA.
+new versions from new folders (no leak through the prefix cache), vLLM's merged serving (a lone experiment
+merged, several at once batched through LoRA), refused adapters, and scoring while generating under LoRA.
 
 Adapters are written by peft in the test process, as the learner would write them (the session-scoped
 `adapters` fixture); the engines are the shared `sampler_*` fixtures of `tests/conftest.py`.
@@ -108,17 +108,18 @@ def test_lone_experiment_is_served_merged_and_matches_lora(
         s.unload("solo", 1)
 
 
-def test_experiments_sampling_at_once_take_turns_each_merged(
+def test_experiments_sampling_at_once_are_batched_through_lora(
     sampler_vllm: Sampler, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Two experiments' requests at once: the weights take turns and every answer is served merged, the
-    same as that request sent alone, and the same as it through LoRA (asked again once a newer version
-    makes it an older one) up to float32 round-off: (W0 + BA)x and W0x + B(Ax) differ by up to 2e-4 nats
-    here, where an answer computed on the other experiment's weights would be off by more than 0.05."""
+    """Two experiments' requests at once (`several_experiments: lora_batch`, the default): the requests that
+    meet the other experiment's go through LoRA together (sampler/lora_cpu_ops.py's grouped ops), each with
+    its own adapter: the same tokens as that request sent alone, which is served merged, and logprobs equal
+    up to float32 round-off ((W0 + BA)x and W0x + B(Ax) differ by up to 2e-4 nats here, where an answer
+    computed with the other experiment's adapter would be off by more than 0.05)."""
     from concurrent.futures import ThreadPoolExecutor
 
     s = sampler_vllm
-    refs = [{"name": "turn_a", "version": 1}, {"name": "turn_b", "version": 1}]
+    refs = [{"name": "batch_a", "version": 1}, {"name": "batch_b", "version": 1}]
     loaded = []
     try:
         for ref, folder in zip(refs, ("random", "random2")):
@@ -128,19 +129,13 @@ def test_experiments_sampling_at_once_take_turns_each_merged(
         with ThreadPoolExecutor(len(jobs)) as pool:
             futures = [pool.submit(s.generate, n=2, max_tokens=8, seed=seed, adapter=ref) for ref, seed in jobs]
             answers = [f.result(timeout=REQUEST_TIMEOUT_S) for f in futures]
-        assert [a["served_as"] for a in answers] == ["merged"] * len(jobs)
-        assert any(not _close(a["logprobs"], b["logprobs"], 0.05)  # the two experiments' weights differ
+        assert {a["served_as"] for a in answers} <= {"merged", "lora"}
+        assert sum(a["served_as"] == "lora" for a in answers) >= len(jobs) // 2  # the first may start alone, merged
+        assert any(not _close(a["logprobs"], b["logprobs"], 0.05)  # the two experiments' adapters differ
                    for a, b in zip(answers[0]["completions"], answers[1]["completions"]))
         for (ref, seed), answer in zip(jobs, answers):
             alone = s.generate(n=2, max_tokens=8, seed=seed, adapter=ref)
-            assert alone["served_as"] == "merged" and _same(alone, answer, SCORE_TOL["vllm"])
-
-        for ref in refs:  # version 2 of each: version 1 now goes through LoRA on the base weights
-            s.load(ref["name"], 2, _copy(adapters["zero"], tmp_path / f"{ref['name']}2"))
-            loaded.append((ref["name"], 2))
-        for (ref, seed), answer in zip(jobs, answers):
-            lora = s.generate(n=2, max_tokens=8, seed=seed, adapter=ref)
-            assert lora["served_as"] == "lora" and _same(lora, answer, MERGED_VS_LORA_TOL)
+            assert alone["served_as"] == "merged" and _same(alone, answer, MERGED_VS_LORA_TOL)
     finally:
         for name, version in loaded:
             s.unload(name, version)

@@ -1,14 +1,19 @@
 """sampler/weight_turns.py: the weight states take turns (FIFO, budgeted, never starving, never idle turns),
-and every request runs on the weights it needs. Fake switches and a fake clock, no vLLM."""
+and every request runs on the weights it needs; sampler/merged_serving.py's choice of weights for several
+experiments at once. Fake switches and a fake clock, no vLLM."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from grpo_server.protocol.gate import Gate
+from grpo_server.protocol.wire import AdapterRef
 from sampler import weight_turns
+from sampler.merged_serving import MergedServing
 from sampler.weight_turns import WeightTurns
 
 
@@ -250,3 +255,46 @@ async def test_many_requests_for_random_states_each_run_on_their_own_weights(see
     assert e.turns._running == 0 and e.turns._waiting == [] and e.running == 0
     # Turns, not ping-pong: far fewer switches than requests.
     assert len(e.switches) < 100, len(e.switches)
+
+
+class FakeSampler(MergedServing):
+    """sampler/merged_serving.py's policy on a fake engine: merges are recorded, not made."""
+
+    def __init__(self, several_experiments: str, lone_after_s: float = 0.0) -> None:
+        self.config = SimpleNamespace(several_experiments=several_experiments, lone_after_s=lone_after_s)
+        self._gate = Gate()
+        self.merged: str | None = None
+        self.merge_unsupported: str | None = None
+        self.merges: list[str | None] = []
+        refs = [AdapterRef(name=name, version=1) for name in ("a", "b")]
+        self._adapters = {ref.key: SimpleNamespace(ref=ref, path=ref.key) for ref in refs}
+        self._llm = SimpleNamespace(collective_rpc=self._merge, reset_prefix_cache=self._reset)
+
+    async def _merge(self, method: str, args: tuple) -> list[float]:
+        self.merges.append(args[0])
+        return [0.0]
+
+    async def _reset(self) -> bool:
+        return True
+
+    async def sample(self, name: str) -> str:
+        async with self._serving(AdapterRef(name=name, version=1)) as served_as:
+            await asyncio.sleep(0.01)
+            return served_as
+
+
+@pytest.mark.parametrize("policy, served_as", [("lora_batch", "lora"), ("turns", "merged")])
+async def test_several_experiments_at_once_batch_through_lora_or_take_turns(policy: str, served_as: str) -> None:
+    sampler = FakeSampler(policy)
+    assert await asyncio.gather(sampler.sample("a"), sampler.sample("b"), sampler.sample("a")) == [served_as] * 3
+    assert await sampler.sample("b") == "merged"  # alone: merged either way
+    assert sampler.merges[-1] == "b@v1" and sum(sampler._sampling_now.requests.values()) == 0
+    # While a request of a runs merged, one of b waits for it; a's next one meets b's and both go through LoRA.
+    sampler = FakeSampler("lora_batch")
+    assert await sampler.sample("a") == "merged"
+    assert await asyncio.gather(sampler.sample("a"), sampler.sample("b"), sampler.sample("a")) == [
+        "merged", "lora", "lora"]
+    # Within lone_after_s of b's last request, a does not count as alone: no merge between b's groups.
+    sampler = FakeSampler("lora_batch", lone_after_s=60.0)
+    assert [await sampler.sample(name) for name in ("a", "b", "a")] == ["merged", "lora", "lora"]
+    assert sampler.merges == ["a@v1", None]

@@ -116,7 +116,9 @@ class SamplerOptions(StrictModel):
     """Sampler engine options, the same for every replica."""
 
     engine: EngineName = Field("auto", description="vllm, transformers, or auto (vllm when importable).")
-    max_loras: int = Field(2, ge=1, le=256, description="Most distinct adapters in one engine batch (vLLM).")
+    max_loras: int = Field(4, ge=1, le=256, description=(
+        "Most distinct adapters in one engine batch (vLLM): experiments sampling at once through LoRA beyond "
+        "this wait inside vLLM for a free slot."))
     max_cpu_loras: int = Field(16, ge=1, le=4096, description="Adapters kept loaded in the engine's cache.")
     max_lora_rank: int = Field(16, ge=1, le=512, description=(
         "Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ..., 512)."))
@@ -133,6 +135,16 @@ class SamplerOptions(StrictModel):
         "(base-model speed), several experiments taking turns on the weights; older versions and the base "
         "model go through LoRA. The name is older than the turns: it once merged a lone experiment only. "
         "false: everything through LoRA."))
+    several_experiments: Literal["lora_batch", "turns"] = Field("lora_batch", description=(
+        "vLLM on CPU with merging on, while several experiments sample at once: lora_batch = all of them in "
+        "one batch through LoRA, a lone experiment merged (fastest here with the grouped LoRA ops: BENCHMARKS.md); "
+        "turns = each in its turn with its newest version merged (sampler/weight_turns.py)."))
+    lone_after_s: float = Field(5.0, ge=0, le=3600, description=(
+        "lora_batch: an experiment counts as sampling alone (merged) once no other experiment has had a "
+        "request here for this long; shorter, a client's pause between groups would trade the weights."))
+    cpu_lora_ops: Literal["grouped", "vllm"] = Field("grouped", description=(
+        "vLLM on CPU, requests through LoRA: grouped = one matmul per adapter in the batch "
+        "(sampler/lora_cpu_ops.py); vllm = vLLM's own torch ops, which copy an adapter matrix per token."))
 
 
 class LearnerOptions(StrictModel):

@@ -81,9 +81,9 @@ async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: in
 
 
 async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
-                  max_tokens: int = 64) -> float:
+                  max_tokens: int = 64, lora_ops: str = "grouped") -> float:
     """Tokens/s of `requests` concurrent requests x n completions of max_tokens (ignore_eos), after one
-    warm-up request, with or without the adapter folder."""
+    warm-up request, with or without the adapter folder; LoRA through `lora_ops` (SamplerConfig.cpu_lora_ops)."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
@@ -92,7 +92,7 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
     from sampler.vllm_engine import engine_args
 
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
-                           dtype=dtype)
+                           dtype=dtype, cpu_lora_ops=lora_ops)
     llm = AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
     lora = LoRARequest("bench", 1, adapter) if adapter else None
 
@@ -114,22 +114,26 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
 
 
 def measure_in_child(model: str, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
-                     max_tokens: int = 64, served: bool = False) -> float:
+                     max_tokens: int = 64, served: bool = False, lora_ops: str = "grouped") -> float:
     """`measure` (or `measure_served`) in a fresh process (vLLM keeps global state): tokens/s."""
     cmd = [sys.executable, "-m", __spec__.name, "--model", model, "--one", dtype, adapter or "-", "--requests",
-           str(requests), "--n", str(n), "--max-tokens", str(max_tokens)] + (["--served"] if served else [])
+           str(requests), "--n", str(n), "--max-tokens", str(max_tokens), "--lora-ops", lora_ops] + (
+        ["--served"] if served else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip().splitlines()
     return float(out[-1])
 
 
 def compare(model: str, dtype: str, adapter: str, requests: int = 4, n: int = 8, max_tokens: int = 64) -> dict:
-    """No adapter, the adapter through LoRA, and the adapter as the sampler serves a lone experiment,
-    each in a fresh process: tokens/s of all three and their ratios to the base."""
+    """No adapter, the adapter through LoRA (vLLM's CPU LoRA ops, then sampler/lora_cpu_ops.py's grouped
+    ones), and the adapter as the sampler serves a lone experiment, each in a fresh process: tokens/s of
+    each and their ratios to the base."""
     base = measure_in_child(model, dtype, None, requests, n, max_tokens)
-    lora = measure_in_child(model, dtype, adapter, requests, n, max_tokens)
+    lora = measure_in_child(model, dtype, adapter, requests, n, max_tokens, lora_ops="vllm")
+    grouped = measure_in_child(model, dtype, adapter, requests, n, max_tokens, lora_ops="grouped")
     served = measure_in_child(model, dtype, adapter, requests, n, max_tokens, served=True)
     return {"dtype": dtype, "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
-            "ratio": round(lora / base, 3), "served_tok_s": round(served, 1),
+            "ratio": round(lora / base, 3), "grouped_lora_tok_s": round(grouped, 1),
+            "grouped_ratio": round(grouped / base, 3), "served_tok_s": round(served, 1),
             "served_ratio": round(served / base, 3)}
 
 
@@ -157,6 +161,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--served", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lora-ops", default="grouped", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = resolve_model(args.model)
@@ -166,15 +171,16 @@ def main() -> None:
             rate = asyncio.run(measure_served(model_dir, dtype, adapter, args.requests, args.n, args.max_tokens))
         else:
             rate = asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None, args.requests,
-                                       args.n, args.max_tokens))
+                                       args.n, args.max_tokens, args.lora_ops))
         print(f"{rate:.1f}")
         return
     adapter = write_adapter(model_dir, Path(tempfile.mkdtemp()) / "adapter", args.rank)
-    print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules | ratio | as the sampler serves a lone "
-          f"experiment | ratio |\n|---|---|---|---|---|---|")
+    print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules, vLLM's ops | ratio | grouped ops | ratio | "
+          f"as the sampler serves a lone experiment | ratio |\n|---|---|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
         r = compare(args.model, dtype, str(adapter), args.requests, args.n, args.max_tokens)
         print(f"| {dtype} | {r['base_tok_s']:.1f} tok/s | {r['lora_tok_s']:.1f} tok/s | {r['ratio']:.2f} | "
+              f"{r['grouped_lora_tok_s']:.1f} tok/s | {r['grouped_ratio']:.2f} | "
               f"{r['served_tok_s']:.1f} tok/s | {r['served_ratio']:.2f} |", flush=True)
 
 

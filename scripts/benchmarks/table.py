@@ -211,9 +211,12 @@ def render(results: dict) -> str:
                      f"tok/s under an r=16 adapter on 7 modules vs no adapter, each in a fresh process "
                      f"(scripts/benchmarks/adapter.py; {ad['requests']} requests x n={ad['n']}, "
                      f"{ad['max_tokens']} tokens, ignore_eos): the sampler's engine serving a lone experiment "
-                     f"(merged into the weights), and plain vLLM LoRA (what several experiments share)",
+                     f"(merged into the weights), and through LoRA (older versions; vLLM's CPU ops, then "
+                     f"sampler/lora_cpu_ops.py's grouped ones)",
                      f"{r0['dtype']}: lone experiment {_f(r0.get('served_tok_s'), 1)} vs {_f(r0['base_tok_s'], 1)} "
                      f"tok/s: **{_f(served, 2)}**; through LoRA {_f(r0['lora_tok_s'], 1)}: {_f(r0['ratio'], 2)}"
+                     + (f", grouped {_f(r0['grouped_lora_tok_s'], 1)}: {_f(r0['grouped_ratio'], 2)}"
+                        if "grouped_ratio" in r0 else "")
                      + (f" ({extra})" if extra else ""),
                      ">= 0.8", _verdict(served if served is not None else r0["ratio"], 0.8)))
 

