@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -59,8 +58,10 @@ class ExperimentsSampling:
     def others_than(self, name: str, within_s: float) -> bool:
         """Whether another experiment has a request here, or had one that ended within `within_s`."""
         recent = time.monotonic() - within_s
-        return any(other != name and (self.requests[other] > 0 or self.last_end.get(other, -math.inf) > recent)
-                   for other in self.requests)
+        # Forget the experiments quiet for longer than that (deleted ones among them), so the look stays short.
+        for quiet in [other for other, ended in self.last_end.items() if ended <= recent and self.requests[other] <= 0]:
+            del self.last_end[quiet], self.requests[quiet]
+        return any(other != name for other in self.requests)
 
 
 class _Request:

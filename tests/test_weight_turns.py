@@ -13,7 +13,7 @@ import pytest
 from grpo_server.protocol.gate import Gate
 from grpo_server.protocol.wire import AdapterRef
 from sampler import weight_turns
-from sampler.merged_serving import MergedServing
+from sampler.merged_serving import ExperimentsSampling, MergedServing
 from sampler.weight_turns import WeightTurns
 
 
@@ -298,3 +298,21 @@ async def test_several_experiments_at_once_batch_through_lora_or_take_turns(poli
     sampler = FakeSampler("lora_batch", lone_after_s=60.0)
     assert [await sampler.sample(name) for name in ("a", "b", "a")] == ["merged", "lora", "lora"]
     assert sampler.merges == ["a@v1", None]
+
+
+def test_experiments_gone_quiet_are_forgotten(monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("sampler.merged_serving.time.monotonic", lambda: now[0])
+    sampling = ExperimentsSampling()
+    a, b = sampling.started("a"), sampling.started("b")
+    assert sampling.others_than("a", within_s=5.0)
+    b.end()
+    b.end()  # idempotent
+    now[0] += 4.0
+    assert sampling.others_than("a", within_s=5.0)  # b ended 4 s ago: still counts
+    now[0] += 2.0
+    assert not sampling.others_than("a", within_s=5.0)
+    assert dict(sampling.requests) == {"a": 1} and "b" not in sampling.last_end
+    a.end()
+    now[0] += 6.0
+    assert not sampling.others_than("c", within_s=5.0) and not sampling.requests and not sampling.last_end

@@ -131,10 +131,9 @@ class SamplerOptions(StrictModel):
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
     merge_lone_adapter: bool = Field(True, description=(
-        "vLLM on CPU: serve each experiment's newest version with its adapter folded into the base weights "
-        "(base-model speed), several experiments taking turns on the weights; older versions and the base "
-        "model go through LoRA. The name is older than the turns: it once merged a lone experiment only. "
-        "false: everything through LoRA."))
+        "vLLM on CPU: serve an experiment's newest version with its adapter folded into the base weights "
+        "(base-model speed) while it samples alone; several at once: `several_experiments`. Older versions "
+        "and the base model go through LoRA. false: everything through LoRA."))
     several_experiments: Literal["lora_batch", "turns"] = Field("lora_batch", description=(
         "vLLM on CPU with merging on, while several experiments sample at once: lora_batch = all of them in "
         "one batch through LoRA, a lone experiment merged (fastest here with the grouped LoRA ops: BENCHMARKS.md); "

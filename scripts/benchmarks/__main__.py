@@ -13,7 +13,9 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
      engine arguments, same prompts / n / max_tokens / concurrency / adapter, rounds alternating between
      the two (front_end.py);
    - overlap: completions through the server while the learner trains vs while it is idle (overlap.py);
-   - experiments: 1, 2, 4 (and 8 in the full mode) experiments sampling at once (experiments.py);
+   - experiments: 1, 2, 4 (and 8 in the full mode) experiments sampling at once (experiments.py; `--levels`
+     picks the counts, `--sampler KEY=VALUE` changes the server's sampler settings, e.g.
+     `several_experiments=turns` or `cpu_lora_ops=vllm`);
    - memory: VmHWM of the front end, sampler and learner trees after 1 and 4 (8) experiments have each
      sampled and trained one step (memory.py);
    - weight push: train -> save_adapter -> load_adapter -> first completion -> verification, verb by verb
@@ -50,6 +52,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import yaml
 
 from grpo_server.config import EMBEDDED_MODEL_NAME
 
@@ -164,6 +168,9 @@ def main() -> int:
     parser.add_argument("--e2e-window", type=int, default=None, help="end_to_end: groups in the running mean")
     parser.add_argument("--e2e-time-limit-s", type=float, default=None, help="end_to_end: limit per side")
     parser.add_argument("--e2e-runs", type=int, default=None, help="end_to_end: pairs of runs (seeds 0..N-1)")
+    parser.add_argument("--levels", default=None, help="experiments: comma-separated counts, e.g. 1,2,4,8")
+    parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
+                        help="server figures: a sampler setting (YAML value), e.g. several_experiments=turns")
     args = parser.parse_args()
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = only - set(FIGURES)
@@ -174,6 +181,14 @@ def main() -> int:
     mode = QUICK if args.quick else FULL
     mode = replace(mode, **{f: getattr(args, f) for f in ("e2e_target", "e2e_window", "e2e_time_limit_s", "e2e_runs")
                             if getattr(args, f) is not None})
+    if args.levels:
+        mode = replace(mode, levels=tuple(int(k) for k in args.levels.split(",")))
+    sampler_settings = {}
+    for item in args.sampler:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--sampler {item!r}: expected KEY=VALUE")
+        sampler_settings[key] = yaml.safe_load(value)
     started = time.perf_counter()
     command = "scripts/bench" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     mem_kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
@@ -181,7 +196,8 @@ def main() -> int:
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                               "host": platform.node() or "this machine", "cpus": os.cpu_count(),
                               "mem_gib": mem_kib / 2**20, "python": platform.python_version(),
-                              "model": EMBEDDED_MODEL_NAME, "versions": versions(), "load_start": loadavg(), "out": os.path.relpath(args.out, REPO)},
+                              "model": EMBEDDED_MODEL_NAME, "versions": versions(), "load_start": loadavg(), "out": os.path.relpath(args.out, REPO),
+                              "sampler_settings": sampler_settings},
                      "figures": {}}
     stop_on_signals()
     asyncio.run(run_all(mode, only, results))

@@ -127,9 +127,12 @@ async def curve(client: AsyncClient, ensure: Callable[[int], Awaitable[list[str]
     return levels, trained, last_groups
 
 
-def experiments_figure(levels: list[dict], creation_s: list[float], mode) -> dict:
+def experiments_figure(levels: list[dict], creation_s: list[float], mode, sampler: dict) -> dict:
+    """`sampler`: the server's sampler settings (defaults for the rest)."""
+    settings = SamplerSettings(**{k: v for k, v in sampler.items() if k in SamplerSettings.model_fields})
     return {"levels": levels, "requests_per_experiment": mode.exp_requests,
             "concurrency_per_experiment": mode.exp_concurrency, "n": mode.exp_n,
-            "max_tokens": mode.exp_max_tokens, "max_loras": SamplerSettings().max_loras,
+            "max_tokens": mode.exp_max_tokens, "max_loras": settings.max_loras,
+            "several_experiments": settings.several_experiments, "cpu_lora_ops": settings.cpu_lora_ops,
             "create_experiment_s": creation_s,
             "load": [levels[0]["load"][0], levels[-1]["load"][1]] if levels else None}

@@ -72,7 +72,7 @@ async def server_figures(model_dir: Path, mode, only: set[str], results: dict) -
     learner_port, sampler_port = free_port(), free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-"))
     sampler = {**front_end.server_sampler_settings(SimpleNamespace(max_num_seqs=MAX_NUM_SEQS)),
-               "base_port": sampler_port}
+               **results["meta"].get("sampler_settings", {}), "base_port": sampler_port}
     started = time.perf_counter()
     # The front end figure's in-process engine starts beside the server (each is ~1 minute here).
     llm_task = (asyncio.ensure_future(asyncio.to_thread(front_end.direct_engine, model_dir,
@@ -128,7 +128,7 @@ async def server_figures(model_dir: Path, mode, only: set[str], results: dict) -
                     client, ensure, chats, mode, train="memory" in only or "push" in only,
                     after_training=lambda level: memory.snapshot(snapshots, level, handle.process.pid))
             if "experiments" in only:
-                figs["experiments"] = experiments.experiments_figure(levels, creation_s, mode)
+                figs["experiments"] = experiments.experiments_figure(levels, creation_s, mode, sampler)
             if "memory" in only:
                 figs["memory"] = memory.memory_figure(snapshots, trained, levels)
             if "push" in only:

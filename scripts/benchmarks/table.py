@@ -285,7 +285,9 @@ def render(results: dict) -> str:
                      f"completion tok/s in total and per experiment with k experiments sampling at once on one "
                      f"base model through the server; each: {ex['requests_per_experiment']} request(s) x n={ex['n']}, "
                      f"max_tokens {ex['max_tokens']}, {ex['concurrency_per_experiment']} at a time; "
-                     f"sampler max_loras {ex['max_loras']}",
+                     f"sampler max_loras {ex['max_loras']}"
+                     + (f", several_experiments {ex['several_experiments']}, cpu_lora_ops {ex['cpu_lora_ops']}"
+                        if "several_experiments" in ex else ""),
                      f"k = {curve}", "report", ""))
 
     mem = figs.get("memory")
