@@ -124,7 +124,7 @@ def test_trailing_masked_tokens_train_like_the_truncated_completion(trainer, los
     """The normalisers count trained tokens only: dapo's whole-batch token count, grpo's sequence lengths."""
     names = [f"trail-{loss}", f"cut-{loss}"]
     # The clip it was calibrated with: grpo's default symmetric clip leaves more gradients near 0, where Adam's
-    # normalised first steps amplify float noise past the 1e-6 below.
+    # normalised first steps amplify float noise past the tolerance below.
     _from_same_start(trainer, names, AlgorithmConfig(loss=loss, learning_rate=2e-3, checkpoint_every=10**6,
                                                      clip_low=0.2, clip_high=0.28))
     cut = EPISODE[:8]
@@ -137,8 +137,11 @@ def test_trailing_masked_tokens_train_like_the_truncated_completion(trainer, los
         assert math.isclose(a.loss, b.loss, rel_tol=1e-5, abs_tol=1e-7), (a.loss, b.loss)
         assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-4), (a.grad_norm, b.grad_norm)
         assert math.isclose(a.ratio_mean, b.ratio_mean, rel_tol=1e-5)
-        for k in w_b:  # Adam's first steps turn float noise in gradients of the size of eps into visible noise
-            assert float(((w_a[k] - w_b[k]).abs() <= 1e-6).float().mean()) >= 0.99, k
+        # Adam's first steps turn float noise in gradients of the size of eps into visible noise: within 1e-6,
+        # 0.968-0.999 of a tensor's entries agreed (it varies with the machine and with what the trainer ran
+        # before); within 1e-5, 0.997-1.0. Training one more token instead drops grpo's to 0.43-0.98.
+        for k in w_b:
+            assert float(((w_a[k] - w_b[k]).abs() <= 1e-5).float().mean()) >= 0.99, k
 
 
 @pytest.mark.parametrize("mask,message", [
