@@ -53,13 +53,13 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import yaml
+from pydantic import ValidationError
 
-from grpo_server.config import EMBEDDED_MODEL_NAME
+from grpo_server.config import EMBEDDED_MODEL_NAME, SamplerSettings
 
 from . import REPO
 from .adapter import adapter_figure
-from .end_to_end import end_to_end_figure, end_to_end_minutes
+from .end_to_end import end_to_end_figure, end_to_end_minutes, with_settings
 from .host import figure, loadavg
 from .learner_vs_peft import learner_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
@@ -183,12 +183,11 @@ def main() -> int:
                             if getattr(args, f) is not None})
     if args.levels:
         mode = replace(mode, levels=tuple(int(k) for k in args.levels.split(",")))
-    sampler_settings = {}
-    for item in args.sampler:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--sampler {item!r}: expected KEY=VALUE")
-        sampler_settings[key] = yaml.safe_load(value)
+    try:  # checked here, before minutes of server start-up, by the server's own settings model
+        sampler_settings = with_settings({}, args.sampler)
+        SamplerSettings(**sampler_settings)
+    except (ValueError, ValidationError) as error:
+        parser.error(f"--sampler: {error}")
     started = time.perf_counter()
     command = "scripts/bench" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     mem_kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])

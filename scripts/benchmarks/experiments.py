@@ -129,7 +129,7 @@ async def curve(client: AsyncClient, ensure: Callable[[int], Awaitable[list[str]
 
 def experiments_figure(levels: list[dict], creation_s: list[float], mode, sampler: dict) -> dict:
     """`sampler`: the server's sampler settings (defaults for the rest)."""
-    settings = SamplerSettings(**{k: v for k, v in sampler.items() if k in SamplerSettings.model_fields})
+    settings = SamplerSettings(**sampler)
     return {"levels": levels, "requests_per_experiment": mode.exp_requests,
             "concurrency_per_experiment": mode.exp_concurrency, "n": mode.exp_n,
             "max_tokens": mode.exp_max_tokens, "max_loras": settings.max_loras,
