@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from grpo_server.config import ServerConfig
+from grpo_server.protocol.cpu_features import read_cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ def check_role(config: ServerConfig, role: str, replica: int | None) -> None:
 
 
 def serve(config: ServerConfig, role: str = "all", replica: int | None = None) -> int:
+    # The kernels this host's workers will run (each worker logs its own too): AVX2 machines are 2-3x slower.
+    log.info("%s", read_cpu_features().describe())
     check_role(config, role, replica)
     if role in ("sampler", "learner"):
         return run_worker(config, role, replica or 0)

@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             followers = Followers.spawn(args.config.resolve(), config.ranks)
 
     os.environ["HF_HUB_OFFLINE"] = "1"
+    from grpo_server.protocol.cpu_features import limit_kernels
+
+    features = limit_kernels()  # before torch's first matmul
+    if not follower:
+        logging.getLogger("learner").info("%s", features.describe())
     import torch
 
     if not torch.cuda.is_available():

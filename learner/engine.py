@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from grpo_server.protocol.cpu_features import read_cpu_features
 from grpo_server.protocol.worker_config import AlgorithmConfig
 
 log = logging.getLogger(__name__)
@@ -43,21 +44,11 @@ def ds_config(algorithm: AlgorithmConfig, zero_stage: int, dtype: torch.dtype) -
     }
 
 
-def cpu_has_bf16() -> bool:
-    """The CPU has bfloat16 instructions (avx512_bf16 or AMX), so bf16 matmuls are faster, not emulated."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def uses_autocast(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether train steps run under bf16 autocast: LearnerOptions.autocast on a float32 CPU learner."""
     if setting == "off" or device.type != "cpu" or dtype != torch.float32:
         return False
-    return setting == "bfloat16" or cpu_has_bf16()
+    return setting == "bfloat16" or read_cpu_features().bf16_native
 
 
 def make_engine(model: torch.nn.Module, params: list[torch.nn.Parameter], algorithm: AlgorithmConfig,

@@ -16,9 +16,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from grpo_server.protocol.cpu_features import limit_kernels
 from grpo_server.protocol.worker_config import SamplerConfig, load_yaml, write_resolved
 
 log = logging.getLogger("sampler")
+# At import, not in main(): vLLM's engine core is a child process that re-imports this module (spawn) or
+# inherits it (fork), and must load the same kernel library as this one.
+CPU = limit_kernels()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from sampler.engines import create_engine
 
     engine = create_engine(config)
-    log.info("sampler replica %d: %s engine on %s:%d", config.replica, engine.name, config.host, config.port)
+    log.info("sampler replica %d: %s engine on %s:%d; %s", config.replica, engine.name, config.host, config.port,
+             CPU.describe())
     web.run_app(create_app(engine), host=config.host, port=config.port, print=None, handle_signals=True)
     return 0
 

@@ -97,3 +97,14 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "random": _write_adapter(tiny_model_dir, root / "random", 0.05, seed=2),
         "random2": _write_adapter(tiny_model_dir, root / "random2", 0.05, seed=3),
     }
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """With GRPO_TEST_GAPS (scripts/test --gaps): the largest gap seen under each numeric tolerance."""
+    from tests.tolerances import summary
+
+    path = os.environ.get("GRPO_TEST_GAPS")
+    if path and os.path.exists(path):
+        terminalreporter.write_sep("-", f"numeric gaps against their bounds (tests/tolerances.py; {path})")
+        for row in summary(path):
+            terminalreporter.write_line(row)

@@ -8,6 +8,7 @@ import pytest
 
 from grpo_server.client import GrpoServerError
 from tests.serving import complete_when_admitted, post_json, wait_for
+from tests.tolerances import SAMPLER_VS_LEARNER, observed
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 FOLLOW_UP = [{"role": "user", "content": "Now add 4."}]
@@ -80,7 +81,7 @@ async def test_external_completions_move_the_policy_toward_the_rewarded_one(clie
     status = await wait_for(pushed, timeout_s=300)
     assert status.counters.completions_external == 2 and status.counters.groups_trained == 1
     # On-policy first step: the behaviour logprobs were the serving version's, so the ratio started at 1.
-    assert abs(status.last_metrics["ratio_mean"] - 1.0) < 1e-3
+    assert observed(SAMPLER_VS_LEARNER, abs(status.last_metrics["ratio_mean"] - 1.0))
     again = await client.feedback_external(experiment, [good, bad], [1.0, 0.0], messages=QUESTION)
     assert again.scored_version >= 1
     assert sum(again.external_logprobs[0]) > sum(first.external_logprobs[0])  # the rewarded one rose

@@ -13,7 +13,6 @@ answers, a failure on one rank is reported with its cause and ends the job.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from grpo_server.workers.pool import WorkerConnection
 from learner.lockstep import CommandChannel, LockstepTrainer, follow
 from learner.ranks import RankEnv, host_store, join_store
 from tests.serving import free_port
+from tests.tolerances import SAME_STEP_METRICS, SAME_STEP_WEIGHTS, observed, rel_within
 
 REPO = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -131,7 +131,7 @@ async def _train_both(clients: list[LearnerClient], batch: TrainRequest, step: i
     assert (m_one.kl is None) == (m_two.kl is None)  # None when beta = 0
     for field in ("loss", "grad_norm", "ratio_mean", "ratio_std", "clipped_fraction", "kl", "ratio_min", "ratio_max"):
         a, b = getattr(m_one, field), getattr(m_two, field)
-        assert a == b is None or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7), (batch.name, step, field, a, b)
+        assert a == b is None or rel_within(SAME_STEP_METRICS, a, b, abs_floor=1e-7), (batch.name, step, field, a, b)
     assert m_one.grad_norm > 0
     return m_two
 
@@ -145,7 +145,7 @@ async def _assert_same_adapters(clients: list[LearnerClient], name: str, version
     diff = max(float((w_one[k] - w_two[k]).abs().max()) for k in w_one)
     moved = max(float((w_one[k] - w_before[k]).abs().max()) for k in w_one)
     print(f"{name} v{version}: 1 rank vs 2 ranks, max |diff| {diff:.2e}; moved {moved:.2e}")
-    assert diff < 1e-5 and moved > 5e-4, (name, version, diff, moved)
+    assert observed(SAME_STEP_WEIGHTS, diff) and moved > 5e-4, (name, version, diff, moved)
 
 
 async def _wait_restarted(worker: WorkerProcess, timeout_s: float = 300.0) -> None:

@@ -8,6 +8,7 @@ from collections import Counter
 
 from grpo_server.client import AsyncClient
 from tests.serving import complete_when_admitted, wait_for
+from tests.tolerances import SAMPLER_VS_LEARNER, observed
 
 PROMPT = [{"role": "user", "content": "Pick a word."}]
 PROBE_N = 48
@@ -71,7 +72,7 @@ async def test_two_experiments_learn_opposite_targets(client):
         assert status.errors == [], status.errors
         # After every push the sampler's logprobs of a stored completion match the learner's.
         assert status.last_verification is not None and status.last_verification.ok
-        assert status.last_verification.mean_abs_diff < 1e-3
+        assert observed(SAMPLER_VS_LEARNER, status.last_verification.mean_abs_diff)
         assert status.last_metrics["tokens"] > 0
     settings = [((await client.status(name)).config["sampling"]["top_p"],
                  (await client.status(name)).config["algorithm"]["rollout_correction"]) for name in names]

@@ -19,6 +19,7 @@ from grpo_server.runtime.groups import Group
 from grpo_server.runtime.training import train_samples
 from learner.loss import token_logprobs
 from tests.learner_helpers import LORA
+from tests.tolerances import SAMPLER_VS_LEARNER, observed
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -79,7 +80,7 @@ def test_the_real_sampler_and_learner_agree_at_t_0_7_top_p_0_9(sampler_vllm, tra
             for i, c in enumerate(out)]))
         assert metrics.checked_version == 0 and metrics.sampler_gap_tokens == sum(len(c["token_ids"]) for c in out)
         gaps[name] = metrics.sampler_gap_mean
-    assert gaps["nucleus"] < 1e-3, gaps  # float32 round-off (6e-6 here), far inside the 0.05 tolerance
+    assert observed(SAMPLER_VS_LEARNER, gaps["nucleus"]), gaps  # float32 round-off, far inside the push check's bound
     # Scoring over the whole vocabulary is off by -log(nucleus mass) on each token (0.088 here): what top_p < 1
     # cost before.
     assert gaps["whole-vocabulary"] > 0.01, gaps
