@@ -62,7 +62,7 @@ async def episode(client: AsyncClient, name: str, rng: random.Random) -> list[St
     await retrying(lambda: client.feedback(name, first.group_id, first_rewards))
 
     chosen = rng.choice(first.completions)
-    prompt_ids = await retrying(lambda: client.next_turn_prompt(first, chosen, follow_up(c)))
+    prompt_ids = await retrying(lambda: client.next_turn_prompt(first, chosen, follow_up(c), experiment=name))
     second = await retrying(lambda: client.complete(name, prompt_token_ids=prompt_ids))
     previous = first_number(chosen.text)
     expected = (a + b if previous is None else previous) + c

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from grpo_server.config import ExperimentConfig
 from grpo_server.protocol.wire import ToolCall, ToolFunction
 
 
@@ -223,6 +224,9 @@ class TokenizeRequest(PromptFields):
 
     add_generation_prompt: bool = True
     continue_from: list[int] | None = Field(None, min_length=1)
+    experiment: str | None = Field(None, pattern=r"^[a-z0-9_-]{1,64}$", description=(
+        "The experiment these ids are for: an experiment's key must name its own (as completions' path does); "
+        "the admin key may leave it out."))
     tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description=(
         "With `messages`: the tools the prompt offers, rendered as completions would render them."))
 
@@ -302,6 +306,27 @@ class ExperimentStatus(ApiModel):
 
 class ExperimentList(ApiModel):
     experiments: list[ExperimentStatus]
+
+
+class NewExperiment(ExperimentConfig):
+    """`POST /v1/experiments`: an experiment config, and whether it continues an earlier one of its name."""
+
+    resume: bool = Field(False, description=(
+        "Continue the deleted experiment of this name from its newest archive (weights, optimizer, step, "
+        "version numbers, unfinished feedback), or from its files on disk if they were never archived. "
+        "Without it a name used before starts afresh at version 0: an earlier experiment's state is archived "
+        "and unreachable."))
+
+    def config(self) -> ExperimentConfig:
+        return ExperimentConfig.model_validate({k: getattr(self, k) for k in ExperimentConfig.model_fields})
+
+
+class CreatedExperiment(ExperimentStatus):
+    """The answer of `POST /v1/experiments`: the experiment's status, and its key if the server made it."""
+
+    api_key: str | None = Field(None, description=(
+        "The key the server generated for this experiment, because the request gave none: shown this once "
+        "and never again (it is not logged). None when the request gave its own."))
 
 
 class ReplicaHealth(ApiModel):

@@ -45,8 +45,8 @@ from typing import Any, Coroutine, Sequence, TypeVar
 
 import aiohttp
 
-from grpo_server.api_models import (CompletionOut, CompletionsResponse, ExperimentList, ExperimentStatus,
-                                    FeedbackResponse, Health, TokenizeResponse)
+from grpo_server.api_models import (CompletionOut, CompletionsResponse, CreatedExperiment, ExperimentList,
+                                    ExperimentStatus, FeedbackResponse, Health, TokenizeResponse)
 from grpo_server.config import ExperimentConfig
 
 T = TypeVar("T")
@@ -148,9 +148,13 @@ class AsyncClient:
     async def health(self) -> Health:
         return Health.model_validate(await self._request("GET", "/v1/health"))
 
-    async def create_experiment(self, config: ExperimentConfig | dict) -> ExperimentStatus:
-        body = config if isinstance(config, dict) else _config_body(config)
-        return ExperimentStatus.model_validate(await self._request("POST", "/v1/experiments", json=body))
+    async def create_experiment(self, config: ExperimentConfig | dict, *, resume: bool = False) -> CreatedExperiment:
+        """A new experiment (a name used before starts afresh); `resume`: the deleted one of that name, from
+        its archive. Without an `api_key` in the config the answer's `api_key` is the one the server made."""
+        body = dict(config) if isinstance(config, dict) else _config_body(config)
+        if resume:
+            body["resume"] = True
+        return CreatedExperiment.model_validate(await self._request("POST", "/v1/experiments", json=body))
 
     async def list_experiments(self) -> list[ExperimentStatus]:
         return ExperimentList.model_validate(await self._request("GET", "/v1/experiments")).experiments
@@ -209,23 +213,27 @@ class AsyncClient:
             "POST", f"/v1/experiments/{experiment}/feedback", json={k: v for k, v in body.items() if v is not None}))
 
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                       add_generation_prompt: bool = True,
-                       continue_from: list[int] | None = None) -> TokenizeResponse:
+                       add_generation_prompt: bool = True, continue_from: list[int] | None = None,
+                       experiment: str | None = None) -> TokenizeResponse:
         """Token ids exactly as the server builds a prompt. With `continue_from` (a conversation's token
-        ids so far), `messages` are only the new turns and are appended after the model's turn ends."""
+        ids so far), `messages` are only the new turns and are appended after the model's turn ends.
+        `experiment`: the one the ids are for; an experiment's key must name its own."""
         body = {"prompt": prompt, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "continue_from": continue_from}
+                "continue_from": continue_from, "experiment": experiment}
         return TokenizeResponse.model_validate(
             await self._request("POST", "/v1/tokenize", json={k: v for k, v in body.items() if v is not None}))
 
     async def next_turn_prompt(self, group: CompletionsResponse, completion: CompletionOut | int,
-                               new_turns: list[dict], add_generation_prompt: bool = True) -> list[int]:
+                               new_turns: list[dict], add_generation_prompt: bool = True, *,
+                               experiment: str | None = None) -> list[int]:
         """The prompt token ids of the next turn: this group's prompt + one of its completions (the
         object or its index) + `new_turns` (say, the user's or a tool's reply), without re-rendering the
-        earlier turns. Pass the result as `prompt_token_ids` to `complete`."""
+        earlier turns. Pass the result as `prompt_token_ids` to `complete`. With an experiment's key, name
+        it in `experiment`."""
         chosen = group.completions[completion] if isinstance(completion, int) else completion
         answer = await self.tokenize(messages=new_turns, add_generation_prompt=add_generation_prompt,
-                                     continue_from=group.prompt_token_ids + chosen.token_ids)
+                                     continue_from=group.prompt_token_ids + chosen.token_ids,
+                                     experiment=experiment)
         return answer.token_ids
 
     async def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
@@ -280,8 +288,8 @@ class Client:
     def health(self) -> Health:
         return self._run(self._async.health())
 
-    def create_experiment(self, config: ExperimentConfig | dict) -> ExperimentStatus:
-        return self._run(self._async.create_experiment(config))
+    def create_experiment(self, config: ExperimentConfig | dict, *, resume: bool = False) -> CreatedExperiment:
+        return self._run(self._async.create_experiment(config, resume=resume))
 
     def list_experiments(self) -> list[ExperimentStatus]:
         return self._run(self._async.list_experiments())
@@ -314,8 +322,8 @@ class Client:
         return self._run(self._async.tokenize(prompt, **kwargs))
 
     def next_turn_prompt(self, group: CompletionsResponse, completion: CompletionOut | int,
-                         new_turns: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self._run(self._async.next_turn_prompt(group, completion, new_turns, add_generation_prompt))
+                         new_turns: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        return self._run(self._async.next_turn_prompt(group, completion, new_turns, add_generation_prompt, **kwargs))
 
     def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
         return self._run(self._async.download_adapter(experiment, dest, version))

@@ -24,13 +24,17 @@ field, which the API answers with a 422 (tests/test_config_ranges.py checks that
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from grpo_server.protocol.wire import EXPERIMENT_NAME
 # LoraConfig and AlgorithmConfig are the learner's too, so they live with the workers' config.
 from grpo_server.protocol.worker_config import (MAX_CONTEXT, WEEK_S, AlgorithmConfig, DTypeName, LearnerOptions,
                                                 LoraConfig, SamplerOptions, StrictModel, load_yaml)
@@ -53,14 +57,45 @@ class SamplingConfig(StrictModel):
         "episode (whose sequences hold several turns, and may be longer) brings."))
 
 
+MIN_KEY_LENGTH = 16  # an experiment's key: 96 bits when random (secrets.token_urlsafe(12) is 16 characters)
+# Off only while the registry of an earlier run is read (`keys_as_saved`): a key saved before the rule
+# existed keeps its experiment reachable across a restart; every new experiment meets the rule.
+_CHECK_KEY_LENGTH: ContextVar[bool] = ContextVar("check_key_length", default=True)
+
+
+@contextlib.contextmanager
+def keys_as_saved() -> Iterator[None]:
+    token = _CHECK_KEY_LENGTH.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_KEY_LENGTH.reset(token)
+
+
+def _key_schema(schema: dict[str, Any]) -> None:
+    for option in schema.get("anyOf", []):  # the string branch of `SecretStr | None`
+        if option.get("type") == "string":
+            option["minLength"] = MIN_KEY_LENGTH
+
+
 class ExperimentConfig(StrictModel):
     """One experiment (task): its adapter, algorithm and sampling defaults. `{name: x}` is valid."""
 
-    name: str = Field(pattern=r"^[a-z0-9_-]{1,64}$", description="Experiment name, [a-z0-9_-], 1-64 chars.")
-    api_key: SecretStr | None = Field(None, description="A key that grants access to this experiment only.")
+    name: str = Field(pattern=EXPERIMENT_NAME, description="Experiment name, [a-z0-9_-], 1-64 chars.")
+    api_key: SecretStr | None = Field(None, json_schema_extra=_key_schema, description=(
+        f"A key that grants access to this experiment only, at least {MIN_KEY_LENGTH} characters. Left out of "
+        "`POST /v1/experiments`, the server generates one and returns it once, in the answer."))
     lora: LoraConfig = Field(default_factory=LoraConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+    @field_validator("api_key")
+    @classmethod
+    def _long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and _CHECK_KEY_LENGTH.get() and len(key.get_secret_value()) < MIN_KEY_LENGTH:
+            raise ValueError(f"api_key must be at least {MIN_KEY_LENGTH} characters, so that it cannot be "
+                             "guessed (leave it out and the server generates one)")
+        return key
 
     def public_dict(self) -> dict[str, Any]:
         """The config as shown to clients: the key is never echoed."""
@@ -143,6 +178,12 @@ class ServerConfig(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="Admin key (env GRPO_SERVER_API_KEY); generated and printed at start if unset."
     )
+    # min_length: MIN_SECRET_CHARS (protocol/worker_auth.py), which the workers check too.
+    worker_secret: SecretStr | None = Field(None, min_length=16, description=(
+        "The secret every call to a worker must carry (env GRPO_SERVER_WORKER_SECRET, which is where the workers "
+        "read it; never on a command line). Unset: the front end makes one per start for the workers it starts "
+        "(<run_dir>/worker_secret, mode 0600). A split deployment (--role frontend / sampler / learner) must give "
+        "every process the same one."))
     dtype: DTypeName = Field("auto", description="Model dtype: auto = float32 on CPU, bfloat16 on GPU.")
     max_model_len: int = Field(2048, ge=16, le=MAX_CONTEXT,
                                description="Context length (prompt + completion) in tokens.")
@@ -185,6 +226,14 @@ class ServerConfig(BaseSettings):
     verify_tolerance: float = Field(
         0.05, gt=0, le=100, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )
+    auth_failure_limit: int = Field(10, ge=0, le=10_000, description=(
+        "Unknown keys one client address may send within auth_failure_window_s; past that, every call that "
+        "needs a key gets 429 (with Retry-After) until the oldest of them leaves the window. 0 = no limit. An "
+        "IPv6 client counts by its /64."))
+    auth_failure_window_s: float = Field(60.0, gt=0, le=WEEK_S, description="The window of auth_failure_limit.")
+    auth_limit_exempt: list[str] = Field(default_factory=list, description=(
+        "Client addresses or networks (CIDR) auth_failure_limit never slows down, e.g. a trusted monitor. "
+        "Behind a reverse proxy every client has the proxy's address: exempt it only if it limits itself."))
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
@@ -211,6 +260,13 @@ class ServerConfig(BaseSettings):
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("give both tls_certfile and tls_keyfile, or neither")
         return self
+
+    @field_validator("auth_limit_exempt")
+    @classmethod
+    def _check_networks(cls, networks: list[str]) -> list[str]:
+        for network in networks:
+            ipaddress.ip_network(network, strict=False)  # a ValueError names the bad one
+        return networks
 
     @field_validator("experiments", mode="before")
     @classmethod

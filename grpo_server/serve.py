@@ -9,6 +9,7 @@ import os
 import secrets
 import ssl
 import sys
+from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
 
@@ -16,6 +17,7 @@ from aiohttp import web
 
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.cpu_features import read_cpu_features
+from grpo_server.protocol.worker_auth import SECRET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +33,35 @@ def admin_key(config: ServerConfig) -> str:
         return key_file.read_text().strip()
     key = "gs-" + secrets.token_urlsafe(24)
     print(f"[grpo-server] no api_key configured; this run's admin key: {key}", flush=True)
-    key_file.parent.mkdir(parents=True, exist_ok=True)
-    key_file.write_text(key + "\n")
-    os.chmod(key_file, 0o600)
+    write_private(key_file, key + "\n")
     print(f"[grpo-server] (also written to {key_file})", flush=True)
     return key
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by this user alone from its first byte (created 0600, then renamed into
+    place: never a moment at the umask's mode, as a write and a chmod after it would leave)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(text)
+    os.replace(tmp, path)
+
+
+def worker_secret(config: ServerConfig) -> str:
+    """The workers' secret (grpo_server/protocol/worker_auth.py), left in `config.worker_secret` for the
+    workers' launch: the configured one, else one made for this start. Not reused from an earlier start,
+    unlike the admin key: the workers it guards start and stop with this front end. Written to
+    <run_dir>/worker_secret (0600) for the operator's own calls to them; never printed."""
+    if config.worker_secret is not None:
+        return config.worker_secret.get_secret_value()
+    secret = secrets.token_urlsafe(32)
+    path = config.run_dir / "worker_secret"
+    write_private(path, secret + "\n")
+    config.worker_secret = secret  # validate_assignment makes it a SecretStr
+    log.info("the workers' secret for this start is in %s", path)
+    return secret
 
 
 def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -80,12 +106,18 @@ def check_role(config: ServerConfig, role: str, replica: int | None) -> None:
     if role == "learner" and config.learner.url is None and not config.learner.port:
         raise RoleError("--role learner needs a known port: set learner.url (the front end connects there) "
                         "or learner.port")
+    if role != "all" and config.worker_secret is None:
+        raise RoleError(f"--role {role} is one process of a split deployment, whose processes must share one "
+                        f"worker secret: set {SECRET_ENV} (the same in every process's environment; e.g. from "
+                        "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`) or worker_secret in the "
+                        "config")
 
 
 def serve(config: ServerConfig, role: str = "all", replica: int | None = None) -> int:
     # The kernels this host's workers will run (each worker logs its own too): AVX2 machines are 2-3x slower.
     log.info("%s", read_cpu_features().describe())
     check_role(config, role, replica)
+    worker_secret(config)
     if role in ("sampler", "learner"):
         return run_worker(config, role, replica or 0)
     return serve_front_end(config)

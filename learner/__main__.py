@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import LearnerConfig, load_yaml, write_resolved
 
 
@@ -49,8 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("learner").info("learner.ranks %d: the launcher's WORLD_SIZE %d rules", config.ranks,
                                           launched.world_size)
         config = config.model_copy(update={"ranks": launched.world_size})
-    followers = None
-    if not follower:
+    followers, secret = None, None
+    if not follower:  # rank 0 alone serves the verbs
+        try:
+            secret = take_secret()  # before it starts the other ranks, which must not inherit it
+        except MissingSecret as exc:
+            print(f"learner: {exc}", file=sys.stderr)
+            return 2
         write_resolved(config, config.run_dir / "config" / "learner.resolved.yaml")
         if config.ranks > 1 and launched is None:
             from learner.ranks import Followers
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if follower:
         # Not a normal interpreter exit: nothing here needs one, and joining threads could hang.
         exit_now(run_follower(config, rank, launched))
-    return run_rank0(config, followers, launched)
+    return run_rank0(config, secret, followers, launched)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Each version folder holds `adapter_config.json` and `adapter_model.safetensors` at its top level, in
 the plain peft format that `PeftModel.from_pretrained(base, folder)` and vLLM's `LoRARequest` load as
 is: keys like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, no adapter name in
-the keys, no embedding weights. A folder is written under a temporary name and renamed into place,
-so a reader (the sampler, a restarted learner) never sees half a version: every `v*` folder is whole.
+the keys, no embedding weights. A folder is written under a temporary name, fsynced and renamed into place
+(grpo_server/protocol/durable.py), so a reader (the sampler, a restarted learner) never sees half a version,
+even after a power cut: every `v*` folder is whole.
 
 The training step count rides in the safetensors metadata (readers ignore it), so a restarted learner
 continues its step numbering without an extra file in the folder; so does the version's fingerprint
@@ -26,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from grpo_server.protocol.adapter_files import CONFIG_FILE, FINGERPRINT_KEY, WEIGHTS_FILE, read_fingerprint
+from grpo_server.protocol.durable import publish_folder
 
 STEP_KEY = "grpo_server_step"
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
@@ -88,7 +90,9 @@ def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch
         # safetensors creates its file 0600; a sampler running as another user (compose) must read it.
         for path in (tmp, tmp / WEIGHTS_FILE, tmp / CONFIG_FILE):
             path.chmod(0o755 if path.is_dir() else 0o644)
-        os.rename(tmp, folder)
+        # Durable before anyone hears of it: the front end serves this version and a restarted learner
+        # numbers on from the newest folder, so one lost to a power cut after its answer would be reused.
+        publish_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -4,6 +4,9 @@
 All torch work runs in a worker thread under ONE lock (the model and its adapters are shared state), so
 the event loop stays free: /health and /status answer while a train step runs, and so does
 GET /adapters/{name}/{version}/{file} (adapter versions for samplers on other hosts).
+
+The learner's files of a deleted experiment are archived by the learner itself (`archive_experiment`, and
+`restore_experiment` to resume one): only this process knows its run directory, which may be on another host.
 """
 
 from __future__ import annotations
@@ -15,26 +18,29 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import FILES, ROUTE
 from grpo_server.protocol.dispatch import worker_app
-from grpo_server.protocol.errors import NotFound
-from grpo_server.protocol.verbs import Healthy, LearnerVerbs, Removed
+from grpo_server.protocol.errors import BadRequest, Conflict, NotFound
+from grpo_server.protocol import wire
+from grpo_server.protocol.verbs import Archived, ArchiveRequest, Healthy, LearnerVerbs, Removed
 from grpo_server.protocol.wire import (
     AdapterVersion, AddExperimentRequest, LearnerStatus, LogprobsRequest, LogprobsResponse,
     RemoveExperimentRequest, SaveAdapterRequest, TrainMetrics, TrainRequest,
 )
-from learner import adapter_io
+from learner import adapter_io, checkpoint
 
 MAX_BODY_BYTES = 512 * 1024 * 1024  # a train batch carries token ids and logprobs of every sample
-EXPERIMENT_NAME = re.compile(r"[a-z0-9_-]{1,64}")  # an experiment name (grpo_server/config.py): no path in it
+EXPERIMENT_NAME = re.compile(wire.EXPERIMENT_NAME)  # an experiment name (grpo_server/config.py): no path in it
 
 
 class LearnerHandler:
     """One method per learner verb, named like it, over a trainer (a learner.trainer.MultiAdapterTrainer,
     or learner.lockstep.LockstepTrainer in front of N ranks' trainers)."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Any, run_dir: Path):
         self.trainer = trainer
+        self.run_dir = Path(run_dir)
         self.lock = asyncio.Lock()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -63,6 +69,33 @@ class LearnerHandler:
         await self._run(self.trainer.remove_experiment, req.name)
         return Removed(removed=req.name)
 
+    async def archive_experiment(self, req: ArchiveRequest) -> Archived:
+        if req.label is None:
+            raise BadRequest("archive_experiment needs the label to archive under")
+        label = archive.check_label(req.name, req.label)
+        return await self._run(self._move, req.name, lambda entries: Archived(
+            label=label if archive.move_out(self.run_dir, label, entries) else None))
+
+    async def restore_experiment(self, req: ArchiveRequest) -> Archived:
+        def restore(entries: dict[str, Path]) -> Archived:
+            if archive.live(entries):  # a restarted server's experiment, or one whose archiving failed
+                return Archived(label=None, live=True)
+            label = archive.newest(self.run_dir, req.name, entries) if req.label is None else req.label
+            if label is None or not archive.move_back(self.run_dir, archive.check_label(req.name, label), entries):
+                return Archived(label=None)
+            return Archived(label=label)
+
+        return await self._run(self._move, req.name, restore)
+
+    def _move(self, name: str, move: Callable[[dict[str, Path]], Archived]) -> Archived:
+        """Under the lock (in the worker thread): files of an experiment the trainer holds are in use."""
+        if not EXPERIMENT_NAME.fullmatch(name):
+            raise BadRequest(f"{name!r} is not an experiment name")
+        if name in self.trainer.status():
+            raise Conflict(f"experiment {name!r} is live on the learner: remove it first", code="experiment_live")
+        return move({"adapters": adapter_io.adapter_root(self.run_dir, name),
+                     "checkpoints": checkpoint.checkpoint_root(self.run_dir, name)})
+
     async def status(self) -> LearnerStatus:
         # No lock: a snapshot of counters, so it answers during a train step.
         return LearnerStatus(experiments=self.trainer.status())
@@ -77,7 +110,7 @@ def adapter_file_route(run_dir: Path) -> web.RouteDef:
     so a file served here is whole; aiohttp sends it (sendfile) on the event loop, beside a train step."""
     async def serve(request: web.Request) -> web.FileResponse:
         name, version, file = (request.match_info[k] for k in ("name", "version", "file"))
-        if file not in FILES or not EXPERIMENT_NAME.fullmatch(name) or not version.isdigit():
+        if file not in FILES or not EXPERIMENT_NAME.fullmatch(name) or not (version.isascii() and version.isdigit()):
             raise NotFound(f"no adapter file {request.path}", code="version_not_found")
         path = adapter_io.version_dir(run_dir, name, int(version)) / file
         if not path.is_file():
@@ -87,7 +120,8 @@ def adapter_file_route(run_dir: Path) -> web.RouteDef:
     return web.get(ROUTE, serve)
 
 
-def create_app(trainer: Any, run_dir: Path) -> web.Application:
-    app = worker_app(LearnerVerbs.ALL, LearnerHandler(trainer), MAX_BODY_BYTES)
+def create_app(trainer: Any, run_dir: Path, secret: str) -> web.Application:
+    """The verbs and the adapter files, all for callers with the workers' `secret` (protocol/dispatch.py)."""
+    app = worker_app(LearnerVerbs.ALL, LearnerHandler(trainer, run_dir), MAX_BODY_BYTES, secret=secret)
     app.add_routes([adapter_file_route(run_dir)])
     return app

@@ -12,8 +12,14 @@ A checkpoint is everything a learner needs to continue an experiment as if it ha
     groups trained, the number of ranks, and the experiment's LoRA / algorithm config.
 There is no learning-rate scheduler (the rate is constant), so there is no scheduler state.
 
-A checkpoint is written into a temporary sibling folder and renamed into place, so a crash mid-write
-leaves the previous checkpoint as the newest whole one. The newest `KEEP` are kept.
+A checkpoint is written into a temporary sibling folder, fsynced, and renamed into place (the rename fsynced
+too: grpo_server/protocol/durable.py), so a crash mid-write leaves the previous checkpoint as the newest whole
+one, and one the front end was told about (it then forgets the journal entries it holds) stays after a power
+cut. The newest `KEEP` are kept.
+
+The `.pt` files are read with `torch.load(weights_only=True)`: tensors and plain containers only, plus the
+few DeepSpeed classes its optimizer state holds (`_optimizer_classes`), so a file put in the run directory
+cannot run code in the learner as a pickle could.
 
 DeepSpeed's own `save_checkpoint` is not used: it writes the module's state dict, which for a peft
 model with tied embeddings holds the whole embedding matrix (113 MB for SmolLM2-135M) per checkpoint.
@@ -32,6 +38,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from grpo_server.protocol.durable import publish_folder
 
 KEEP = 2
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -107,12 +115,9 @@ def write(run_dir: Path, name: str, state: CheckpointState, weights: dict[str, t
             torch.save(shard.rng, tmp / shard_file(RNG_FILE, rank))
         # state.json last: list_steps only counts folders that have it.
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2, sort_keys=True))
-        for path in tmp.iterdir():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
         if final.exists():  # the same step again (a resumed learner re-saving): replace it whole
             shutil.rmtree(final)
-        os.rename(tmp, final)
+        publish_folder(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -131,9 +136,21 @@ def read_latest(run_dir: Path, name: str, rank: int = 0, ranks: int = 1) -> Chec
     weights = load_file(str(folder / WEIGHTS_FILE))
     if state.ranks != ranks:
         return Checkpoint(state=state, weights=weights, optimizer=None, rng=None)
-    return Checkpoint(state=state, weights=weights,
-                      optimizer=torch.load(folder / shard_file(OPTIMIZER_FILE, rank), weights_only=False),
-                      rng=torch.load(folder / shard_file(RNG_FILE, rank), weights_only=False))
+    with torch.serialization.safe_globals(_optimizer_classes()):
+        return Checkpoint(state=state, weights=weights,
+                          optimizer=torch.load(folder / shard_file(OPTIMIZER_FILE, rank), weights_only=True),
+                          rng=torch.load(folder / shard_file(RNG_FILE, rank), weights_only=True))
+
+
+def _optimizer_classes() -> list[type]:
+    """The classes besides tensors and containers in a DeepSpeed optimizer's `state_dict()`: ZeRO-1/2's loss
+    scaler (static; dynamic under fp16), its stage, and the fragment addresses of its parameter mappings.
+    Each is data (numbers in its fields); allowing them lets the unpickler build them and nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def load_optimizer_state(optimizer: Any, state: dict[str, Any], ranks: int = 1) -> None:

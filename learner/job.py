@@ -83,8 +83,10 @@ async def _serve(app: Any, config: LearnerConfig, lifetime: Lifetime, on_stopped
     await asyncio.to_thread(on_stopped)
 
 
-def run_rank0(config: LearnerConfig, followers: Followers | None, launched: RankEnv | None = None) -> int:
-    """`followers`: ranks 1..N-1, already started (learner/__main__.py), waiting for the rendezvous port;
+def run_rank0(config: LearnerConfig, secret: str, followers: Followers | None,
+              launched: RankEnv | None = None) -> int:
+    """`secret`: the workers' secret, which every caller of the verbs must send (protocol/worker_auth.py).
+    `followers`: ranks 1..N-1, already started (learner/__main__.py), waiting for the rendezvous port;
     or `launched`: a launcher started every rank, and the store is at its MASTER_ADDR:MASTER_PORT."""
     import torch.distributed as dist
 
@@ -108,7 +110,7 @@ def run_rank0(config: LearnerConfig, followers: Followers | None, launched: Rank
     dist.barrier()  # healthy only once every rank holds the model
 
     if followers is None:  # one rank: the learner as it always was
-        asyncio.run(_serve(create_app(trainer, config.run_dir), config, lifetime, trainer.checkpoint_all,
+        asyncio.run(_serve(create_app(trainer, config.run_dir, secret), config, lifetime, trainer.checkpoint_all,
                            on_broken=None))
     else:
         lockstep = LockstepTrainer(trainer, CommandChannel(store), followers, lifetime.break_job,
@@ -120,7 +122,7 @@ def run_rank0(config: LearnerConfig, followers: Followers | None, launched: Rank
             finally:
                 lockstep.stop_followers(FOLLOWER_STOP_S)
 
-        asyncio.run(_serve(create_app(lockstep, config.run_dir), config, lifetime, stop_job,
+        asyncio.run(_serve(create_app(lockstep, config.run_dir, secret), config, lifetime, stop_job,
                            on_broken=followers.kill))
     dist.destroy_process_group()
     return 0

@@ -3,9 +3,11 @@
 The command channel is the rendezvous store, not a collective: a follower may wait hours for the next
 verb, and a collective would time out (the process group's timeout is there for a peer stuck inside a
 step), while a store key can be waited for again and again. Per verb, rank 0 writes `cmd/{seq}` (the verb
-and its arguments, pickled), runs the verb itself, then reads `done/{seq}/{rank}` of every follower: ok,
-or its error. Inside a verb the ranks keep step through the verb's own collectives (DeepSpeed's gradient
+and its arguments: `encode_command`), runs the verb itself, then reads `done/{seq}/{rank}` of every
+follower: ok, or its error. Inside a verb the ranks keep step through the verb's own collectives (DeepSpeed's gradient
 reduction, the checkpoint's optimizer shards). Verbs that only read (logprobs, status) run on rank 0 alone.
+The store's port is open to whatever reaches it, so what crosses it is data, never pickle (which runs code
+when read): plain values and the protocol's own models, validated again on the follower's side.
 
 Failures:
   * an ApiError (a bad request, an unknown experiment) is raised alike by every rank, from the same
@@ -20,14 +22,18 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from pydantic import BaseModel
+
+from grpo_server.protocol.codec import pack, unpack
 from grpo_server.protocol.errors import ApiError
+from grpo_server.protocol.wire import TrainRequest
+from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 from learner.ranks import Followers
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,9 @@ STOP = "stop"
 # warning (C++ side), and the socket poll under it takes a timeout of at most ~24 days in milliseconds.
 _IDLE_WAIT = timedelta(hours=6)
 _POLL_S = (0.005, 0.2)  # rank 0 looks for outcomes (and dead followers) this often: first, at most
+# The models a command's arguments may be, by name (add_experiment's configs, train's batch): a follower
+# builds only these, through their validation.
+COMMAND_MODELS: dict[str, type[BaseModel]] = {m.__name__: m for m in (LoraConfig, AlgorithmConfig, TrainRequest)}
 
 
 @dataclass(frozen=True)
@@ -58,12 +67,46 @@ class Outcome:
             return cls(rank, api_error=(exc.code, exc.message, exc.status))
         return cls(rank, failure=f"{type(exc).__name__}: {exc}")
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"rank": self.rank, "api_error": self.api_error, "failure": self.failure}
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "Outcome":
+        code, message, status = body["api_error"] or (None, None, None)
+        return cls(int(body["rank"]), api_error=None if code is None else (str(code), str(message), int(status)),
+                   failure=None if body["failure"] is None else str(body["failure"]))
+
     def describe(self) -> str:
         if self.failure:
             return f"rank {self.rank}: {self.failure}"
         if self.api_error:
             return f"rank {self.rank}: {self.api_error[0]}: {self.api_error[1]}"
         return f"rank {self.rank}: ok"
+
+
+def encode_command(verb: str, args: tuple) -> bytes:
+    """A verb and its arguments as msgpack: each argument a plain value, or a `COMMAND_MODELS` model as its
+    name and fields (mode="python": floats and ints exactly as they are, as pickle kept them)."""
+    encoded = []
+    for arg in args:
+        if isinstance(arg, BaseModel):
+            if COMMAND_MODELS.get(type(arg).__name__) is not type(arg):
+                raise TypeError(f"{verb}: a {type(arg).__name__} cannot cross the command channel")
+            encoded.append({"model": type(arg).__name__, "fields": arg.model_dump(mode="python")})
+        else:
+            encoded.append({"value": arg})
+    return pack({"verb": verb, "args": encoded})
+
+
+def decode_command(data: bytes) -> tuple[str, tuple]:
+    """`encode_command`'s verb and arguments, models validated again; ValueError for anything else."""
+    try:
+        body = unpack(data)
+        args = tuple(COMMAND_MODELS[arg["model"]].model_validate(arg["fields"]) if "model" in arg else arg["value"]
+                     for arg in body["args"])
+        return str(body["verb"]), args
+    except Exception as exc:  # msgpack raises several unrelated types; a wrong shape KeyError or TypeError
+        raise ValueError(f"not a lockstep command ({type(exc).__name__}: {exc})") from exc
 
 
 class CommandChannel:
@@ -75,25 +118,26 @@ class CommandChannel:
         self.store = PrefixStore("learner-lockstep", store)
 
     def publish(self, seq: int, verb: str, args: tuple) -> None:
-        self.store.set(f"cmd/{seq}", pickle.dumps((verb, args)))
+        self.store.set(f"cmd/{seq}", encode_command(verb, args))
 
     def next_command(self, seq: int) -> tuple[str, tuple]:
         """Wait as long as it takes for command `seq`. If rank 0 (the store's host) dies, the wait fails
-        at once with a network error, which ends the follower."""
+        at once with a network error, which ends the follower; a command it cannot read, with ValueError."""
         from torch.distributed import DistStoreError, DistNetworkError
 
         key = f"cmd/{seq}"
         while True:
             try:
                 self.store.wait([key], _IDLE_WAIT)
-                return pickle.loads(self.store.get(key))
+                data = self.store.get(key)
             except DistNetworkError:
                 raise
             except DistStoreError:  # the slice ran out: wait again
                 continue
+            return decode_command(data)
 
     def post(self, seq: int, outcome: Outcome) -> None:
-        self.store.set(f"done/{seq}/{outcome.rank}", pickle.dumps(outcome))
+        self.store.set(f"done/{seq}/{outcome.rank}", pack(outcome.to_wire()))
 
     def outcome(self, seq: int, rank: int) -> Outcome | None:
         """The rank's outcome of command `seq`, or None if it has not posted it yet. A check, not a
@@ -101,7 +145,11 @@ class CommandChannel:
         key = f"done/{seq}/{rank}"
         if not self.store.check([key]):
             return None
-        return pickle.loads(self.store.get(key))
+        data = self.store.get(key)
+        try:
+            return Outcome.from_wire(unpack(data))
+        except Exception as exc:  # not a follower's (msgpack raises several unrelated types): that rank failed
+            return Outcome(rank, failure=f"unreadable outcome ({type(exc).__name__}: {exc})")
 
     def forget(self, seq: int, ranks: list[int]) -> None:
         # The store keeps every key until deleted; a train command carries the whole batch.
@@ -243,6 +291,10 @@ def follow(trainer: Any, channel: CommandChannel, rank: int) -> int:
             verb, args = channel.next_command(seq)
         except DistNetworkError as exc:  # rank 0 died (the kernel's SIGKILL for us may be a moment behind)
             log.error("rank %d: rank 0 is gone (%s); exiting", rank, exc)
+            return 1
+        except ValueError as exc:  # not rank 0's: the ranks cannot stay in step past it
+            log.error("rank %d: command %d unreadable (%s); leaving the job", rank, seq, exc)
+            channel.post(seq, Outcome(rank, failure=f"unreadable command: {exc}"))
             return 1
         if verb == STOP:
             log.info("rank %d: stopping as rank 0 asked", rank)

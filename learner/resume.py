@@ -1,11 +1,13 @@
 """Where an added experiment starts: what an earlier learner left on disk under its name, checked and restored.
 
 An experiment's adapter versions (learner/adapter_io.py) and checkpoints (learner/checkpoint.py) outlive
-the learner. Adding an experiment whose name has a checkpoint (a restarted learner or server, a
-re-created experiment) resumes from the newest one exactly: weights, optimizer state, RNG, step and the
-feedback journal's position. One with versions but no checkpoint (written before checkpoints existed, or
-removed) resumes the newest version's weights with a fresh optimizer; one with neither starts at v0, the
-peft init. Version numbers always continue past the newest on disk: no number is ever written twice.
+the learner. Adding an experiment whose name has a checkpoint (a restarted learner or server, an
+experiment resumed from its archive: grpo_server/protocol/archive.py) resumes from the newest one exactly:
+weights, optimizer state, RNG, step and the feedback journal's position (a deleted experiment's files are
+archived, so a new experiment of its name finds none here). One with versions but no checkpoint (written
+before checkpoints existed, or removed) resumes the newest version's weights with a fresh optimizer; one
+with neither starts at v0, the peft init. Version numbers always continue past the newest on disk: no
+number is ever written twice under one experiment's life.
 
 `find` reads and checks what is on disk before the trainer touches its model, so an adapter of another
 shape fails cleanly (409 adapter_mismatch); `OnDisk.start` says which weights to load and which version

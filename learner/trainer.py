@@ -8,7 +8,7 @@ Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (le
 weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps
 and at shutdown. Adding an experiment whose name has either on disk resumes it (learner/resume.py: from
 its newest checkpoint exactly, else from its newest version's weights); version numbers always continue
-past the newest on disk.
+past the newest on disk (a deleted experiment's are archived: learner/app.py).
 
 With N ranks (learner/ranks.py, learner/lockstep.py) every rank holds the same trainer and runs the same
 state-changing verbs in the same order; a train step splits the batch's sequences over the ranks
@@ -249,7 +249,7 @@ class MultiAdapterTrainer:
         return out
 
     def remove_experiment(self, name: str) -> None:
-        """Forget the adapter, its engine and optimizer; its versions stay on disk."""
+        """Forget the adapter, its engine and optimizer; its files stay on disk (archived next, on a delete)."""
         exp = self._get(name)
         del self.experiments[name]
         self._lora_configs.pop(name, None)
@@ -257,7 +257,7 @@ class MultiAdapterTrainer:
         with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             self.model.delete_adapter(exp.adapter)
-        log.info("experiment %s removed (adapters stay in %s)", name, adapter_io.adapter_root(self.config.run_dir, name))
+        log.info("experiment %s removed (its files stay in %s)", name, adapter_io.adapter_root(self.config.run_dir, name))
 
     def status(self) -> dict[str, dict[str, Any]]:
         return {name: {"step": e.step, "version": e.version,

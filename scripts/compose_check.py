@@ -36,12 +36,13 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from urllib.request import urlopen
+from urllib.request import Request, urlopen
 
 import yaml
 
 from grpo_server.client import Client, GrpoServerError
 from grpo_server.protocol.codec import unpack
+from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = "docker-compose.cpu.yml"
@@ -194,7 +195,10 @@ class Stack:
     def __init__(self, compose: list[str], image: str, project: str) -> None:
         self.base = [*compose, "-f", COMPOSE_FILE, "-p", project]
         self.api_key = secrets.token_urlsafe(16)
-        self.env = {**os.environ, "GRPO_SERVER_API_KEY": self.api_key, "GRPO_IMAGE": image}
+        # The workers' secret, as an operator gives it: in the environment compose hands every service.
+        self.worker_secret = secrets.token_urlsafe(32)
+        self.env = {**os.environ, "GRPO_SERVER_API_KEY": self.api_key, SECRET_ENV: self.worker_secret,
+                    "GRPO_IMAGE": image}
         self.env.pop("GRPO_CONFIG", None)  # the CPU config, whatever the shell has
 
     def compose(self, *args: str, capture: bool = False, check: bool = True) -> subprocess.CompletedProcess:
@@ -242,16 +246,16 @@ def free_gib() -> float:
     return 0.0
 
 
-def sampler_versions() -> list[int]:
-    """The experiment's adapter versions the sampler holds (its /health lists `name@vN`)."""
-    with urlopen(SAMPLER_URL + "/health", timeout=10) as response:
+def sampler_versions(secret: str) -> list[int]:
+    """The experiment's adapter versions the sampler holds (its /health lists `name@vN` to the secret's holders)."""
+    with urlopen(Request(SAMPLER_URL + "/health", headers=auth_headers(secret)), timeout=10) as response:
         adapters = unpack(response.read())["adapters"]
     return sorted(int(a.rpartition("@v")[2]) for a in adapters if a.startswith(f"{EXPERIMENT}@v"))
 
 
-def check_loaded(version: int) -> list[int]:
+def check_loaded(version: int, secret: str) -> list[int]:
     """The sampler holds `version` or a newer one (rated groups still queued may push more; the old go)."""
-    loaded = sampler_versions()
+    loaded = sampler_versions(secret)
     assert loaded and loaded[-1] >= version, (loaded, version)
     return loaded
 
@@ -292,7 +296,7 @@ def train(stack: Stack) -> int:
         wait_until("a new adapter version", pushed, timeout_s=900, interval_s=0.2)
         version = client.status(EXPERIMENT).policy_version
         serves(client, version, "Pick a number")
-    loaded = check_loaded(version)
+    loaded = check_loaded(version, stack.worker_secret)
     log(f"v{version} pushed after {groups} rated groups and served; the sampler holds versions {loaded}")
     return version
 
@@ -313,7 +317,7 @@ def crash_sampler(stack: Stack, version: int) -> None:
     wait_until("sampler-0 re-synced", lambda: stack.worker_state("sampler-0") == "ready", timeout_s=900)
     with stack.client() as client:
         live = client.status(EXPERIMENT).policy_version
-        loaded = check_loaded(live)  # re-synced: the live version is back in the restarted sampler
+        loaded = check_loaded(live, stack.worker_secret)  # re-synced: the live version is back in the restarted sampler
         group = complete(client, prompt="Back?")
     assert group.policy_version >= live >= version, (group.policy_version, live, version)
     log(f"sampler-0 ready again, holding versions {loaded}, serving v{group.policy_version}")

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from tests.serving import ADMIN_KEY
 
 FUZZ_EXP = "fuzz-target"
-FUZZ_KEY = "key-fuzz-target"
+FUZZ_KEY = "key-fuzz-target-5c2e"
 MSGPACK = "application/msgpack"
 
 HEADER_TEXT = st.text(alphabet=string.ascii_letters + string.digits + string.punctuation + " ", max_size=40)

@@ -22,6 +22,8 @@ from typing import Any
 import yaml
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.worker_auth import auth_headers
+from tests.serving import WORKER_SECRET, worker_env
 from tests.tolerances import HF_SAMPLE_VS_SCORE, VLLM_SAMPLE_VS_SCORE, Tolerance, within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,15 +38,18 @@ PROMPT = list(range(1000, 1040))
 
 
 class Sampler:
-    """A running sampler process and a msgpack HTTP client for it."""
+    """A running sampler process and a msgpack HTTP client for it. Every request carries `headers`: the
+    workers' secret the process was started with (tests/serving.py WORKER_SECRET), unless `post` is given others."""
 
     def __init__(self, engine: str, proc: subprocess.Popen, port: int, log: Path, run_dir: Path) -> None:
         self.engine, self.proc, self.port, self.log, self.run_dir = engine, proc, port, log, run_dir
         self.url = f"http://127.0.0.1:{port}"
+        self.headers = auth_headers(WORKER_SECRET)
 
-    def post(self, path: str, body: Any) -> tuple[int, Any]:
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else pack(body)
-        req = urllib.request.Request(self.url + path, data=data, method="POST", headers={"Content-Type": MSGPACK})
+        headers = {"Content-Type": MSGPACK, **(self.headers if headers is None else headers)}
+        req = urllib.request.Request(self.url + path, data=data, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
                 return resp.status, unpack(resp.read())
@@ -57,7 +62,8 @@ class Sampler:
         return answer
 
     def health(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/health", timeout=10) as resp:
+        req = urllib.request.Request(self.url + "/health", headers=self.headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return unpack(resp.read())
 
     def generate(self, **body: Any) -> dict[str, Any]:
@@ -121,7 +127,7 @@ def _start(engine: str, model_dir: Path, tmp: Path, **options: Any) -> Sampler:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sampler", "--config", str(config_path)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=worker_env(),
         )
     sampler = Sampler(engine, proc, port, log, tmp / "run")
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

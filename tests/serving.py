@@ -14,7 +14,12 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-ADMIN_KEY = "test-admin-key"
+from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
+
+ADMIN_KEY = "test-admin-key-4d7e"  # as long as an experiment key must be: tests/test_server.py tries it as one
+# The worker secret of the workers the tests start on their own (tests/sampler_helpers.py, the split roles);
+# a server started here makes its own (ServerHandle.worker_headers).
+WORKER_SECRET = "test-worker-secret-0123456789"
 STARTUP_TIMEOUT_S = 600
 
 
@@ -28,6 +33,10 @@ class ServerHandle:
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def worker_headers(self) -> dict[str, str]:
+        """What a direct call to this server's workers sends: the secret it made for them at start."""
+        return auth_headers((self.run_dir / "worker_secret").read_text().strip())
 
     def worker_pids(self) -> list[int]:
         """Pids of the front end's worker processes (children of the server process)."""
@@ -55,6 +64,9 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         "verify_tolerance": 0.01,  # float32 on both sides: they should agree to ~1e-5
         "sampler": {"engine": engine, "kv_cache_gib": 0.5, "max_num_seqs": 32, "max_lora_rank": 16},
         "learner": {"zero_stage": 2},
+        # Tests send wrong keys on purpose, all from 127.0.0.1: that address is never slowed down, and
+        # tests/test_tenancy.py checks the limit from 127.0.0.2.
+        "auth_limit_exempt": ["127.0.0.1"],
         **overrides,
     }
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,6 +113,11 @@ async def wait_for(predicate, timeout_s: float, interval_s: float = 0.5):
             return value
         await asyncio.sleep(interval_s)
     raise TimeoutError(f"condition not met within {timeout_s} s")
+
+
+def worker_env(secret: str = WORKER_SECRET) -> dict[str, str]:
+    """The environment of a worker (or a split role) started by a test: the workers' secret goes there."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", SECRET_ENV: secret}
 
 
 def headers(key: str = ADMIN_KEY) -> dict[str, str]:

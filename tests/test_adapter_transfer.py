@@ -17,12 +17,13 @@ from aiohttp import web
 from grpo_server.protocol.adapter_files import (WEIGHTS_FILE, AdapterFetchFailed, fetch_version, holds,
                                                 read_fingerprint)
 from grpo_server.protocol.dispatch import worker_app
-from grpo_server.protocol.errors import NotFound
+from grpo_server.protocol.errors import BadRequest, NotFound
 from grpo_server.protocol.wire import AdapterRef, LoadAdapterRequest
+from grpo_server.protocol.worker_auth import auth_headers
 from learner import adapter_io
 from learner.app import adapter_file_route
 from sampler.adapter_copies import AdapterCopies
-from tests.serving import free_port
+from tests.serving import WORKER_SECRET, free_port
 
 REF = AdapterRef(name="exp", version=1)
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
@@ -45,7 +46,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 async def learner(tmp_path):
     """The learner's adapter route over run directory A; yields (run_dir, url)."""
     run_dir = tmp_path / "host-a"
-    app = worker_app([], object(), 1024)  # as learner.app.create_app, without the verbs
+    app = worker_app([], object(), 1024, secret=WORKER_SECRET)  # as learner.app.create_app, without the verbs
     app.add_routes([adapter_file_route(run_dir)])
     runner, url = await serve(app)
     yield run_dir, url
@@ -64,7 +65,7 @@ async def test_a_version_is_copied_whole_and_checked(learner, tmp_path):
     run_a, url = learner
     folder = write(run_a)
     dest = tmp_path / "host-b" / "copy"
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(WORKER_SECRET)) as session:
         await fetch_version(session, url, REF, dest, read_fingerprint(folder), timeout_s=30)
     for name in ("adapter_config.json", WEIGHTS_FILE):
         assert (dest / name).read_bytes() == (folder / name).read_bytes()
@@ -74,7 +75,7 @@ async def test_a_version_is_copied_whole_and_checked(learner, tmp_path):
 async def test_a_missing_version_is_a_404_naming_it(learner, tmp_path):
     run_a, url = learner
     write(run_a)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(WORKER_SECRET)) as session:
         with pytest.raises(NotFound, match="no version 7 of 'exp'") as info:
             await fetch_version(session, url, AdapterRef(name="exp", version=7), tmp_path / "c", None, timeout_s=30)
         assert info.value.code == "version_not_found"
@@ -86,7 +87,7 @@ async def test_a_missing_version_is_a_404_naming_it(learner, tmp_path):
 async def test_a_version_with_another_fingerprint_is_refused(learner, tmp_path):
     run_a, url = learner
     write(run_a)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(WORKER_SECRET)) as session:
         with pytest.raises(AdapterFetchFailed, match="expected 0123"):
             await fetch_version(session, url, REF, tmp_path / "c", "0123", timeout_s=30)
     assert not (tmp_path / "c").exists()
@@ -133,12 +134,17 @@ async def test_the_sampler_uses_a_visible_path_and_copies_otherwise(learner, tmp
     run_a, url = learner
     folder = write(run_a)
     fingerprint = read_fingerprint(folder)
-    copies = AdapterCopies(tmp_path / "host-b", replica=0)
+    copies = AdapterCopies(tmp_path / "host-b", replica=0, learner_url=url, secret=WORKER_SECRET)
     try:
-        # A shared run directory: the learner's path as is, no request made (the URL would refuse it).
-        dead = f"http://127.0.0.1:{free_port()}"
-        same = LoadAdapterRequest(adapter=REF, path=str(folder), source_url=dead, fingerprint=fingerprint)
-        assert await copies.local_path(same) == str(folder)
+        # A shared run directory: the learner's path as is, nothing copied.
+        same = LoadAdapterRequest(adapter=REF, path=str(folder), source_url=url, fingerprint=fingerprint)
+        assert await copies.local_path(same) == str(folder) and not copies.root.exists()
+        # Another URL than the learner the sampler was started with: refused, never fetched from.
+        foreign = LoadAdapterRequest(adapter=REF, path="/nowhere/exp/v000001", source_url=f"{url}0",
+                                     fingerprint=fingerprint)
+        with pytest.raises(BadRequest, match="not this sampler's learner") as info:
+            await copies.local_path(foreign)
+        assert info.value.code == "foreign_source_url" and not copies.root.exists()
         # Not readable here: copied from the learner into this replica's own folder.
         elsewhere = LoadAdapterRequest(adapter=REF, path="/nowhere/exp/v000001", source_url=url,
                                        fingerprint=fingerprint)
@@ -155,6 +161,17 @@ async def test_the_sampler_uses_a_visible_path_and_copies_otherwise(learner, tmp
     # A replica (re)starting drops an earlier life's copies.
     leftover = copies.copy_dir(AdapterRef(name="exp", version=9))
     leftover.mkdir(parents=True)
-    AdapterCopies(tmp_path / "host-b", replica=0)
+    AdapterCopies(tmp_path / "host-b", replica=0, learner_url=None, secret=WORKER_SECRET)
     assert not leftover.exists()
     assert os.listdir(tmp_path / "host-b" / "adapter-copies") == []
+
+
+async def test_the_adapter_files_need_the_workers_secret(learner, tmp_path):
+    run_a, url = learner
+    folder = write(run_a)
+    for headers in ({}, auth_headers("another-secret-0123456789"), {"Authorization": "Basic eDp5"}):
+        async with aiohttp.ClientSession(headers=headers) as session:
+            with pytest.raises(AdapterFetchFailed, match="401") as info:
+                await fetch_version(session, url, REF, tmp_path / "c", read_fingerprint(folder), timeout_s=30)
+            assert "worker secret" in str(info.value)
+    assert not (tmp_path / "c").exists()

@@ -141,7 +141,7 @@ async def test_with_push_every_2_staleness_counts_steps_not_versions(tmp_path):
     exp, trainer, workers, requests = setup(tmp_path, push_every=2, max_staleness=1)
     for seq in range(1, 5):  # four groups sampled by v0 (step 0), accepted as feedback does
         g = group(seq, [completion([5, 6]), completion([7, 8])])
-        exp._accept(g, g.rewards, g.advantages, skipped=None)
+        await exp._accept(g, g.rewards, g.advantages, skipped=None)
     assert [g.sampled_step for g in exp.queue] == [0, 0, 0, 0]
     task = asyncio.create_task(trainer.run())
     try:
@@ -157,9 +157,9 @@ async def test_with_push_every_2_staleness_counts_steps_not_versions(tmp_path):
         # A group sampled by v1 records step 2; at step 4 it is 2 steps behind, though still at version 1.
         fresh = group(5, [completion([5, 6]), completion([7, 8])], policy_version=1)
         late = group(6, [completion([5, 6]), completion([7, 8])], policy_version=1)
-        exp._accept(fresh, fresh.rewards, fresh.advantages, skipped=None)
+        await exp._accept(fresh, fresh.rewards, fresh.advantages, skipped=None)
         await wait_until(lambda: exp.step == 3)
-        exp._accept(late, late.rewards, late.advantages, skipped=None)
+        await exp._accept(late, late.rewards, late.advantages, skipped=None)
         await wait_until(lambda: exp.step == 4)  # late: lag 1 at step 3, trained
         assert (fresh.sampled_step, late.sampled_step) == (2, 2)
         assert exp.counters.groups_dropped_stale == 2 and dict(exp.staleness) == {0: 2, 1: 2}
@@ -169,22 +169,22 @@ async def test_with_push_every_2_staleness_counts_steps_not_versions(tmp_path):
         await asyncio.gather(task, return_exceptions=True)
 
 
-def test_a_group_left_behind_by_steps_at_the_same_version_is_dropped(tmp_path):
+async def test_a_group_left_behind_by_steps_at_the_same_version_is_dropped(tmp_path):
     exp, _, _, _ = setup(tmp_path, push_every=2, max_staleness=1)
     exp.learned(1, 2)
     g = group(1, [completion([5, 6]), completion([7, 8])], policy_version=1)
-    exp._accept(g, g.rewards, g.advantages, skipped=None)
+    await exp._accept(g, g.rewards, g.advantages, skipped=None)
     exp.step = 3  # one step past v1: kept
     assert exp.drop_stale() == 1
     exp.step = 4  # two steps past v1, no push since (a skipped one, or push_every 2): dropped
     assert exp.learner_version == 1 and exp.drop_stale() == 0 and exp.counters.groups_dropped_stale == 1
 
 
-def test_the_sampled_step_survives_a_restart_in_the_journal(tmp_path):
+async def test_the_sampled_step_survives_a_restart_in_the_journal(tmp_path):
     exp, _, _, _ = setup(tmp_path)
     exp.learned(3, 7)
     g = group(1, [completion([5, 6]), completion([7, 8])], policy_version=3)
-    exp._accept(g, g.rewards, g.advantages, skipped=None)
+    await exp._accept(g, g.rewards, g.advantages, skipped=None)
     exp.journal.close()
     [back] = FeedbackJournal(tmp_path / "journal" / "exp.jsonl").pending(after_seq=0)
     assert (back.policy_version, back.sampled_step) == (3, 7)

@@ -4,9 +4,11 @@
 Expected, from the route's `auth` in `grpo_server/api/openapi.py`:
 - `public` (`/openapi.json`, `/v1/health`): the answer, whatever the key (a bad one is ignored);
 - otherwise no key or an unknown key: 401;
-- `key` (tokenize, the experiment list): any valid key succeeds; the list shows an experiment key its own only;
-- `experiment`: its own key and the admin key succeed; another experiment's key is a 403, and so is any
-  experiment that does not exist (the same answer, so names do not leak); the admin gets 404 for that one;
+- `key` (the experiment list, the model list): any valid key succeeds; the list shows an experiment key its own
+  only;
+- `experiment` (the experiment in the path, or the body's `model` or, on tokenize, `experiment`): its own key
+  and the admin key succeed; another experiment's key is a 403, and so is any experiment that does not exist
+  (the same answer, so names do not leak); the admin gets 404 for that one;
 - `admin` (create, delete): the admin key only; an experiment's key is a 403.
 Each request has a cheap valid body (n=1, max_tokens=1), so a success is the endpoint's success status.
 """
@@ -27,7 +29,7 @@ from grpo_server.api.openapi import ENDPOINTS, Endpoint, openapi_document
 from tests.serving import ADMIN_KEY
 
 A, B = "auth-a", "auth-b"
-KEYS = {A: "key-auth-a-3f9c", B: "key-auth-b-71d2"}
+KEYS = {A: "key-auth-a-3f9c-0d5e", B: "key-auth-b-71d2-9a4b"}  # experiment keys: 16 characters at least
 WRONG_KEY = "wrong-key-5e01"
 WHO = ("none", "wrong", "other", "own", "admin")
 CHEAP = {"n": 1, "max_tokens": 1}
@@ -92,8 +94,8 @@ def test_openapi_document_is_served_without_a_key_and_is_complete(server):
     assert {"name": "version", "in": "query"}.items() <= adapter["parameters"][1].items()
     assert "application/gzip" in adapter["responses"]["200"]["content"]
     create = doc["paths"]["/v1/experiments"]["post"]
-    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ExperimentConfig")
-    assert schemas["ExperimentConfig"]["additionalProperties"] is False  # strict, as the model
+    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/NewExperiment")
+    assert schemas["NewExperiment"]["additionalProperties"] is False  # strict, as the model
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,7 +142,7 @@ async def _request(api: Api, endpoint: Endpoint, target: str) -> tuple[str, Any]
     path = endpoint.path.replace("{name}", target)
     op = endpoint.operation_id
     if op == "post_tokenize":
-        return path, {"prompt": "Hello"}
+        return path, {"prompt": "Hello", "experiment": target}
     if op == "post_experiments":
         return path, {"name": f"auth-new-{next(_fresh)}"}
     if op == "post_experiments_name_completions":
@@ -211,7 +213,8 @@ async def test_unknown_experiment_is_the_same_403_as_someone_elses(api, endpoint
         path, body = await _request(api, endpoint, target)
         answers.append(await api.call(endpoint.method, path, KEYS[A], body))
     assert answers[0] == answers[1] and answers[0][0] == 403, answers
-    if "{name}" in endpoint.path or endpoint.request is not None and "model" in (endpoint.request.model_fields):
+    if "{name}" in endpoint.path or endpoint.request is not None and {"model", "experiment"} & set(
+            endpoint.request.model_fields):
         path, body = await _request(api, endpoint, "auth-does-not-exist")
         status, data = await api.call(endpoint.method, path, ADMIN_KEY, body)
         if endpoint.auth == "experiment" or endpoint.method == "DELETE":

@@ -10,19 +10,24 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from grpo_server.protocol.worker_auth import SECRET_ENV
 from scripts.compose_check import COMPOSE_FILE, compose_command, works
+from tests.serving import WORKER_SECRET
 from tests.test_roles import REPO, interpolate, option
 
 CPU_FILE = REPO / COMPOSE_FILE
 
 
 def cpu_services() -> dict[str, dict]:
-    return yaml.safe_load(interpolate(CPU_FILE.read_text(), {"GRPO_SERVER_API_KEY": "x"}))["services"]
+    return yaml.safe_load(interpolate(CPU_FILE.read_text(), {"GRPO_SERVER_API_KEY": "x", SECRET_ENV: WORKER_SECRET}))[
+        "services"]
 
 
-def test_cpu_compose_runs_each_role_in_its_own_container_on_loopback_ports():
+def test_cpu_compose_runs_each_role_in_its_own_container_on_loopback_ports(monkeypatch):
     from grpo_server.config import load_server_config
     from grpo_server.serve import check_role
+
+    monkeypatch.setenv(SECRET_ENV, WORKER_SECRET)  # as compose gives it to every service (checked below)
 
     services = cpu_services()
     assert set(services) == {"frontend", "sampler-0", "learner"}
@@ -30,6 +35,7 @@ def test_cpu_compose_runs_each_role_in_its_own_container_on_loopback_ports():
     for name, service in services.items():
         command = service["command"]
         assert command[:2] == ["grpo-server", "serve"], name
+        assert service["environment"][SECRET_ENV] == WORKER_SECRET, name  # every role, the same one
         role, replica = option(command, "--role"), option(command, "--replica")
         config = load_server_config(REPO / option(command, "--config"))
         check_role(config, role, None if replica is None else int(replica))  # raises if they do not fit
@@ -45,9 +51,11 @@ def test_cpu_compose_runs_each_role_in_its_own_container_on_loopback_ports():
     assert len(set(ports)) == len(ports), ports
 
 
-def test_cpu_compose_needs_the_admin_key():
+def test_cpu_compose_needs_the_admin_key_and_the_worker_secret():
     with pytest.raises(KeyError, match="GRPO_SERVER_API_KEY"):
-        interpolate(CPU_FILE.read_text(), {})
+        interpolate(CPU_FILE.read_text(), {SECRET_ENV: WORKER_SECRET})
+    with pytest.raises(KeyError, match=SECRET_ENV):
+        interpolate(CPU_FILE.read_text(), {"GRPO_SERVER_API_KEY": "x"})
 
 
 COMPOSE = compose_command()
@@ -56,7 +64,7 @@ COMPOSE = compose_command()
 @pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor docker-compose is installed here")
 def test_compose_accepts_the_cpu_file():
     result = subprocess.run([*COMPOSE, "-f", COMPOSE_FILE, "config", "-q"], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "GRPO_SERVER_API_KEY": "x"}, timeout=60)
+                            env={**os.environ, "GRPO_SERVER_API_KEY": "x", SECRET_ENV: WORKER_SECRET}, timeout=60)
     assert result.returncode == 0, result.stderr
 
 

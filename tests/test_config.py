@@ -4,7 +4,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from grpo_server.config import ExperimentConfig, ServerConfig, load_experiment_config, load_server_config
+from grpo_server.config import (ExperimentConfig, ServerConfig, keys_as_saved, load_experiment_config,
+                                load_server_config)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -34,9 +35,28 @@ def test_experiment_config_is_strict_and_names_the_key(data, where):
 
 
 def test_api_key_is_never_shown():
-    config = ExperimentConfig(name="x", api_key="secret-value")
-    assert "secret-value" not in str(config.public_dict())
+    config = ExperimentConfig(name="x", api_key="secret-value-0123")
+    assert "secret-value-0123" not in str(config.public_dict())
     assert config.public_dict()["has_api_key"] is True
+
+
+def test_api_key_has_a_minimum_length_but_saved_ones_load():
+    with pytest.raises(ValidationError, match="at least 16 characters") as info:
+        ExperimentConfig(name="x", api_key="k" * 15)
+    assert info.value.errors()[0]["loc"] == ("api_key",)
+    assert ExperimentConfig(name="x", api_key="k" * 16).api_key.get_secret_value() == "k" * 16
+    assert ExperimentConfig.model_json_schema()["properties"]["api_key"]["anyOf"][0]["minLength"] == 16
+    with keys_as_saved():  # the registry of a run from before the rule: its experiments come back
+        assert ExperimentConfig(name="x", api_key="short").api_key.get_secret_value() == "short"
+    with pytest.raises(ValidationError):  # and the rule holds again after
+        ExperimentConfig(name="x", api_key="short")
+
+
+def test_auth_limit_settings():
+    config = ServerConfig(auth_limit_exempt=["127.0.0.1", "10.0.0.0/8", "::1"])
+    assert (config.auth_failure_limit, config.auth_failure_window_s) == (10, 60.0)
+    with pytest.raises(ValidationError, match="auth_limit_exempt"):
+        ServerConfig(auth_limit_exempt=["not-an-address"])
 
 
 def test_shipped_configs_validate():

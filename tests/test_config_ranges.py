@@ -160,7 +160,7 @@ class _Orchestrator:
     def __init__(self) -> None:
         self.created: list[ExperimentConfig] = []
 
-    async def create(self, config: ExperimentConfig):
+    async def create(self, config: ExperimentConfig, start: str = "restart"):
         self.created.append(config)
         raise Conflict("stub orchestrator: validated", code="stub")
 

@@ -36,7 +36,7 @@ async def test_accepted_feedback_survives_crashes_and_is_trained_exactly_once(ti
     try:
         async with AsyncClient(server.url, server.api_key) as client:
             await client.create_experiment({
-                "name": NAME, "api_key": "durable-key",
+                "name": NAME, "api_key": "durable-key-8b1f04c3",
                 # checkpoint_every 2: a crash loses up to one step, which the journal must retrain.
                 "algorithm": {"batch_groups": 1, "checkpoint_every": 2, "max_staleness": 1000,
                               "learning_rate": 1e-3},
@@ -60,7 +60,7 @@ async def test_accepted_feedback_survives_crashes_and_is_trained_exactly_once(ti
         kill_everything(server)
 
         server = start_server(run_dir, tiny_model_dir)  # the same run directory: everything resumes
-        async with AsyncClient(server.url, "durable-key") as client:  # the experiment's key survived too
+        async with AsyncClient(server.url, "durable-key-8b1f04c3") as client:  # the experiment's key survived too
 
             async def drained():
                 status = await client.status(NAME)

@@ -102,6 +102,8 @@ def test_api(case, http, fuzz_target):
             case.path_parameters["name"] = FUZZ_EXP
         if isinstance(case.body, dict) and isinstance(case.body.get("model"), str) and case.body["model"]:
             case.body["model"] = FUZZ_EXP
+        if isinstance(case.body, dict) and re.fullmatch(r"[a-z0-9_-]{1,64}", str(case.body.get("experiment"))):
+            case.body["experiment"] = FUZZ_EXP  # tokenize's (valid for valid, as the path's name above)
     target = (case.path_parameters or {}).get("name") == FUZZ_EXP
     shape(case, turn, {group_id: 2 for group_id in fuzz_target} if target else {}, [])
     protect(case)

@@ -7,7 +7,6 @@ tests/test_learner.py and tests/test_learner_adapters.py.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -20,7 +19,9 @@ from pathlib import Path
 import yaml
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.worker_auth import auth_headers
 from tests.learner_helpers import COMPLETION, PROMPT, _sample
+from tests.serving import WORKER_SECRET, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -34,7 +35,7 @@ def _free_port() -> int:
 
 def _post(url: str, verb: str, body) -> tuple[int, dict]:
     request = urllib.request.Request(f"{url}/{verb}", data=body if isinstance(body, bytes) else pack(body),
-                                     headers={"Content-Type": MSGPACK}, method="POST")
+                                     headers={"Content-Type": MSGPACK, **auth_headers(WORKER_SECRET)}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, unpack(response.read())
@@ -49,7 +50,7 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
     config_path.write_text(yaml.safe_dump({"model_path": str(tiny_model_dir), "run_dir": str(run_dir),
                                            "port": port, "max_model_len": 128}))
     # The parent's rank / port variables (the in-process fixture's) must not leak into the child.
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env = {k: v for k, v in worker_env().items() if k not in DIST_ENV}
     log_file = open(tmp_path / "learner.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "learner", "--config", str(config_path)], cwd=REPO, env=env,
                             stdout=log_file, stderr=subprocess.STDOUT)
@@ -87,7 +88,8 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         status, body = _post(url, "logprobs", {"name": "web", **probe})
         assert sum(body["logprobs"][0]) > sum(before)
         assert saved_probe == body["logprobs"]
-        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+        status_request = urllib.request.Request(f"{url}/status", headers=auth_headers(WORKER_SECRET))
+        with urllib.request.urlopen(status_request, timeout=10) as response:
             assert unpack(response.read())["experiments"]["web"] == {
                 "step": 2, "version": 1, "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
 

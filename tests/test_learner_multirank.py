@@ -30,10 +30,11 @@ from grpo_server.protocol.errors import ApiError
 from grpo_server.workers.processes import WorkerProcess
 from grpo_server.protocol.wire import (AddExperimentRequest, LogprobsRequest, TrainMetrics, TrainRequest, TrainSample)
 from grpo_server.protocol.verbs import LearnerClient, LearnerVerbs
+from grpo_server.protocol.worker_auth import auth_headers
 from grpo_server.workers.pool import WorkerConnection
 from learner.lockstep import CommandChannel, LockstepTrainer, follow
 from learner.ranks import RankEnv, host_store, join_store
-from tests.serving import free_port
+from tests.serving import WORKER_SECRET, free_port, worker_env
 from tests.tolerances import SAME_STEP_METRICS, SAME_STEP_WEIGHTS, observed, rel_within
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ SHAPES = [(3, 4, 1.2, 0.8), (7, 1, -0.5, 1.0), (2, 6, 0.3, 1.0), (5, 3, -1.0, 1.
 
 def _env() -> dict[str, str]:
     # Another test's in-process rank variables must not reach the job.
-    return {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return {k: v for k, v in worker_env().items() if k not in DIST_ENV}
 
 
 def _write_config(folder: Path, model_dir: Path, ranks: int) -> tuple[Path, int]:
@@ -164,7 +165,7 @@ async def test_two_ranks_train_exactly_like_one_and_recover_together(tiny_model_
     one, two = _supervised("learner-1rank", one_config, one_port), _supervised("learner-2ranks", two_config, two_port)
     checkpoints = two_config.parent / "run" / "checkpoints"
     pids: dict[str, int] = {}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(WORKER_SECRET)) as session:  # as the front end's
         try:
             await asyncio.gather(one.start(), two.start())
             pids = _job_pids(two_config)

@@ -22,6 +22,7 @@ from grpo_server.cli import main as cli_main
 from grpo_server.runtime.metrics_log import MetricsLog, metrics_log_path
 from grpo_server.plot import load_series
 from grpo_server.workers.processes import WorkerProcess
+from grpo_server.protocol import archive
 from grpo_server.protocol.wire import TrainMetrics
 from grpo_server.workers.launch import free_port
 from tests.serving import ADMIN_KEY, headers, wait_for
@@ -190,7 +191,10 @@ async def trained(server):
         await wait_for(_log_has(metrics_log_path(server.run_dir, EXP), "sampling"), timeout_s=60)
         yield status
         await client.delete_experiment(EXP)
-    assert metrics_log_path(server.run_dir, EXP).is_file()  # a deleted experiment's history stays
+    # A deleted experiment's history stays, in its archive (grpo_server/protocol/archive.py).
+    assert not metrics_log_path(server.run_dir, EXP).exists()
+    assert [(archive.folder(server.run_dir, label) / "metrics.jsonl").is_file()
+            for label in archive.labels(server.run_dir, EXP)] == [True]
 
 
 async def test_a_trained_step_and_its_push_are_logged(server, trained):

@@ -105,7 +105,8 @@ def test_response_conversion():
 @pytest.fixture
 async def experiment(client, request):
     name = "oai-" + request.node.name.lower().replace("[", "-").replace("]", "").replace("_", "-")[:56]
-    await client.create_experiment({"name": name, "api_key": f"key-{name}", "sampling": {"n": 2, "max_tokens": 6}})
+    await client.create_experiment({"name": name, "api_key": f"experiment-key-{name}",
+                                    "sampling": {"n": 2, "max_tokens": 6}})
     yield name
     await client.delete_experiment(name)
 
@@ -186,7 +187,7 @@ async def test_legacy_completions_text_prompt(server, experiment, tokenizer):
 
 async def test_legacy_completions_token_ids_with_own_key(server, client, experiment):
     ids = [1, 9690, 198, 2683, 314]
-    async with openai_client(server, f"key-{experiment}") as oai:
+    async with openai_client(server, f"experiment-key-{experiment}") as oai:
         resp = await oai.completions.create(model=experiment, prompt=ids, n=2, max_tokens=4, seed=3)
         nested = await oai.completions.create(model=experiment, prompt=[ids], n=2, max_tokens=4, seed=3)
     assert resp.model_extra["prompt_token_ids"] == ids and resp.usage.prompt_tokens == len(ids)
@@ -207,7 +208,7 @@ async def test_unknown_model_is_not_found(server):
 
 async def test_models(server, client, experiment):
     other = experiment + "-b"
-    await client.create_experiment({"name": other, "api_key": f"key-{other}"})
+    await client.create_experiment({"name": other, "api_key": f"experiment-key-{other}"})
     try:
         async with openai_client(server) as oai:  # the admin key: every experiment
             listed = [m.id async for m in oai.models.list()]
@@ -218,7 +219,7 @@ async def test_models(server, client, experiment):
             with pytest.raises(openai.NotFoundError) as info:
                 await oai.models.retrieve("no-such-experiment")
             assert info.value.code == "experiment_not_found"
-        async with openai_client(server, f"key-{other}") as oai:  # an experiment's key: its own only
+        async with openai_client(server, f"experiment-key-{other}") as oai:  # an experiment's key: its own only
             assert [m.id async for m in oai.models.list()] == [other]
             assert (await oai.models.retrieve(other)).id == other
             with pytest.raises(openai.PermissionDeniedError):
@@ -266,9 +267,9 @@ async def test_auth(server, client, experiment):
         with pytest.raises(openai.AuthenticationError):
             await oai.chat.completions.create(model=experiment, messages=MESSAGES, max_tokens=2)
     other = experiment + "-b"
-    await client.create_experiment({"name": other, "api_key": f"key-{other}", "sampling": {"n": 2}})
+    await client.create_experiment({"name": other, "api_key": f"experiment-key-{other}", "sampling": {"n": 2}})
     try:
-        async with openai_client(server, f"key-{other}") as oai:
+        async with openai_client(server, f"experiment-key-{other}") as oai:
             with pytest.raises(openai.PermissionDeniedError):  # another experiment's key
                 await oai.chat.completions.create(model=experiment, messages=MESSAGES, max_tokens=2)
             with pytest.raises(openai.PermissionDeniedError):

@@ -116,7 +116,8 @@ def sampler_url(run_dir: Path, replica: int) -> str:
 
 
 async def loaded_adapters(session: aiohttp.ClientSession, url: str) -> list[str]:
-    """The replica's own answer (its internal health verb), not the front end's view of it."""
+    """The replica's own answer (its internal health verb, in full to the workers' secret, which `session`
+    sends), not the front end's view of it."""
     async with session.get(url + "/health") as response:
         assert response.status == 200
         return unpack(await response.read())["adapters"]
@@ -136,7 +137,8 @@ async def test_two_replicas_balance_load_every_version_and_survive_a_kill(tiny_m
         "replicas": 2, "engine": "vllm", "kv_cache_gib": 0.5, "max_num_seqs": 16, "max_lora_rank": 16})
     name = "replicas"
     try:
-        async with AsyncClient(server.url, server.api_key) as client, aiohttp.ClientSession() as session:
+        async with AsyncClient(server.url, server.api_key) as client, \
+                aiohttp.ClientSession(headers=server.worker_headers()) as session:
             health = await client.health()
             assert set(health.replicas) == {"sampler-0", "sampler-1"}
             assert all(r.state == "ready" for r in health.replicas.values())

@@ -25,8 +25,10 @@ from grpo_server.workers.remote import RemoteWorker
 from grpo_server.protocol.verbs import LearnerVerbs
 from grpo_server.workers.pool import WorkerConnection
 from grpo_server.protocol.codec import unpack
+from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 from scripts.compose_check import compose_command
-from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, train_one_version, wait_for
+from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, WORKER_SECRET, free_port, train_one_version, wait_for,
+                           worker_env)
 
 # --- wrong role for the config: a message that says what to set, before anything starts ----------------
 
@@ -44,8 +46,12 @@ REMOTE = {"sampler": {"urls": ["http://127.0.0.1:8101"]}, "learner": {"url": "ht
      "give both sampler.urls and learner.url"),
     ({"sampler": {"urls": ["http://sampler-0"]}, "learner": {"url": "http://learner:8102"}}, ["--role", "frontend"],
      "sampler.urls[0]: 'http://sampler-0' needs an explicit port"),
+    (REMOTE, ["--role", "frontend"], f"must share one worker secret: set {SECRET_ENV}"),
+    (REMOTE, ["--role", "sampler"], f"must share one worker secret: set {SECRET_ENV}"),
+    (REMOTE, ["--role", "learner"], f"must share one worker secret: set {SECRET_ENV}"),
 ])
-def test_a_config_that_does_not_fit_the_role_is_refused_clearly(tmp_path, capsys, config, args, message):
+def test_a_config_that_does_not_fit_the_role_is_refused_clearly(tmp_path, capsys, monkeypatch, config, args, message):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
     path = tmp_path / "server.yaml"
     path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), **config}))
     assert cli.main(["serve", "--config", str(path), *args]) == 2
@@ -133,7 +139,7 @@ def spawn(run_dir: Path, config: Path, role: str, *args: str) -> subprocess.Pope
     log = open(run_dir / f"{role}{''.join(args)}.log", "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "grpo_server.cli", "serve", "--role", role, "--config", str(config), *args],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True)  # the secret: each role's
 
 
 def wait_for_port(port: int, process: subprocess.Popen, log: Path) -> None:
@@ -162,7 +168,8 @@ def end(process: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
 
 
 async def sampler_adapters(url: str) -> list[str]:
-    async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
+    async with aiohttp.ClientSession(headers=auth_headers(WORKER_SECRET)) as session, \
+            session.get(url + "/health") as response:
         return unpack(await response.read())["adapters"]
 
 
@@ -272,17 +279,20 @@ def option(command: list[str], flag: str) -> str | None:
     return command[command.index(flag) + 1] if flag in command else None
 
 
-def test_compose_needs_the_admin_key():
+def test_compose_needs_the_admin_key_and_the_worker_secret():
     with pytest.raises(KeyError, match="GRPO_SERVER_API_KEY"):
-        active_services({})
+        active_services({SECRET_ENV: "y"})
+    with pytest.raises(KeyError, match=SECRET_ENV):
+        active_services({"GRPO_SERVER_API_KEY": "x"})
 
 
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.stem)
-def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file):
+def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file, monkeypatch):
     from grpo_server.config import load_server_config
     from grpo_server.serve import ROLES, check_role
 
-    env = {**read_env_file(env_file), "GRPO_SERVER_API_KEY": "x"}
+    env = {**read_env_file(env_file), "GRPO_SERVER_API_KEY": "x", SECRET_ENV: WORKER_SECRET}
+    monkeypatch.setenv(SECRET_ENV, WORKER_SECRET)  # as compose gives it to every service (checked below)
     gpus = int(env_file.stem.removeprefix("gpus-"))
     services = active_services(env)
     roles: dict[str, list[str]] = {}
@@ -296,6 +306,7 @@ def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file):
         config = load_server_config(config_path)
         check_role(config, role, None if replica is None else int(replica))  # raises if they do not fit
         roles.setdefault(role, []).append(name)
+        assert service["environment"][SECRET_ENV] == WORKER_SECRET, name  # every role, the same one
         if role == "frontend":
             assert service["ports"] == [f"8000:{config.port}"]
             continue
@@ -320,5 +331,5 @@ COMPOSE = compose_command()
 def test_docker_compose_accepts_the_file(env_file):
     args = ["--env-file", str(env_file)] if env_file else []
     result = subprocess.run([*COMPOSE, *args, "config", "-q"], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "GRPO_SERVER_API_KEY": "x"}, timeout=60)
+                            env={**os.environ, "GRPO_SERVER_API_KEY": "x", SECRET_ENV: WORKER_SECRET}, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -19,7 +19,7 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture
 async def experiment(client, request):
     name = request.node.name.lower().replace("[", "-").replace("]", "")[:60]
-    await client.create_experiment({"name": name, "api_key": f"key-{name}",
+    await client.create_experiment({"name": name, "api_key": f"experiment-key-{name}",
                                     "sampling": {"n": 4, "max_tokens": 8}})
     yield name
     await client.delete_experiment(name)
@@ -129,7 +129,7 @@ async def test_duplicate_experiment_is_409(client, experiment):
 
 
 @pytest.mark.parametrize("config, status, code", [
-    ({"name": "key-clash", "api_key": "key-{experiment}"}, 409, "api_key_in_use"),  # another experiment's key
+    ({"name": "key-clash", "api_key": "experiment-key-{experiment}"}, 409, "api_key_in_use"),  # another's key
     ({"name": "admin-key-clash", "api_key": ADMIN_KEY}, 409, "api_key_in_use"),
     ({"name": "rank-too-big", "lora": {"r": 64}}, 422, "over_limit"),  # over the samplers' max_lora_rank 16
 ])
@@ -146,7 +146,7 @@ async def test_bad_experiments_leave_nothing_behind(server, client, experiment, 
 
 async def test_auth(server, experiment):
     url = f"{server.url}/v1/experiments/{experiment}"
-    own_key = f"key-{experiment}"
+    own_key = f"experiment-key-{experiment}"
     async with aiohttp.ClientSession() as session:
         async with session.get(url) as response:
             assert response.status == 401

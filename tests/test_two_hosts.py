@@ -20,7 +20,7 @@ import yaml
 
 from grpo_server.client import AsyncClient
 from grpo_server.protocol.adapter_files import holds, read_fingerprint
-from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, wait_for
+from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, free_port, wait_for, worker_env
 from tests.test_roles import end, sampler_adapters, served_again, wait_for_port
 
 HIDE = ["unshare", "--mount", "--map-root-user", "--propagation", "private", "sh", "-c",
@@ -38,8 +38,9 @@ def can_hide_a_folder() -> bool:
 def spawn(host_dir: Path, config: Path, role: str, *args: str, hide: Path | None = None) -> subprocess.Popen:
     log = open(host_dir / f"{role}{''.join(args)}.log", "ab")
     command = [sys.executable, "-m", "grpo_server.cli", "serve", "--role", role, "--config", str(config), *args]
+    # The same worker secret on both hosts, in each process's environment (docs/multi-host.md).
     return subprocess.Popen([*HIDE, str(hide), *command] if hide else command, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+                            env=worker_env(), start_new_session=True)
 
 
 def host_config(host_dir: Path, model: Path, front_port: int, sampler_url: str, learner_url: str) -> Path:
@@ -146,7 +147,7 @@ def torchrun(host_dir: Path, config: Path, node: int, master_port: int, hide: Pa
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
                "-m", "grpo_server.cli", "serve", "--role", "learner", "--config", str(config)]
     return subprocess.Popen([*HIDE, str(hide), *command] if hide else command, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+                            env=worker_env(), start_new_session=True)
 
 
 def child_pid(parent: subprocess.Popen) -> int:

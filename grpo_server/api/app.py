@@ -11,9 +11,11 @@ import aiohttp
 from aiohttp import web
 
 from grpo_server.api import handlers, openai_routes, prometheus, status_page
-from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.handlers import count_middleware, error_middleware
 from grpo_server.config import ServerConfig
+from grpo_server.protocol.worker_auth import auth_headers
 from grpo_server.runtime.orchestrator import Orchestrator
 from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.workers.launch import WorkerSet
@@ -55,11 +57,15 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app[HTTP_COUNTER] = prometheus.HttpCounter()
     app[METRICS_REGISTRY] = prometheus.registry(app[HTTP_COUNTER], lambda: app[ORCHESTRATOR])
     app[ADMIN_KEY] = admin_key
+    app[AUTH_LIMITER] = FailedAuthLimiter(config.auth_failure_limit, config.auth_failure_window_s,
+                                          config.auth_limit_exempt)
     app[MODEL_NAME] = config.model
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
         workers = WorkerSet(config)
-        session = aiohttp.ClientSession()
+        # Every call to a worker (verbs, health polls, adapter downloads) goes through this session, so it
+        # carries the workers' secret (grpo_server/protocol/worker_auth.py), and nothing else does.
+        session = aiohttp.ClientSession(headers=auth_headers(workers.secret))
         orchestrator: Orchestrator | None = None
         try:
             pool = await workers.start(session, on_sampler_restart=lambda i: orchestrator.resync_sampler(i),
@@ -68,8 +74,9 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             orchestrator = Orchestrator(config, pool, prompts)
             app[ORCHESTRATOR] = orchestrator
             # Experiments of an earlier run in this run directory resume first; the config's own are
-            # created if they are not among them.
-            resumed = orchestrator.registry.load_all()
+            # created if they are not among them. Both start from their files as they are (a restart
+            # archives nothing; only an API create does, grpo_server/protocol/archive.py).
+            resumed = orchestrator.saved_experiments()
             names = {e.name for e in resumed}
             for experiment in resumed + [e for e in config.experiments if e.name not in names]:
                 await orchestrator.create(experiment)

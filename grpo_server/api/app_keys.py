@@ -8,6 +8,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 if TYPE_CHECKING:
+    from grpo_server.api.auth_limit import FailedAuthLimiter
     from grpo_server.api.prometheus import HttpCounter
     from grpo_server.runtime.orchestrator import Orchestrator
 
@@ -15,4 +16,5 @@ ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
 ADMIN_KEY: web.AppKey[str] = web.AppKey("admin_key", str)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
 HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")
+AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)

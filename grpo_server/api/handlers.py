@@ -2,8 +2,8 @@
 each request (every error becomes `{"error": {"code", "message"}}` with its status; requests are counted for
 /metrics), bodies in and out (JSON, or msgpack when the client says so), and bearer keys (the admin key
 manages everything; an experiment's own key reaches that experiment only; keys are compared in constant
-time and never logged). A route authorises, parses into a typed model, calls the experiment's owner (or the
-orchestrator) and responds."""
+time and never logged; an address that keeps sending unknown keys is slowed down: `auth_limit.py`). A route
+authorises, parses into a typed model, calls the experiment's owner (or the orchestrator) and responds."""
 
 from __future__ import annotations
 
@@ -12,17 +12,19 @@ import hmac
 import io
 import json
 import logging
+import secrets
 import tarfile
 from typing import Any, Iterable, TypeVar
 
 import msgpack
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from grpo_server.api import prometheus
-from grpo_server.api.app_keys import ADMIN_KEY, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
 from grpo_server.api.openapi import METRICS_LIMIT_DEFAULT, openapi_json
-from grpo_server.api_models import CompletionsRequest, ExperimentList, FeedbackRequest, Health, TokenizeRequest
+from grpo_server.api_models import (CompletionsRequest, CreatedExperiment, ExperimentList, FeedbackRequest, Health,
+                                    NewExperiment, TokenizeRequest)
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol.codec import MSGPACK
 from grpo_server.protocol.errors import (ApiError, BadRequest, Conflict, Forbidden, PayloadTooLarge, Unauthorized,
@@ -182,9 +184,17 @@ def require(who: str, experiment: str | None = None, admin_only: bool = False) -
 # --- the native routes --------------------------------------------------------------------------------------
 
 def caller(request: web.Request) -> str:
-    """ADMIN, or the name of the experiment whose key the request carries (401 otherwise)."""
+    """ADMIN, or the name of the experiment whose key the request carries (401 otherwise; 429 while its
+    address has sent too many unknown keys)."""
     orchestrator = request.app[ORCHESTRATOR]
-    return principal(request, request.app[ADMIN_KEY], (e.config for e in orchestrator.experiments.values()))
+    limiter = request.app[AUTH_LIMITER]
+    limiter.check(request.remote)
+    try:
+        return principal(request, request.app[ADMIN_KEY], (e.config for e in orchestrator.experiments.values()))
+    except Unauthorized as exc:
+        if exc.code == "invalid_key":
+            limiter.failed(request.remote)
+        raise
 
 
 async def health(request: web.Request) -> web.Response:
@@ -196,19 +206,23 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def create_experiment(request: web.Request) -> web.Response:
+    """A new experiment (an earlier one of its name stays archived), or with `resume` the deleted one again.
+    Without an `api_key` the server makes one, returned in this answer only."""
     require(caller(request), admin_only=True)
-    config = await parse_body(request, ExperimentConfig)
-    if config.api_key is not None:
-        key = config.api_key.get_secret_value()
-        taken = [request.app[ADMIN_KEY]] + [e.config.api_key.get_secret_value()
-                                            for e in request.app[ORCHESTRATOR].experiments.values()
-                                            if e.config.api_key is not None]
-        # Every key is compared (constant time each), and the answer does not say whose it is.
-        if sum(hmac.compare_digest(key.encode(), other.encode()) for other in taken):
-            raise Conflict("this api_key is already in use: give each experiment its own key",
-                           code="api_key_in_use")
-    status = await request.app[ORCHESTRATOR].create(config)
-    return respond(request, status, status=201)
+    body = await parse_body(request, NewExperiment)
+    config, generated = body.config(), None
+    if config.api_key is None:
+        generated = secrets.token_urlsafe(24)
+        config = config.model_copy(update={"api_key": SecretStr(generated)})
+    key = config.api_key.get_secret_value()
+    taken = [request.app[ADMIN_KEY]] + [e.config.api_key.get_secret_value()
+                                        for e in request.app[ORCHESTRATOR].experiments.values()
+                                        if e.config.api_key is not None]
+    # Every key is compared (constant time each), and the answer does not say whose it is.
+    if sum(hmac.compare_digest(key.encode(), other.encode()) for other in taken):
+        raise Conflict("this api_key is already in use: give each experiment its own key", code="api_key_in_use")
+    status = await request.app[ORCHESTRATOR].create(config, start="resume" if body.resume else "fresh")
+    return respond(request, CreatedExperiment(**dict(status), api_key=generated), status=201)
 
 
 async def list_experiments(request: web.Request) -> web.Response:
@@ -245,9 +259,16 @@ async def feedback(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """Any valid key may tokenize: the template and the vocabulary are the same for every experiment."""
-    caller(request)
+    """Scoped as completions are: an experiment's key names its own experiment in `experiment` (another's, or
+    none, is a 403); the admin key may name any (404 if it does not exist) or none."""
+    who = caller(request)
     body = await parse_body(request, TokenizeRequest)
+    if body.experiment is None and who != ADMIN:
+        raise Forbidden("an experiment's key tokenizes for its own experiment: name it in 'experiment'",
+                        code="wrong_experiment")
+    if body.experiment is not None:
+        require(who, body.experiment)
+        request.app[ORCHESTRATOR].get(body.experiment)
     return respond(request, request.app[ORCHESTRATOR].tokenize(body))
 
 

@@ -11,10 +11,12 @@ Who may call (`auth`):
 - `public`: no key needed (an `Authorization` header is ignored);
 - `key`: any valid key, the admin's or any experiment's;
 - `experiment`: the admin key, or the experiment's own key; the experiment is the `{name}` in the path,
-  or the body's `model` field on the OpenAI-compatible routes. Another experiment's key is a 403, whether
-  or not the experiment exists (names do not leak);
+  the body's `model` field on the OpenAI-compatible routes, or its `experiment` field on tokenize (which the
+  admin key may leave out). Another experiment's key is a 403, whether or not the experiment exists (names
+  do not leak);
 - `admin`: the admin key only (an experiment's key is a 403).
-A missing or unknown key is a 401 wherever a key is needed.
+A missing or unknown key is a 401 wherever a key is needed, and too many unknown keys from one address make
+every call that needs a key a 429 for a while (`auth_limit.py`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from pydantic.json_schema import models_json_schema
 from grpo_server.api.openai_models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
                                            ModelList, TextCompletionResponse)
 from grpo_server.api.streaming import ChatCompletionChunk, TextCompletionChunk
-from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, ExperimentList, ExperimentStatus,
-                                    FeedbackRequest, FeedbackResponse, Health, TokenizeRequest, TokenizeResponse)
-from grpo_server.config import ExperimentConfig
+from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, CreatedExperiment, ExperimentList,
+                                    ExperimentStatus, FeedbackRequest, FeedbackResponse, Health, NewExperiment,
+                                    TokenizeRequest, TokenizeResponse)
 from grpo_server.protocol.codec import MSGPACK
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
 
@@ -98,14 +100,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/metrics", None, None, 200, "Prometheus metrics (text format 0.0.4)", "admin",
              content_type="text/plain"),
     Endpoint("POST", "/v1/tokenize", TokenizeRequest, TokenizeResponse, 200,
-             "A prompt or messages to the token ids completions would use", "key"),
-    Endpoint("POST", "/v1/experiments", ExperimentConfig, ExperimentStatus, 201,
-             "Create an experiment", "admin", (409, 502, 503)),
+             "A prompt or messages to the token ids completions would use", "experiment"),
+    Endpoint("POST", "/v1/experiments", NewExperiment, CreatedExperiment, 201,
+             "Create an experiment (or, with `resume`, bring back a deleted one)", "admin", (404, 409, 502, 503)),
     Endpoint("GET", "/v1/experiments", None, ExperimentList, 200,
              "Experiments' status (an experiment key sees its own only)", "key"),
     Endpoint("GET", EXP, None, ExperimentStatus, 200, "One experiment's status", "experiment"),
     Endpoint("DELETE", EXP, None, None, 204,
-             "Stop serving and training an experiment (its adapters stay on disk)", "admin", (502, 503)),
+             "Stop serving and training an experiment (its files are archived: a new one of its name starts "
+             "afresh)", "admin", (502, 503)),
     Endpoint("POST", EXP + "/completions", CompletionsRequest, CompletionsResponse, 200,
              "Sample one group of completions", "experiment", (429, 502, 503)),
     Endpoint("POST", EXP + "/feedback", FeedbackRequest, FeedbackResponse, 202,
@@ -132,12 +135,12 @@ _ERROR_TEXT = {
          "bad query parameter",
     401: "Missing or unknown key",
     403: "This key may not make this call (another experiment's key, or not the admin key)",
-    404: "No such experiment, group or adapter version",
+    404: "No such experiment, group or adapter version (or, for `resume`, no archive to resume)",
     409: "Duplicate experiment, or feedback already given",
     413: "Request body too large",
     422: "Schema error (the message names each bad field), or over a server limit (`over_limit`)",
-    429: "Back-pressure (the learner is behind, or too many groups await feedback); retry after "
-         "`Retry-After` seconds",
+    429: "Back-pressure (the learner is behind, or too many groups await feedback), or too many unknown keys "
+         "from this address; retry after `Retry-After` seconds",
     502: "A worker failed",
     503: "A worker is down or restarting; retry after `Retry-After` seconds",
 }
@@ -146,7 +149,7 @@ _ERROR_TEXT = {
 def _error_statuses(endpoint: Endpoint) -> list[int]:
     statuses = set(endpoint.errors)
     if endpoint.auth != "public":
-        statuses.add(401)
+        statuses |= {401, 429}
     if endpoint.auth in ("experiment", "admin"):
         statuses.add(403)
     if endpoint.request is not None:
@@ -240,7 +243,7 @@ def openapi_document() -> dict[str, Any]:
     modes = list(dict.fromkeys(modes))
     keyed, top = models_json_schema(modes, ref_template=REF_TEMPLATE)
     refs = {model: keyed[(model, mode)] for model, mode in modes}
-    name_schema = ExperimentConfig.model_json_schema()["properties"]["name"]
+    name_schema = NewExperiment.model_json_schema()["properties"]["name"]
     name_schema = {k: v for k, v in name_schema.items() if k in ("type", "pattern", "description")}
     paths: dict[str, dict[str, Any]] = {}
     for endpoint in ENDPOINTS:

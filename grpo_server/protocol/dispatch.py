@@ -6,6 +6,13 @@ the same name, and packs what it returns. Every error answers msgpack `{"error":
 an `ApiError` with its own code and status, a body that is not msgpack or does not validate 400
 bad_request, a body over the limit 413 payload_too_large, aiohttp's own others (unknown route, wrong
 method) with their status, anything else a logged 500 with its message.
+
+Every route answers only callers holding the workers' secret (`protocol/worker_auth.py`): without it, 401
+unauthorized, before the route is even looked up (an unknown path is a 401 too, and tells nothing). The one
+exception is `GET /health` with no credentials at all, which docker healthchecks and the front end's start-up
+polls use: it runs the worker's own health verb and answers only `{"status": "ok"}` (503 `unhealthy` if that
+fails), never the model, the adapters or the counters. A wrong secret there is a 401 like anywhere else, so a
+front end given another secret than its workers finds out at its first poll.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
-from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge, describe_validation_error
+from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge, Unauthorized, describe_validation_error
 from grpo_server.protocol.verbs import Verb
+from grpo_server.protocol.worker_auth import HEADER, SECRET_ENV, check_secret, presented
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,46 @@ async def error_middleware(request: web.Request,
         return error_reply(ApiError(f"{type(exc).__name__}: {exc}", code="internal", status=500))
 
 
+OPEN_PATH = "/health"
+MAX_LOGGED_ADDRESSES = 1000  # a refused address is logged once; a scan of many addresses cannot fill the memory
+
+
+def auth_middleware(secret: str) -> Callable:
+    """Refuse every request without `secret` (401), except the open health answer (the module's docstring)."""
+    check_secret(secret, "the worker secret")
+    logged: set[str] = set()
+
+    @web.middleware
+    async def middleware(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        given = presented(request.headers.get(HEADER), secret)
+        if given:
+            return await handler(request)
+        if given is None and request.method in ("GET", "HEAD") and request.path == OPEN_PATH:
+            return await _open_health(request, handler)
+        address = request.remote or "?"
+        if address not in logged and len(logged) < MAX_LOGGED_ADDRESSES:
+            logged.add(address)
+            log.warning("refused %s %s from %s: %s worker secret (logged once per address)", request.method,
+                        request.path, address, "no" if given is None else "a wrong")
+        raise Unauthorized(f"{'no' if given is None else 'wrong'} worker secret: a worker answers only its front "
+                           f"end, which sends {HEADER}: Bearer <the secret in {SECRET_ENV}>")
+
+    return middleware
+
+
+async def _open_health(request: web.Request,
+                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Response:
+    try:
+        response = await handler(request)
+    except Exception as exc:  # its message may name what this answer keeps to the secret's holders
+        log.warning("health (asked without the secret) failed: %s: %s", type(exc).__name__, exc)
+        response = None
+    if response is None or response.status != 200:
+        raise ApiError("the worker is not healthy (its log says why)", code="unhealthy", status=503)
+    return reply({"status": "ok"})
+
+
 def _route(verb: Verb, method: Callable[..., Awaitable[Any]]) -> web.RouteDef:
     async def handle(request: web.Request) -> web.Response:
         if verb.request is None:
@@ -65,8 +113,10 @@ def _route(verb: Verb, method: Callable[..., Awaitable[Any]]) -> web.RouteDef:
     return web.get(path, handle) if verb.method == "GET" else web.post(path, handle)  # web.get answers HEAD too
 
 
-def worker_app(verbs: Iterable[Verb], handler: object, max_body_bytes: int) -> web.Application:
-    """An app whose route /<verb> awaits `handler.<verb>(request model)` (no argument for a GET verb)."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+def worker_app(verbs: Iterable[Verb], handler: object, max_body_bytes: int, *, secret: str) -> web.Application:
+    """An app whose route /<verb> awaits `handler.<verb>(request model)` (no argument for a GET verb), for
+    callers that send `secret` only (routes added later too)."""
+    # error_middleware outermost: the 401 gets the usual error body.
+    app = web.Application(middlewares=[error_middleware, auth_middleware(secret)], client_max_size=max_body_bytes)
     app.add_routes([_route(verb, getattr(handler, verb.name)) for verb in verbs])
     return app

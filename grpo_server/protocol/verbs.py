@@ -51,6 +51,19 @@ class Healthy(WireModel):
     status: str
 
 
+class ArchiveRequest(WireModel):
+    """An experiment's files on the learner's disk (adapter versions, checkpoints), moved into or out of
+    `run_dir/archive/{label}/` (grpo_server/protocol/archive.py). The learner must not hold the experiment."""
+
+    name: str
+    label: str | None = None  # archive: the label to make (required); restore: the one to take (None: newest)
+
+
+class Archived(WireModel):
+    label: str | None  # the archive moved into or out of; None: nothing was moved
+    live: bool = False  # restore: the experiment already had files outside the archive (they are resumed)
+
+
 class SamplerVerbs:
     generate = Verb("generate", GenerateRequest, GenerateResponse)
     score = Verb("score", ScoreRequest, ScoreResponse)
@@ -66,9 +79,12 @@ class LearnerVerbs:
     save_adapter = Verb("save_adapter", SaveAdapterRequest, AdapterVersion)
     logprobs = Verb("logprobs", LogprobsRequest, LogprobsResponse)
     remove_experiment = Verb("remove_experiment", RemoveExperimentRequest, Removed)
+    archive_experiment = Verb("archive_experiment", ArchiveRequest, Archived)
+    restore_experiment = Verb("restore_experiment", ArchiveRequest, Archived)
     status = Verb("status", None, LearnerStatus)
     health = Verb("health", None, Healthy)
-    ALL = (add_experiment, train, save_adapter, logprobs, remove_experiment, status, health)
+    ALL = (add_experiment, train, save_adapter, logprobs, remove_experiment, archive_experiment, restore_experiment,
+           status, health)
 
 
 class Transport(Protocol):
@@ -136,6 +152,14 @@ class LearnerClient(_Client):
     async def remove_experiment(self, name: str, *, syncing_ok: bool = False) -> Removed:
         return await self.transport.request(LearnerVerbs.remove_experiment, RemoveExperimentRequest(name=name),
                                             syncing_ok=syncing_ok)
+
+    async def archive_experiment(self, name: str, label: str) -> Archived:
+        """Move a removed experiment's files into archive `label` (Archived.label None: it had none)."""
+        return await self.transport.request(LearnerVerbs.archive_experiment, ArchiveRequest(name=name, label=label))
+
+    async def restore_experiment(self, name: str, label: str | None = None) -> Archived:
+        """Move archive `label` (None: the newest) back, unless the experiment has live files (`live`)."""
+        return await self.transport.request(LearnerVerbs.restore_experiment, ArchiveRequest(name=name, label=label))
 
     async def status(self, *, syncing_ok: bool = False) -> LearnerStatus:
         return await self.transport.request(LearnerVerbs.status, None, syncing_ok=syncing_ok)

@@ -7,9 +7,10 @@ with these models, so a mismatch fails loudly at the boundary. Errors: non-2xx w
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import PurePosixPath
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
@@ -18,10 +19,17 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# An experiment's name, the front end's rule (grpo_server/config.py ExperimentConfig.name). Both workers make
+# folders of it (the learner's adapters/<name>/, a sampler's adapter-copies/.../<name>/), so a name that is a
+# path ("../x", "a/b", "/abs") is refused here, a 400 before anything touches the disk.
+EXPERIMENT_NAME = r"^[a-z0-9_-]{1,64}$"
+ExperimentName = Annotated[str, Field(pattern=EXPERIMENT_NAME)]
+
+
 class AdapterRef(WireModel):
     """One version of one experiment's adapter. The sampler maps it to its own LoRA id."""
 
-    name: str
+    name: ExperimentName
     version: int = Field(ge=0)
 
     @property
@@ -118,6 +126,15 @@ class LoadAdapterRequest(WireModel):
     source_url: str | None = None
     fingerprint: str | None = None
 
+    @field_validator("path")
+    @classmethod
+    def _absolute_without_dot_dot(cls, path: str) -> str:
+        # The learner writes absolute paths (its run directory, resolved): a relative one would depend on the
+        # sampler's working directory, and a ".." could lead out of the folder the path seems to name.
+        if not path.startswith("/") or ".." in PurePosixPath(path).parts or "\0" in path:
+            raise ValueError("must be an absolute path without '..'")
+        return path
+
 
 class UnloadAdapterRequest(WireModel):
     adapter: AdapterRef
@@ -147,7 +164,7 @@ class SamplerHealth(WireModel):
 
 
 class AddExperimentRequest(WireModel):
-    name: str
+    name: ExperimentName
     lora: LoraConfig
     algorithm: AlgorithmConfig
 
@@ -182,7 +199,7 @@ class TrainSample(WireModel):
 
 
 class TrainRequest(WireModel):
-    name: str
+    name: ExperimentName
     samples: list[TrainSample] = Field(min_length=1)
     max_tokens: int = Field(256, ge=1)  # the generation budget: dr_grpo's constant normaliser
     num_groups: int = 1
@@ -228,12 +245,12 @@ class VersionProbe(WireModel):
 
 
 class SaveAdapterRequest(WireModel):
-    name: str
+    name: ExperimentName
     probe: VersionProbe | None = None  # also score these under the saved weights (AdapterVersion.probe_logprobs)
 
 
 class LogprobsRequest(WireModel):
-    name: str
+    name: ExperimentName
     prompt_token_ids: list[int]
     completions_token_ids: list[list[int]] = Field(min_length=1)
     temperature: float = 1.0
@@ -244,7 +261,7 @@ class LogprobsResponse(WireModel):
 
 
 class RemoveExperimentRequest(WireModel):
-    name: str
+    name: ExperimentName
 
 
 class LearnerStatus(WireModel):

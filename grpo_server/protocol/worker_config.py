@@ -176,6 +176,9 @@ class SamplerConfig(WorkerProcessConfig, SamplerOptions):
     """What one sampler process reads."""
 
     replica: int = Field(0, ge=0, le=1023)
+    # The one place this replica copies adapter versions from (sampler/adapter_copies.py): a load_adapter whose
+    # source_url names anything else is refused. None: no copies, every version must be readable here.
+    learner_url: str | None = None
 
 
 class LearnerConfig(WorkerProcessConfig, LearnerOptions):

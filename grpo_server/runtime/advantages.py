@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_server.protocol.worker_config import AlgorithmConfig
 
 
 def _check_finite(rewards_G: Sequence[float]) -> list[float]:
@@ -47,3 +51,9 @@ def is_zero_variance(rewards_G: Sequence[float], tol: float = 1e-9) -> bool:
 def scale_by_std_for(loss_type: str) -> bool:
     """Dr. GRPO drops the std division (it biases towards too-easy / too-hard prompts); others keep it."""
     return loss_type != "dr_grpo"
+
+
+def rate(rewards_G: Sequence[float], algorithm: "AlgorithmConfig") -> tuple[str | None, list[float]]:
+    """A rated group's (reason it is skipped, None if trained; advantages) under the experiment's algorithm."""
+    skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(rewards_G) else None
+    return skipped, group_advantages(rewards_G, scale_by_std_for(algorithm.loss))

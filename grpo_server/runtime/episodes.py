@@ -272,6 +272,15 @@ class EpisodeStore:
             self._rated[key] = now
         return episodes
 
+    def put_back(self, experiment: str, episodes: list[Episode]) -> None:
+        """Undo `take`: their reward was not accepted after all (the journal write failed); rateable again."""
+        for episode in episodes:
+            key = (experiment, episode.episode_id)
+            self._rated.pop(key, None)
+            episode.touched_at = time.monotonic()  # a full TTL for the client's retry
+            self._pending[key] = episode
+            self._pending_per_experiment[experiment] += 1
+
     def expire(self, now: float | None = None) -> dict[str, int]:
         """Drop episodes idle for longer than the TTL (not while a turn runs); return how many per experiment."""
         now = time.monotonic() if now is None else now

@@ -15,15 +15,15 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Coroutine, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator
 
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentCounters,
                                     FeedbackRequest, FeedbackResponse, VerificationResult)
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol.errors import TooManyRequests, Unprocessable
 from grpo_server.protocol.wire import AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse, TrainMetrics
-from grpo_server.runtime.advantages import group_advantages, is_zero_variance, scale_by_std_for
+from grpo_server.runtime.advantages import rate
 from grpo_server.runtime.chat_render import tool_calling_of
 from grpo_server.runtime.episodes import EpisodeStore, check_rateable, trajectory_group
 from grpo_server.runtime.external import external_token_ids, score_external
@@ -131,10 +131,8 @@ class Experiment:
                       max_tokens=max_tokens, top_p=decoding[1])
         self.groups.add(group)
         self.counters.groups_sampled += 1
-        return CompletionsResponse(
-            group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
-            completions=[CompletionOut(**c.model_dump()) for c in result.completions],
-        )
+        return CompletionsResponse(group_id=group.group_id, policy_version=version, prompt_token_ids=prompt_ids,
+                                   completions=[CompletionOut(**c.model_dump()) for c in result.completions])
 
     async def _episode_turn(self, request: CompletionsRequest, max_tokens: int, decoding: tuple[float, float],
                             admitted: asyncio.Event | None) -> CompletionsResponse:
@@ -186,14 +184,13 @@ class Experiment:
     async def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
         """Rewards for a sampled group, possibly with external completions added to it, or for a group of
         external completions only; or with `episode_ids`, rewards for episodes. Everything is checked before
-        the group (or an episode) is taken, so a 4xx loses nothing."""
+        the group (or an episode) is taken, so a 4xx loses nothing; a failed journal write puts it back (503)."""
         name = self.name
         if request.episode_ids is not None:
-            return self._rate_episodes(request)
+            return await self._rate_episodes(request)
         if request.group_id is None:
-            prompt_ids = self.prompts.token_ids(request)
-            group = Group(group_id=self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
-                          completions=[], policy_version=self.serving_version,
+            group = Group(group_id=self.groups.new_id(), experiment=name, completions=[],
+                          prompt_token_ids=self.prompts.token_ids(request), policy_version=self.serving_version,
                           temperature=self.config.sampling.temperature, max_tokens=self.config.sampling.max_tokens)
             external = request.completions
         else:
@@ -207,50 +204,52 @@ class Experiment:
         if group.temperature == 0:
             raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
                                 "sample with temperature > 0 to give feedback", code="greedy_group")
-        algorithm = self.config.algorithm
-        skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
-        advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        skipped, advantages = rate(request.rewards, self.config.algorithm)
         external_ids = external_token_ids(self.prompts, group, external)  # 400s for bad ones, skipped or not
         scored_version, external_logprobs = None, None
         if external_ids and skipped is None:
             scored_version, added = await score_external(self, group, external_ids)
             external_logprobs = [c.logprobs for c in added]
-        # Nothing below can fail for the request's sake: the group is only taken now.
+        # Nothing below can fail for the request's sake: the group is only taken now (put back if not journalled).
         if request.group_id is not None:
             self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
-        if external and skipped is None:
-            group.completions = group.completions + added
-            self.counters.completions_external += len(added)
-        self._accept(group, request.rewards, advantages, skipped)
+        rated = replace(group, completions=group.completions + added) if external and skipped is None else group
+        await asyncio.shield(self._accept(rated, request.rewards, advantages, skipped, put_back=lambda: (
+            request.group_id is None or self.groups.put_back(group))))  # as it was: `rated` is a copy
+        self.counters.completions_external += len(rated.completions) - len(group.completions)
         return FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
                                 external_logprobs=external_logprobs, skipped=skipped)
 
-    def _rate_episodes(self, request: FeedbackRequest) -> FeedbackResponse:
+    async def _rate_episodes(self, request: FeedbackRequest) -> FeedbackResponse:
         """A group of episodes: each episode's reward, relative to the others', trains every token the model
         sampled in it (runtime/episodes.py)."""
         episodes = self.episodes.peek(self.name, request.episode_ids)  # 404/409 before anything is taken
         check_rateable(episodes)
-        algorithm = self.config.algorithm
-        skipped = "zero_variance" if algorithm.skip_zero_variance and is_zero_variance(request.rewards) else None
-        advantages = group_advantages(request.rewards, scale_by_std_for(algorithm.loss))
+        skipped, advantages = rate(request.rewards, self.config.algorithm)
         group = trajectory_group(self.groups.new_id(), self.name, episodes)
         self.episodes.take(self.name, request.episode_ids)
+        await asyncio.shield(self._accept(group, request.rewards, advantages, skipped,
+                                          put_back=lambda: self.episodes.put_back(self.name, episodes)))
         self.counters.episodes_rated += len(episodes)
-        self._accept(group, request.rewards, advantages, skipped)
         return FeedbackResponse(group_id=group.group_id, skipped=skipped)
 
-    def _accept(self, group: Group, rewards: list[float], advantages: list[float], skipped: str | None) -> None:
-        """A rated group: counted, then (unless skipped) journalled, durable before the 202, and queued."""
+    async def _accept(self, group: Group, rewards: list[float], advantages: list[float], skipped: str | None,
+                      put_back: Callable[[], Any] = lambda: None) -> None:
+        """A rated group, taken from its store: (unless skipped) journalled, durable before the 202, queued, counted.
+        A failed journal write (503 journal_write_failed) calls `put_back` instead, so the retry succeeds. Callers
+        shield it: a request cancelled meanwhile cannot leave the group taken but neither queued nor put back."""
+        if not skipped:
+            group.rewards, group.advantages = list(rewards), advantages
+            group.sampled_step = self.version_steps.get(group.policy_version, 0)  # max_staleness counts from it
+            try:  # on a thread; queued as soon as it is durable, before any later append: in journal order
+                await self.journal.append_async(group, then=lambda: self.queue.append(group))
+            except Exception:  # not cancelled: the write goes on, and queues the group if it succeeds
+                put_back()
+                raise
+            self.queue_changed.set()
         self.counters.groups_received += 1
+        self.counters.groups_zero_variance += skipped is not None
         self.recent_rewards.append(sum(rewards) / len(rewards))
-        if skipped:
-            self.counters.groups_zero_variance += 1
-            return
-        group.rewards, group.advantages = list(rewards), advantages
-        group.sampled_step = self.version_steps.get(group.policy_version, 0)  # max_staleness counts from it
-        self.journal.append(group)
-        self.queue.append(group)
-        self.queue_changed.set()
 
     # --- versions on the samplers ---------------------------------------------------------------------
 
@@ -359,8 +358,8 @@ class Experiment:
         self.staleness.update(self.step - g.sampled_step for g in groups)  # behind the weights this step started from
         self.step = metrics.step
         self.counters.groups_trained += len(groups)
-        if metrics.checkpointed_journal_seq is not None:
-            self.journal.compact(through_seq=metrics.checkpointed_journal_seq)
+        if metrics.checkpointed_journal_seq is not None:  # on a thread, after the appends asked before it
+            self.spawn(self.journal.compact_async(metrics.checkpointed_journal_seq), "compact", finish_on_stop=True)
         self.last_metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                              for k, v in metrics.model_dump().items()}  # JSON has no inf/NaN: shown as null
         self.probe = groups[-1]
@@ -396,4 +395,4 @@ class Experiment:
             await asyncio.gather(self.training_task, return_exceptions=True)
         await self.tasks.stop()
         if self.journal is not None:
-            self.journal.close()
+            await self.journal.aclose()

@@ -83,6 +83,12 @@ class GroupStore:
         self._consumed[group_id] = time.monotonic()
         return group
 
+    def put_back(self, group: Group) -> None:
+        """Undo `take`: its feedback was not accepted after all (the journal write failed), so it is rateable
+        again. Re-added at the end: it may outlive its TTL until the groups before it expire."""
+        self._consumed.pop(group.group_id, None)
+        self.add(group)
+
     def discard(self, experiment: str, group_id: str) -> bool:
         """Forget a pending group nobody will rate (not marked as rated: feedback for it is a 404); False if it
         is not pending."""

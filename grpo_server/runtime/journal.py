@@ -5,7 +5,13 @@ the server accepts (a 202 that will be trained) is written and fsynced there, wi
 before the answer goes out. The learner's checkpoints record the newest sequence number their weights
 include (`journal_seq`); after any restart the groups after it are queued again, so an accepted group is
 in the weights exactly once. Entries a checkpoint covers are compacted away (the file is rewritten to a
-temporary name and renamed), so the file holds only feedback the learner has not made durable yet.
+temporary name and renamed, both fsynced), so the file holds only feedback the learner has not made durable yet.
+
+A write that fails (disk full, an I/O error, a failed fsync) is cut back to the end of the last whole record
+and answered 503 `journal_write_failed`: the caller keeps the group rateable, and no torn tail is left for
+the next record to be glued to (a crash mid-write leaves one; the next start drops it). Appends and
+compactions run on a worker thread, one at a time and in sequence order (`append_async`, `compact_async`):
+an fsync can take seconds, and the event loop serves every other request meanwhile.
 
 Experiment registry: `run_dir/experiments/{name}.json`, the config of every live experiment (with its
 API key, so the file is 0600), so `grpo-server serve` on the same run directory brings them all back.
@@ -13,13 +19,17 @@ API key, so the file is 0600), so `grpo-server serve` on the same run directory 
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from grpo_server.config import ExperimentConfig
+from grpo_server.protocol.durable import fsync_dir, write_atomic
+from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.wire import Completion
 from grpo_server.runtime.groups import Group
 
@@ -47,12 +57,10 @@ def group_from_record(record: dict[str, Any]) -> Group:
     return Group(**fields, journal_seq=seq)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class JournalWriteFailed(Unavailable):
+    """A rated group could not be made durable: not accepted, nothing lost; the client retries."""
+
+    code = "journal_write_failed"
 
 
 class FeedbackJournal:
@@ -60,8 +68,23 @@ class FeedbackJournal:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._drop_torn_tail()
+        # The newest acknowledged record: set on the event loop once its write returned (with the caller's
+        # `then`), never by the thread writing it, so `pending` (a learner restart) never queues a group twice.
         self.last_seq = max((r["seq"] for r in self._records()), default=0)
-        self._file = open(self.path, "ab")
+        self._fd: int | None = None
+        self._size = 0  # where the next record starts: the end of the last whole one
+        self._torn = False  # a failed append could not be cut back yet: cut before writing again
+        self._closed = False
+        self._lock = asyncio.Lock()  # one append or compaction at a time, in the order they were asked
+        self._open()
+
+    def _open(self) -> int:
+        if self._closed:
+            raise ValueError(f"{self.path}: the journal is closed")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            self._size = os.fstat(self._fd).st_size  # whole records only: opened at start or after a compaction
+        return self._fd
 
     def _drop_torn_tail(self) -> None:
         """A crash mid-append leaves a last line without its newline (that group never got its 202):
@@ -75,47 +98,117 @@ class FeedbackJournal:
                 handle.truncate(data.rfind(b"\n") + 1)
                 os.fsync(handle.fileno())
 
-    def _records(self) -> list[dict[str, Any]]:
+    def _lines(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """(line, record) of every whole record. A last line without its newline is an append still being
+        written (or a torn one, cut back right after): not a record yet."""
         if not self.path.exists():
             return []
-        records = []
+        found = []
         with open(self.path, "rb") as handle:
             for number, line in enumerate(handle, start=1):
+                if not line.endswith(b"\n"):
+                    break
                 try:
-                    records.append(json.loads(line))
-                except ValueError:  # not written by append (which only ever adds whole lines)
+                    found.append((line, json.loads(line)))
+                except ValueError:  # not written by append (which only ever leaves whole lines)
                     log.warning("%s: line %d is not a journal record, skipped", self.path, number)
-        return records
+        return found
+
+    def _records(self) -> list[dict[str, Any]]:
+        return [record for _, record in self._lines()]
+
+    def _write(self, data: bytes) -> None:
+        """Append whole lines durably, or raise OSError with the file as it was: a failed or short write (disk
+        full) or a failed fsync is cut back to the last whole record."""
+        fd = self._open()
+        if self._torn:
+            self._cut_back(fd)  # raises again while it cannot: nothing is written after a torn tail
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)  # O_APPEND: at the end, after the last whole record
+                if written <= 0:
+                    raise OSError(errno.ENOSPC, "the journal write made no progress")
+                view = view[written:]
+            os.fsync(fd)  # after a failed fsync the bytes' fate is unknown: cut back below, not retried
+        except OSError:
+            try:
+                self._cut_back(fd)
+            except OSError as exc:
+                log.error("%s: cannot cut a failed append back to %d bytes (%s); the next append retries",
+                          self.path, self._size, exc)
+            raise
+        self._size += len(data)
+
+    def _cut_back(self, fd: int) -> None:
+        self._torn = True
+        os.ftruncate(fd, self._size)
+        os.fsync(fd)
+        self._torn = False
+
+    def _write_group(self, group: Group, seq: int) -> None:
+        record = {**group_record(group), "seq": seq}
+        self._write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
 
     def append(self, group: Group) -> int:
-        """Write the group durably and return its sequence number (also set on the group)."""
-        group.journal_seq = self.last_seq + 1
-        self._file.write(json.dumps(group_record(group), separators=(",", ":")).encode() + b"\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self.last_seq = group.journal_seq
-        return group.journal_seq
+        """Write the group durably and return its sequence number (also set on the group). Blocking: the
+        server calls `append_async`."""
+        seq = self.last_seq + 1
+        self._write_group(group, seq)
+        group.journal_seq = self.last_seq = seq
+        return seq
+
+    async def append_async(self, group: Group, then: Callable[[], Any] | None = None) -> int:
+        """`append` on a worker thread, after every append and compaction asked before it; `then` runs as soon
+        as the record is durable, before the next append starts (the caller queues the group there: the queue
+        stays in journal order). A failed write raises JournalWriteFailed (503). A cancelled caller does not
+        stop it: the write in its thread cannot be, and the next must not start before it ends."""
+        return await asyncio.shield(self._append_in_turn(group, then))
+
+    async def _append_in_turn(self, group: Group, then: Callable[[], Any] | None) -> int:
+        async with self._lock:
+            seq = self.last_seq + 1
+            try:
+                await asyncio.to_thread(self._write_group, group, seq)
+            except OSError as exc:
+                log.error("%s: feedback not journalled: %s", self.path, exc)
+                raise JournalWriteFailed(f"the feedback journal could not be written ({exc}); nothing was "
+                                         "accepted and the group is still rateable: retry", retry_after=5.0) from exc
+            group.journal_seq = self.last_seq = seq
+            if then is not None:
+                then()
+            return seq
 
     def pending(self, after_seq: int) -> list[Group]:
-        """Journalled groups not in the learner's weights (sequence number > after_seq), oldest first."""
-        return [group_from_record(r) for r in sorted(self._records(), key=lambda r: r["seq"]) if r["seq"] > after_seq]
+        """Journalled groups not in the learner's weights (sequence number > after_seq), oldest first; only
+        acknowledged ones (an append still being written is queued by its caller)."""
+        return [group_from_record(r) for r in sorted(self._records(), key=lambda r: r["seq"])
+                if after_seq < r["seq"] <= self.last_seq]
 
     def compact(self, through_seq: int) -> None:
-        """Forget entries up to `through_seq`: the learner's checkpoint holds them."""
-        keep = [r for r in self._records() if r["seq"] > through_seq]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as handle:
-            for record in keep:
-                handle.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        self._file.close()
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
-        self._file = open(self.path, "ab")
+        """Forget entries up to `through_seq`: the learner's checkpoint holds them. Blocking: the server calls
+        `compact_async`. On a failure the file is as it was (it only holds more than needed)."""
+        keep = b"".join(line for line, record in self._lines() if through_seq < record["seq"] <= self.last_seq)
+        write_atomic(self.path, keep, mode=0o666)
+        old, self._fd, self._torn = self._fd, None, False  # appends go to the new file, whole records only
+        if old is not None:
+            os.close(old)
+        self._open()
+
+    async def compact_async(self, through_seq: int) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self.compact, through_seq)
 
     def close(self) -> None:
-        self._file.close()
+        self._closed = True
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def aclose(self) -> None:
+        """Close once the appends and compactions asked before have ended."""
+        async with self._lock:
+            self.close()
 
 
 class ExperimentRegistry:
@@ -126,18 +219,12 @@ class ExperimentRegistry:
         self.root.mkdir(parents=True, exist_ok=True)
         body = config.model_dump(mode="json")
         body["api_key"] = config.api_key.get_secret_value() if config.api_key else None
-        path = self.root / f"{config.name}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(body, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.root)
+        write_atomic(self.root / f"{config.name}.json", json.dumps(body, indent=2).encode(), mode=0o600)
 
     def remove(self, name: str) -> None:
         (self.root / f"{name}.json").unlink(missing_ok=True)
+        if self.root.is_dir():
+            fsync_dir(self.root)  # or a power cut brings a deleted experiment back at the next start
 
     def load_all(self) -> list[ExperimentConfig]:
         if not self.root.is_dir():

@@ -18,8 +18,9 @@ Every line has `time` (wall clock, seconds since the epoch) and `kind`:
 
 Lines are appended and flushed one by one, not fsynced: a power cut may cost the last points of a plot,
 never training. Non-finite numbers are written as null (JSON has no NaN). The file outlives the
-experiment: a deleted experiment's history stays, and one created again under the same name appends to it,
-as its version numbers continue too.
+experiment: deleting it moves the file into the experiment's archive (grpo_server/protocol/archive.py), so a
+new experiment of the same name starts a history of its own, and one resumed (`resume: true`) takes its
+history back and appends to it, as its version numbers continue too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The server's experiments: create, look up, delete, re-sync after a worker restarts, and the upkeep loops
 (group expiry, the metrics logs' sampling lines). A request for one experiment goes to its owner
-(`runtime/experiment.py`) once `get` found it."""
+(`runtime/experiment.py`) once `get` found it.
+
+Tenants stay apart across a name's lives: delete archives the experiment's files (the learner's and the
+front end's, `grpo_server/protocol/archive.py`), so a new experiment of that name starts at version 0 and
+the old versions are out of every key's reach; only the admin's `resume` brings them back."""
 
 from __future__ import annotations
 
@@ -9,12 +13,11 @@ import contextlib
 import logging
 import tempfile
 from pathlib import Path
-from typing import AsyncIterator
-
-import aiohttp
+from typing import AsyncIterator, Literal
 
 from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeResponse
-from grpo_server.config import ExperimentConfig, ServerConfig
+from grpo_server.config import MIN_KEY_LENGTH, ExperimentConfig, ServerConfig, keys_as_saved
+from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import fetch_version, holds
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.wire import AdapterRef
@@ -32,6 +35,10 @@ from grpo_server.workers.pool import WorkerPool
 log = logging.getLogger(__name__)
 
 EXPIRY_INTERVAL_S = 5.0
+# How `create` treats files an earlier experiment of the name left: "restart" (a server start) resumes them
+# as they are; "fresh" (the API) archives them first; "resume" (the API, admin's choice) brings the newest
+# archive back, or resumes files never archived.
+Start = Literal["restart", "fresh", "resume"]
 
 
 class Orchestrator:
@@ -58,7 +65,7 @@ class Orchestrator:
     def status(self, name: str) -> ExperimentStatus:
         return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name))
 
-    async def create(self, config: ExperimentConfig) -> ExperimentStatus:
+    async def create(self, config: ExperimentConfig, start: Start = "restart") -> ExperimentStatus:
         async with self._lock:
             if config.name in self.experiments:
                 raise Conflict(f"experiment {config.name!r} already exists", code="experiment_exists")
@@ -71,6 +78,10 @@ class Orchestrator:
             if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
                 raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
                                     f"max_tokens {self.config.max_tokens})", code="over_limit")
+            if start == "fresh":  # leftovers: a delete whose learner was down, or one from before archiving
+                await self._archive(config.name, archive.new_label(config.name))
+            elif start == "resume":
+                await self._restore(config.name)
             # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
             first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
             try:
@@ -110,7 +121,59 @@ class Orchestrator:
                 await self.workers.learner.remove_experiment(name)
             except ApiError as exc:  # the learner may be restarting; it will not re-add a deleted one
                 log.warning("remove_experiment %s: %s", name, exc.message)
-            log.info("experiment %s deleted (its adapters stay on disk)", name)
+            label = archive.new_label(name)
+            try:
+                await self.workers.learner.archive_experiment(name, label)
+            except ApiError as exc:  # what stays is archived before a new experiment of this name starts
+                log.warning("archive_experiment %s: %s", name, exc.message)
+            archive.move_out(self.config.run_dir, label, self._own_files(name))
+            log.info("experiment %s deleted, its files archived as %s", name, label)
+
+    def saved_experiments(self) -> list[ExperimentConfig]:
+        """The experiments an earlier run in this run directory left in its registry, keys as saved: one
+        shorter than MIN_KEY_LENGTH (saved before keys had a minimum) still works, with a warning."""
+        with keys_as_saved():
+            configs = self.registry.load_all()
+        for config in configs:
+            if config.api_key is not None and len(config.api_key.get_secret_value()) < MIN_KEY_LENGTH:
+                log.warning("experiment %s: its api_key is shorter than %d characters; delete it and create it "
+                            "again with a longer key and `resume: true`", config.name, MIN_KEY_LENGTH)
+        return configs
+
+    # --- a name's earlier lives: grpo_server/protocol/archive.py -----------------------------------
+
+    def _own_files(self, name: str) -> dict[str, Path]:
+        """What the front end keeps under an experiment's name: its archive entry -> the live path."""
+        return {"journal.jsonl": self.config.run_dir / "journal" / f"{name}.jsonl",
+                "metrics.jsonl": metrics_log_path(self.config.run_dir, name)}
+
+    async def _archive(self, name: str, label: str) -> None:
+        try:
+            await self.workers.learner.archive_experiment(name, label)
+        except ApiError as exc:
+            if exc.code != "experiment_live":
+                raise
+            # Still held by the learner, though deleted here (its remove failed): it is no experiment of ours.
+            await self.workers.learner.remove_experiment(name)
+            await self.workers.learner.archive_experiment(name, label)
+        archive.move_out(self.config.run_dir, label, self._own_files(name))
+
+    async def _restore(self, name: str) -> None:
+        """The newest archive of `name` back in place, each process its own part, or its files as they are
+        if never archived (a learner that was down at the delete). 404 when the learner has neither: the
+        weights are what a resume is for."""
+        learner = await self.workers.learner.restore_experiment(name)
+        if learner.label is None and not learner.live:
+            raise NotFound(f"experiment {name!r} has nothing to resume: no archive and no files on disk",
+                           code="nothing_to_resume")
+        own = self._own_files(name)
+        if not archive.live(own):
+            # The learner's archive names the life; if it had none to restore, this side's newest is the same
+            # life (a delete always archives the front end's part).
+            label = learner.label or archive.newest(self.config.run_dir, name, own)
+            if label is not None:
+                archive.move_back(self.config.run_dir, label, own)
+        log.info("experiment %s: resuming %s", name, learner.label or "its files on disk")
 
     @contextlib.asynccontextmanager
     async def adapter_dir(self, name: str, version: int | None) -> AsyncIterator[Path]:
@@ -123,14 +186,13 @@ class Orchestrator:
             yield folder
             return
         with tempfile.TemporaryDirectory(prefix=".download-", dir=self.config.run_dir) as scratch:
-            async with aiohttp.ClientSession() as session:
-                try:
-                    copy = await fetch_version(session, self.workers.learner_connection.process.url,
-                                               AdapterRef(name=name, version=version), Path(scratch) / folder.name,
-                                               None, self.config.worker_timeout_s)
-                except NotFound as exc:
-                    raise NotFound(f"experiment {name!r} has no adapter version {version}",
-                                   code="version_not_found") from exc
+            learner = self.workers.learner_connection  # its session sends the workers' secret, as the learner asks
+            try:
+                copy = await fetch_version(learner.session, learner.process.url, AdapterRef(name=name, version=version),
+                                           Path(scratch) / folder.name, None, self.config.worker_timeout_s)
+            except NotFound as exc:
+                raise NotFound(f"experiment {name!r} has no adapter version {version}",
+                               code="version_not_found") from exc
             yield copy
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:

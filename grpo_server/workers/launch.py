@@ -3,12 +3,16 @@ directory), start sampler replicas and the learner side by side, and stop them a
 names remote workers (`--role frontend`), connect to them instead (`remote.RemoteWorker`).
 
 `worker_spec` is the same command for a worker run on its own (`--role sampler` / `--role learner`), so a
-docker-compose service starts exactly what the one-machine front end would."""
+docker-compose service starts exactly what the one-machine front end would.
+
+Each worker gets the workers' secret (protocol/worker_auth.py) in its environment, never in its command line
+or config file; the samplers also get the learner's URL, the one place they may copy adapter versions from."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import sys
 from pathlib import Path
@@ -20,6 +24,7 @@ import aiohttp
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient
 from grpo_server.protocol.wire import AdapterRef
+from grpo_server.protocol.worker_auth import SECRET_ENV
 from grpo_server.protocol.worker_config import LearnerConfig, SamplerConfig, fill, write_resolved
 from grpo_server.workers.model_prep import resolve_model
 from grpo_server.workers.pool import ComputeTurns, Worker, WorkerConnection, WorkerPool, resolve_schedule
@@ -44,12 +49,30 @@ class WorkerSet:
         self.model_dir: Path = resolve_model(config.model)
         self.processes: list[Worker] = []
         self.schedule = resolve_schedule(config.schedule, config.remote_workers)
+        # grpo_server/serve.py fills it in (configured, or made for this start); a front end built without
+        # serve (tests) gets one of its own.
+        given = config.worker_secret
+        self.secret = given.get_secret_value() if given is not None else secrets.token_urlsafe(32)
+        self._learner_port: int | None = None
 
     def _process_fields(self, port: int) -> dict:
         """What every worker process's config takes from the server config, beside its own options."""
         c = self.config
         return dict(model_path=self.model_dir, run_dir=c.run_dir.resolve(), host=self.worker_host, port=port,
                     dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed)
+
+    def _env(self, devices: str | None) -> dict[str, str]:
+        return {SECRET_ENV: self.secret, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
+
+    def learner_port(self) -> int:
+        """The learner's port, picked once: the samplers are told it before the learner starts."""
+        if self._learner_port is None:
+            self._learner_port = self.config.learner.port or free_port()
+        return self._learner_port
+
+    def learner_url(self) -> str:
+        """The learner as the samplers (and the front end) reach it: the configured URL, or the local one."""
+        return self.config.learner.url or f"http://127.0.0.1:{self.learner_port()}"
 
     def _sampler_port(self, replica: int) -> int:
         s = self.config.sampler
@@ -61,10 +84,10 @@ class WorkerSet:
         c, s = self.config, self.config.sampler
         port = self._sampler_port(replica)
         process = {**self._process_fields(port), **({"dtype": s.dtype} if s.dtype is not None else {})}
-        worker = fill(SamplerConfig, s, **process, replica=replica)
+        worker = fill(SamplerConfig, s, **process, replica=replica, learner_url=self.learner_url())
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)
-        env = {"CUDA_VISIBLE_DEVICES": s.devices[replica]} if replica < len(s.devices) else None
+        env = self._env(s.devices[replica] if replica < len(s.devices) else None)
         return WorkerProcess(
             f"sampler-{replica}", [sys.executable, "-m", "sampler", "--config", str(path)],
             f"http://127.0.0.1:{port}", c.run_dir / "logs" / f"sampler-{replica}.log", env=env,
@@ -73,11 +96,11 @@ class WorkerSet:
 
     def _learner_process(self, on_restart: Callable[[], Awaitable[None]]) -> WorkerProcess:
         c = self.config
-        port = c.learner.port or free_port()
+        port = self.learner_port()
         worker = fill(LearnerConfig, c.learner, **self._process_fields(port))
         path = c.run_dir / "config" / "learner.yaml"
         write_resolved(worker, path)
-        env = {"CUDA_VISIBLE_DEVICES": c.learner.devices} if c.learner.devices else None
+        env = self._env(c.learner.devices)
         return WorkerProcess(
             "learner", [sys.executable, "-m", "learner", "--config", str(path)], f"http://127.0.0.1:{port}",
             c.run_dir / "logs" / "learner.log", env=env, startup_timeout_s=c.startup_timeout_s,

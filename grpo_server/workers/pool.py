@@ -72,7 +72,8 @@ class WorkerUnreachable(Unavailable):
 
 
 class WorkerConnection:
-    """One worker's verbs over HTTP (a `protocol.verbs.Transport`)."""
+    """One worker's verbs over HTTP (a `protocol.verbs.Transport`). The front end's `session` carries the
+    workers' secret on every request (grpo_server/api/app.py, protocol/worker_auth.py)."""
 
     def __init__(self, process: Worker, session: aiohttp.ClientSession, timeout_s: float):
         self.process = process

@@ -9,6 +9,10 @@ for the worker at start, take it out of rotation while it does not answer, and w
 
 A restart is seen as a gap in the health answers: a worker only listens once its model is loaded, which
 takes far longer than a few poll intervals, so a restart between two polls cannot go unnoticed.
+
+The polls go through the front end's worker session, which sends the workers' secret: a worker that
+refuses it (401: the processes of a split deployment were given different secrets) fails the start at once,
+naming the fix, rather than after the whole start-up timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class RemoteWorker:
         self.on_restart = on_restart
         self.state = "stopped"
         self.last_error: str | None = None
+        self.refused = False  # the last poll was a 401: the worker holds another secret
         self._watcher: asyncio.Task | None = None
 
     @property
@@ -53,6 +58,8 @@ class RemoteWorker:
         self.state = "starting"
         deadline = time.monotonic() + self.startup_timeout_s
         while not await self._healthy():
+            if self.refused:
+                raise PermissionError(f"{self.name} at {self.url}: {self.last_error}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} at {self.url} not healthy after {self.startup_timeout_s:.0f} s "
                                    f"({self.last_error}); is it running, and is the URL right?")
@@ -65,12 +72,17 @@ class RemoteWorker:
         self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.name}")
 
     async def _healthy(self) -> bool:
+        self.refused = False
         try:
             async with self.session.get(self.url + "/health",
                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+                self.refused = response.status == 401
                 if response.status == 200:
                     return True
                 self.last_error = f"/health answered {response.status}"
+                if self.refused:
+                    self.last_error += (" (unauthorized: it holds another worker secret than this front end; give "
+                                        "every process the same GRPO_SERVER_WORKER_SECRET)")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.last_error = f"unreachable: {type(exc).__name__}: {exc}"
         return False

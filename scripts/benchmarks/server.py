@@ -46,6 +46,7 @@ async def start(run_dir: Path, model_dir: Path, **overrides):
     starts, the thread still finishes the start and then stops that server (no handle would be left)."""
     from tests.serving import start_server
 
+    push.use_worker_secret()  # the figures call the workers too (push, episodes)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-server-start")
     started = pool.submit(start_server, run_dir, model_dir, **overrides)
     pool.shutdown(wait=False)
