@@ -13,12 +13,12 @@ restoring is removed.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
+from grpo_server.protocol.durable import fsync_dir
 from grpo_server.protocol.errors import BadRequest, Conflict
 
 ROOT = "archive"
@@ -77,10 +77,10 @@ def move_out(run_dir: Path, label: str, entries: dict[str, Path]) -> list[str]:
         if (target / entry).exists():
             raise Conflict(f"archive {label!r} already holds {entry!r}", code="archive_exists")
         shutil.move(str(path), str(target / entry))
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         moved.append(entry)
     if moved:
-        _fsync_dir(target)
+        fsync_dir(target)
     return moved
 
 
@@ -96,17 +96,9 @@ def move_back(run_dir: Path, label: str, entries: dict[str, Path]) -> list[str]:
     for entry, path in present.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(source / entry), str(path))
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     try:
         source.rmdir()
     except OSError:  # another process's part is still there (a shared run directory), or it never existed
         pass
     return list(present)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
