@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from aiohttp import web
 
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 
@@ -42,6 +43,15 @@ class ServerHandle:
         """Pids of the front end's worker processes (children of the server process)."""
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """`app` served on a free loopback port, in this event loop: its runner (to clean up) and its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from grpo_server.protocol.worker_auth import auth_headers
 from learner import adapter_io
 from learner.app import adapter_file_route
 from sampler.adapter_copies import AdapterCopies
-from tests.serving import WORKER_SECRET, free_port
+from tests.serving import WORKER_SECRET, free_port, serve_app
 
 REF = AdapterRef(name="exp", version=1)
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
@@ -34,21 +34,13 @@ def write(run_dir: Path, version: int = 1, value: float = 1.0) -> Path:
     return adapter_io.write_version(adapter_io.version_dir(run_dir, "exp", version), CONFIG, tensors, step=3)
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture
 async def learner(tmp_path):
     """The learner's adapter route over run directory A; yields (run_dir, url)."""
     run_dir = tmp_path / "host-a"
     app = worker_app([], object(), 1024, secret=WORKER_SECRET)  # as learner.app.create_app, without the verbs
     app.add_routes([adapter_file_route(run_dir)])
-    runner, url = await serve(app)
+    runner, url = await serve_app(app)
     yield run_dir, url
     await runner.cleanup()
 
@@ -113,7 +105,7 @@ async def test_a_cut_off_transfer_fails_clearly(tmp_path):
     for handler, message in ((cut, "ClientPayloadError"), (short, "truncated")):
         app = web.Application()
         app.router.add_get("/adapters/{name}/{version}/{file}", handler)
-        runner, url = await serve(app)
+        runner, url = await serve_app(app)
         try:
             async with aiohttp.ClientSession() as session:
                 with pytest.raises(AdapterFetchFailed, match=message):

@@ -20,14 +20,13 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
 from grpo_server.protocol.dispatch import worker_app
 from grpo_server.protocol.verbs import Healthy, LearnerVerbs, SamplerVerbs, Verb
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 from grpo_server.workers.remote import RemoteWorker
-from tests.serving import WORKER_SECRET, free_port, headers
+from tests.serving import WORKER_SECRET, free_port, headers, serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "worker-auth"
@@ -288,21 +287,13 @@ def test_a_worker_without_a_secret_does_not_start(tmp_path, module):
         assert done.returncode == 2 and SECRET_ENV in done.stderr, done.stderr[-2000:]
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
-
-
 class _Health:
     async def health(self) -> Healthy:
         return Healthy(status="ok")
 
 
 async def test_a_front_end_with_another_secret_fails_its_start_at_once():
-    runner, url = await _serve(worker_app([LearnerVerbs.health], _Health(), 1024, secret=WORKER_SECRET))
+    runner, url = await serve_app(worker_app([LearnerVerbs.health], _Health(), 1024, secret=WORKER_SECRET))
     try:
         async with aiohttp.ClientSession(headers=WRONG) as session:
             worker = RemoteWorker("learner", url, session, startup_timeout_s=600)
