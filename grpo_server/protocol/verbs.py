@@ -13,11 +13,11 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, GenerateRequest,
-                                       GenerateResponse, LearnerStatus, LoadAdapterRequest, LogprobsRequest,
-                                       LogprobsResponse, RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest,
-                                       ScoreRequest, ScoreResponse, TrainMetrics, TrainRequest, UnloadAdapterRequest,
-                                       VersionProbe, WireModel)
+from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, ExperimentName,
+                                       GenerateRequest, GenerateResponse, LearnerStatus, LoadAdapterRequest,
+                                       LogprobsRequest, LogprobsResponse, RemoveExperimentRequest, SamplerHealth,
+                                       SaveAdapterRequest, ScoreRequest, ScoreResponse, TrainMetrics, TrainRequest,
+                                       UnloadAdapterRequest, VersionProbe, WireModel)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -55,7 +55,7 @@ class ArchiveRequest(WireModel):
     """An experiment's files on the learner's disk (adapter versions, checkpoints), moved into or out of
     `run_dir/archive/{label}/` (grpo_server/protocol/archive.py). The learner must not hold the experiment."""
 
-    name: str
+    name: ExperimentName  # the front end's name rule, checked here too: the name becomes a path
     label: str | None = None  # archive: the label to make (required); restore: the one to take (None: newest)
 
 
