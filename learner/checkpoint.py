@@ -17,9 +17,10 @@ too: grpo_server/protocol/durable.py), so a crash mid-write leaves the previous 
 one, and one the front end was told about (it then forgets the journal entries it holds) stays after a power
 cut. The newest `KEEP` are kept.
 
-The `.pt` files are read with `torch.load(weights_only=True)`: tensors and plain containers only, plus the
-few DeepSpeed classes its optimizer state holds (`_optimizer_classes`), so a file put in the run directory
-cannot run code in the learner as a pickle could.
+The `.pt` files are read with `torch.load(weights_only=True)` (`load_data`): tensors and plain containers
+only, plus the few DeepSpeed classes its optimizer state holds (`_optimizer_classes`), so a file put in the run
+directory cannot run code in the learner as a pickle could. The shards other ranks send rank 0 cross the same
+way (`encode_shard` / `decode_shard`, carried by learner/rank_transfer.py), not as pickled objects.
 
 DeepSpeed's own `save_checkpoint` is not used: it writes the module's state dict, which for a peft
 model with tied embeddings holds the whole embedding matrix (113 MB for SmolLM2-135M) per checkpoint.
@@ -28,6 +29,7 @@ model with tied embeddings holds the whole embedding matrix (113 MB for SmolLM2-
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
 import re
@@ -136,10 +138,34 @@ def read_latest(run_dir: Path, name: str, rank: int = 0, ranks: int = 1) -> Chec
     weights = load_file(str(folder / WEIGHTS_FILE))
     if state.ranks != ranks:
         return Checkpoint(state=state, weights=weights, optimizer=None, rng=None)
+    return Checkpoint(state=state, weights=weights, optimizer=load_data(folder / shard_file(OPTIMIZER_FILE, rank)),
+                      rng=load_data(folder / shard_file(RNG_FILE, rank)))
+
+
+def load_data(source: Any, map_location: str | None = None) -> Any:
+    """What this learner saved with `torch.save` (a file, or a buffer another rank sent), read back as data:
+    tensors, plain containers and `_optimizer_classes` are built; any other global (a class, a callable a
+    pickle would call) is an UnpicklingError before anything runs. The one place that reads such data."""
     with torch.serialization.safe_globals(_optimizer_classes()):
-        return Checkpoint(state=state, weights=weights,
-                          optimizer=torch.load(folder / shard_file(OPTIMIZER_FILE, rank), weights_only=True),
-                          rng=torch.load(folder / shard_file(RNG_FILE, rank), weights_only=True))
+        return torch.load(source, weights_only=True, map_location=map_location)
+
+
+def encode_shard(shard: RankShard) -> bytes:
+    """A rank's shard as bytes for rank 0 (`decode_shard`): `torch.save` of its two fields, so it is read with
+    `load_data` like the checkpoint files it becomes. CUDA tensors are copied off the device as they are saved."""
+    buffer = io.BytesIO()
+    torch.save({"optimizer": shard.optimizer, "rng": shard.rng}, buffer)
+    return buffer.getvalue()
+
+
+def decode_shard(data: bytes) -> RankShard:
+    """`encode_shard`'s shard, on the CPU (a tensor read back on its saved device would land on the sending
+    rank's GPU index); UnpicklingError for anything that is not data, ValueError for another shape."""
+    body = load_data(io.BytesIO(data), map_location="cpu")
+    if not (isinstance(body, dict) and body.keys() == {"optimizer", "rng"} and isinstance(body["optimizer"], dict)
+            and isinstance(body["rng"], torch.Tensor)):
+        raise ValueError(f"not a rank's shard: {type(body).__name__} {list(body) if isinstance(body, dict) else ''}")
+    return RankShard(body["optimizer"], body["rng"])
 
 
 def _optimizer_classes() -> list[type]:

@@ -16,15 +16,17 @@ to write; `load_weights` and `OnDisk.restore_optimizer` put them into the traine
 
 from __future__ import annotations
 
+import io
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpo_server.protocol.errors import ApiError
-from learner import adapter_io, checkpoint
+from learner import adapter_io, checkpoint, rank_transfer
+from learner.lockstep import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -94,27 +96,56 @@ def find(run_dir: Path, name: str, peft_config: Any, rank: int, world_size: int)
     return OnDisk(latest, saved, resumed)
 
 
-def find_for_every_rank(run_dir: Path, name: str, peft_config: Any, rank: int, world_size: int) -> OnDisk:
+def find_for_every_rank(run_dir: Path, name: str, peft_config: Any, rank: int, world_size: int,
+                        group: Any) -> OnDisk:
     """`find`, read by rank 0 alone and handed to every rank (its own checkpoint shard each): ranks on other
-    hosts may not see this run directory (docs/multi-host.md), and only rank 0 writes it. A collective: every
-    rank calls it at the same point of `add_experiment`; an error reading or checking is raised on all alike."""
+    hosts may not see this run directory (docs/multi-host.md), and only rank 0 writes it. A collective over the
+    CPU (gloo) `group`: every rank calls it at the same point of `add_experiment`; an error reading or checking
+    is raised on all alike. What crosses is data (`_share_bytes`), never a pickled object."""
     if world_size == 1:
         return find(run_dir, name, peft_config, rank, world_size)
-    import torch.distributed as dist
+    if rank > 0:
+        return _share_from_bytes(rank_transfer.scatter_from_first(None, rank, world_size, group))
+    try:
+        mine = find(run_dir, name, peft_config, 0, world_size)
+        payloads = [b""] + [_share_bytes(OnDisk(mine.latest, mine.saved, checkpoint.read_latest(run_dir, name, r,
+                                                                                                world_size)))
+                            for r in range(1, world_size)]
+    except Exception as exc:  # the same error on every rank: an ApiError is then a normal answer
+        rank_transfer.scatter_from_first([_share_bytes(None, exc)] * world_size, 0, world_size, group)
+        raise
+    rank_transfer.scatter_from_first(payloads, 0, world_size, group)
+    return mine
 
-    shares: list[Any] | None = None
-    if rank == 0:
-        try:
-            mine = find(run_dir, name, peft_config, 0, world_size)
-            shares = [mine] + [OnDisk(mine.latest, mine.saved, checkpoint.read_latest(run_dir, name, r, world_size))
-                               for r in range(1, world_size)]
-        except Exception as exc:  # the same error on every rank: an ApiError is then a normal answer
-            shares = [exc] * world_size
-    received: list[Any] = [None]
-    dist.scatter_object_list(received, shares, src=0)
-    if isinstance(received[0], BaseException):
-        raise received[0]
-    return received[0]
+
+def _share_bytes(found: OnDisk | None, error: BaseException | None = None) -> bytes:
+    """A rank's share (or rank 0's error, as lockstep's Outcome fields) as plain containers and tensors."""
+    resumed = None if found is None else found.resumed
+    body = {"error": None if error is None else Outcome.of(0, error).to_wire(),
+            "latest": None if found is None else found.latest,
+            "saved": None if found is None or found.saved is None else list(found.saved),
+            "resumed": None if resumed is None else {"state": asdict(resumed.state), "weights": resumed.weights,
+                                                     "optimizer": resumed.optimizer, "rng": resumed.rng}}
+    buffer = io.BytesIO()
+    torch.save(body, buffer)
+    return buffer.getvalue()
+
+
+def _share_from_bytes(data: bytes) -> OnDisk:
+    """`_share_bytes` read back as data (checkpoint.load_data: weights_only, on the CPU), rank 0's error raised."""
+    body = checkpoint.load_data(io.BytesIO(data), map_location="cpu")
+    if body["error"] is not None:
+        outcome = Outcome.from_wire(body["error"])
+        if outcome.api_error is not None:
+            code, message, status = outcome.api_error
+            raise ApiError(message, code=code, status=status)
+        raise RuntimeError(f"rank 0 could not read the experiment's files: {outcome.failure}")
+    saved = body["saved"]
+    resumed = body["resumed"]
+    return OnDisk(body["latest"], None if saved is None else (saved[0], saved[1], int(saved[2])),
+                  None if resumed is None else checkpoint.Checkpoint(
+                      checkpoint.CheckpointState(**resumed["state"]), resumed["weights"], resumed["optimizer"],
+                      resumed["rng"]))
 
 
 def check_compatible(saved_config: dict[str, Any], peft_config: Any, name: str, version: int) -> None:

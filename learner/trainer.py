@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig
 from grpo_server.protocol.errors import ApiError, BadRequest, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
-from learner import adapter_io, checkpoint, resume
+from learner import adapter_io, checkpoint, rank_transfer, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
@@ -119,7 +119,8 @@ class MultiAdapterTrainer:
                              f"(it has {sorted(self.linear_names)})")
         peft_config = self._peft_config(lora)
         # Read and checked before the model is touched, so that a bad folder fails cleanly.
-        found = resume.find_for_every_rank(self.config.run_dir, name, peft_config, self.rank, self.world_size)
+        found = resume.find_for_every_rank(self.config.run_dir, name, peft_config, self.rank, self.world_size,
+                                          self._cpu_group)
         start = found.start()
         adapter = f"exp_{name}"
         # LoRA A's init draws from the global generator: seed it per experiment, so an experiment's v0
@@ -342,13 +343,14 @@ class MultiAdapterTrainer:
             dist.barrier(group=self._cpu_group)
 
     def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:
-        """Every rank's shard on rank 0 (in rank order; an empty list elsewhere), on the CPU: rank 0 writes
-        them, and a GPU tensor unpickled there would land on the sending rank's device."""
+        """Every rank's shard on rank 0 (in rank order; an empty list elsewhere). They cross as bytes, read
+        back as data (checkpoint.decode_shard), not pickled objects: no code runs on rank 0 from what crossed
+        the wire. Rank 0 keeps its own as it is (it sends nothing); the others' arrive on the CPU."""
         if self.world_size == 1:
             return [own]
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(_to_cpu(own), gathered, dst=0, group=self._cpu_group)
-        return gathered or []
+        payload = b"" if self.rank == 0 else checkpoint.encode_shard(own)
+        received = rank_transfer.gather_to_first(payload, self.rank, self.world_size, self._cpu_group)
+        return [own, *map(checkpoint.decode_shard, received[1:])] if self.rank == 0 else []
 
     def _reset_engine(self, exp: AdapterUnderTraining) -> None:
         release_engine(exp.engine)
@@ -371,22 +373,6 @@ class MultiAdapterTrainer:
         """The base model's logprobs (adapter switched off, no second model), for the KL penalty."""
         with torch.no_grad(), self.model.disable_adapter():
             return self._completion_logp(self.model, batch)
-
-
-def _to_cpu(value: Any) -> Any:
-    """Tensors moved to the CPU inside the containers an optimizer state dict is made of."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
-    if isinstance(value, dict):
-        copy = value.copy()  # keeps the dict's type (OrderedDict, defaultdict)
-        for key, item in value.items():
-            copy[key] = _to_cpu(item)
-        return copy
-    if type(value) in (list, tuple):
-        return type(value)(_to_cpu(item) for item in value)
-    if isinstance(value, checkpoint.RankShard):
-        return checkpoint.RankShard(_to_cpu(value.optimizer), _to_cpu(value.rng))
-    return value
 
 
 def _check_decoding(temperature: float, top_p: float = 1.0) -> None:
