@@ -340,5 +340,9 @@ class ReplicaHealth(ApiModel):
 class Health(ApiModel):
     status: Literal["ok", "degraded"]
     workers: dict[str, str]
-    model: str
+    model: str = Field(description="The base model: the embedded model's name, or a local folder's own name")
     replicas: dict[str, ReplicaHealth] = Field(default_factory=dict, description="Sampler replicas by name")
+    event_loop_lag_p99_s: float = Field(0.0, description=(
+        "99th percentile of the front end's event-loop lag over the last minute (runtime/loop_lag.py): how long "
+        "ready requests waited for the loop"))
+    event_loop_lag_max_s: float = Field(0.0, description="The largest event-loop lag of the last minute")

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 from urllib.parse import urlsplit
 
+import yaml
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
+                               YamlConfigSettingsSource)
 
 from grpo_server.protocol.wire import EXPERIMENT_NAME
 # LoraConfig and AlgorithmConfig are the learner's too, so they live with the workers' config.
@@ -163,11 +165,44 @@ class LearnerSettings(LearnerOptions):
 # ----------------------------------------------------------------------------------------------
 
 
-class ServerConfig(BaseSettings):
-    """The whole server: the front end reads this, and hands the workers their part."""
+# The YAML file `load_server_config` reads. pydantic-settings builds a settings class's sources in a classmethod
+# that gets no per-call argument, so the path travels in a ContextVar, set for that one construction only.
+_CONFIG_FILE: ContextVar[Path | None] = ContextVar("config_file", default=None)
 
-    model_config = SettingsConfigDict(env_prefix="GRPO_SERVER_", extra="forbid", validate_assignment=True,
-                                      allow_inf_nan=False)
+
+class _ConfigFile(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, its file read as every config file here is (load_yaml): a top level that
+    is not a mapping is an error naming the file, and so is a YAML syntax error (a ValueError, which
+    `grpo-server serve` reports as an invalid config instead of a traceback)."""
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        try:
+            return load_yaml(Path(file_path))
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{file_path}: not valid YAML: {exc}") from exc
+
+
+class ServerConfig(BaseSettings):
+    """The whole server: the front end reads this, and hands the workers their part.
+
+    Where a value comes from, first found wins: init arguments (the CLI's flags), the environment
+    (`GRPO_SERVER_<FIELD>`, a nested one as `GRPO_SERVER_SAMPLER__REPLICAS` or JSON in `GRPO_SERVER_SAMPLER`),
+    the YAML file given to `load_server_config`, the defaults. Nested sections merge key by key across them."""
+
+    model_config = SettingsConfigDict(env_prefix="GRPO_SERVER_", env_nested_delimiter="__", extra="forbid",
+                                      validate_assignment=True, allow_inf_nan=False)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The earlier source wins: the file comes after the environment, so a deployment's environment (docker
+        # compose, a secret manager) overrides the file it ships with, as README "Configuration" says.
+        path = _CONFIG_FILE.get()
+        file = (_ConfigFile(settings_cls, yaml_file=path),) if path is not None else ()
+        return init_settings, env_settings, dotenv_settings, file_secret_settings, *file
 
     model: str = Field(
         EMBEDDED_MODEL_NAME, description=f"'{EMBEDDED_MODEL_NAME}' (the embedded model) or a local HF folder."
@@ -209,6 +244,13 @@ class ServerConfig(BaseSettings):
     max_pending_episodes: int = Field(
         1024, ge=1, le=1_000_000, description="Episodes of one experiment that may await their reward at once; a "
         "new episode's first turn gets 429 beyond it.")
+    max_held_tokens_per_experiment: int = Field(16_000_000, ge=1, le=10**12, description=(
+        "Tokens one experiment may make the front end hold (pending groups and episodes, groups queued for the "
+        "learner, and each request being sampled at its worst case, prompt + n x max_tokens); a request beyond "
+        "it gets 429 token_budget. About 73 bytes each: the default is about 1.2 GiB (runtime/token_budget.py)."))
+    max_held_tokens: int = Field(48_000_000, ge=1, le=10**12, description=(
+        "The same bound for all experiments together (the default, about 3.5 GiB, fits a 24 GiB host beside "
+        "the workers)."))
     max_episode_turns: int = Field(64, ge=1, le=10_000, description="Turns (completions) in one episode.")
     max_episode_tokens: int = Field(
         32768, ge=1, le=10_000_000, description="Tokens one episode may hold for training (its sequences: "
@@ -218,11 +260,14 @@ class ServerConfig(BaseSettings):
     max_loaded_versions: int = Field(
         4, ge=2, le=256, description="Adapter versions of one experiment loaded on the samplers at once (the "
         "served one plus older ones that requests still use); a push waits for a slot.")
-    schedule: Literal["auto", "overlap", "alternate"] = Field(
+    schedule: Literal["auto", "overlap", "alternate", "alternate_all"] = Field(
         "auto", description="Sampling and training at the same time (overlap: the sampler and the learner have "
-        "their own devices) or in turns (alternate: a train step waits for the sampler calls running and holds "
-        "new ones until it ends, for a CPU host where they share the cores). auto: alternate when the workers "
-        "run on this machine and it has no NVIDIA GPU, overlap otherwise (grpo_server/workers/pool.py).")
+        "their own devices) or in turns (alternate: a train step waits for its experiment's sampler calls running "
+        "and holds its new ones until it ends, for a CPU host where they share the cores; other experiments' "
+        "sampling goes on beside it, so no tenant waits out another's steps; alternate_all: every experiment's "
+        "sampling waits, the fastest steps but the slowest completions for tenants beside a training one). auto: "
+        "alternate when the workers run on this machine and it has no NVIDIA GPU, overlap otherwise "
+        "(grpo_server/workers/pool.py).")
     verify_tolerance: float = Field(
         0.05, gt=0, le=100, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )
@@ -293,10 +338,17 @@ def worker_url(url: str, where: str) -> str:
 
 
 def load_server_config(path: Path | None = None, **overrides: Any) -> ServerConfig:
-    """Server config from an optional YAML file, then the environment, then explicit overrides."""
-    data = load_yaml(path) if path else {}
-    data.update({key: value for key, value in overrides.items() if value is not None})
-    return ServerConfig(**data)
+    """Server config: explicit overrides (None = not given) over the environment over the YAML file at `path`
+    over the defaults (ServerConfig.settings_customise_sources)."""
+    if path is not None and not Path(path).is_file():
+        # pydantic-settings skips a config file that is not there; a server started on defaults instead of
+        # the config named would be worse than an error.
+        raise FileNotFoundError(f"{path}: no such config file")
+    token = _CONFIG_FILE.set(Path(path) if path is not None else None)
+    try:
+        return ServerConfig(**{key: value for key, value in overrides.items() if value is not None})
+    finally:
+        _CONFIG_FILE.reset(token)
 
 
 def load_experiment_config(path: Path) -> ExperimentConfig:

@@ -7,6 +7,7 @@ GET /adapters/{name}/{version}/{file} (adapter versions for samplers on other ho
 
 The learner's files of a deleted experiment are archived by the learner itself (`archive_experiment`, and
 `restore_experiment` to resume one): only this process knows its run directory, which may be on another host.
+For the same reason it deletes the versions nobody needs any more itself (`prune_versions`, learner/retention.py).
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ from typing import Any, Callable
 from aiohttp import web
 
 from grpo_server.protocol import archive
-from grpo_server.protocol.adapter_files import FILES, ROUTE
+from grpo_server.protocol.adapter_files import FILES, ROUTE, VersionPruned
 from grpo_server.protocol.dispatch import worker_app
 from grpo_server.protocol.errors import BadRequest, Conflict, NotFound
 from grpo_server.protocol import wire
 from grpo_server.protocol.verbs import Archived, ArchiveRequest, Healthy, LearnerVerbs, Removed
 from grpo_server.protocol.wire import (
-    AdapterVersion, AddExperimentRequest, LearnerStatus, LogprobsRequest, LogprobsResponse,
-    RemoveExperimentRequest, SaveAdapterRequest, TrainMetrics, TrainRequest,
+    AdapterVersion, AddExperimentRequest, LearnerStatus, LogprobsRequest, LogprobsResponse, PrunedVersions,
+    PruneVersionsRequest, RemoveExperimentRequest, SaveAdapterRequest, TrainMetrics, TrainRequest,
 )
-from learner import adapter_io, checkpoint
+from learner import adapter_io, checkpoint, retention
 
 MAX_BODY_BYTES = 512 * 1024 * 1024  # a train batch carries token ids and logprobs of every sample
 EXPERIMENT_NAME = re.compile(wire.EXPERIMENT_NAME)  # an experiment name (grpo_server/config.py): no path in it
@@ -38,9 +39,10 @@ class LearnerHandler:
     """One method per learner verb, named like it, over a trainer (a learner.trainer.MultiAdapterTrainer,
     or learner.lockstep.LockstepTrainer in front of N ranks' trainers)."""
 
-    def __init__(self, trainer: Any, run_dir: Path):
+    def __init__(self, trainer: Any, run_dir: Path, keep_versions: int = 0):
         self.trainer = trainer
         self.run_dir = Path(run_dir)
+        self.keep_versions = keep_versions  # LearnerOptions.keep_versions (0: keep every version)
         self.lock = asyncio.Lock()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -87,6 +89,19 @@ class LearnerHandler:
 
         return await self._run(self._move, req.name, restore)
 
+    async def prune_versions(self, req: PruneVersionsRequest) -> PrunedVersions:
+        def prune() -> PrunedVersions:
+            # Under the lock: no save or checkpoint of this experiment writes meanwhile, and its live version
+            # (kept whatever the front end says) is the one on disk. Only rank 0 writes the run directory.
+            live = self.trainer.status().get(req.name)
+            if live is None:  # a removed experiment's files are the archive's to move, not ours to thin out
+                raise NotFound(f"experiment {req.name!r} is not loaded in the learner")
+            kept, removed = retention.prune(self.run_dir, req.name, self.keep_versions, set(req.in_use),
+                                            live["version"])
+            return PrunedVersions(kept=kept, removed=removed)
+
+        return await self._run(prune)
+
     def _move(self, name: str, move: Callable[[dict[str, Path]], Archived]) -> Archived:
         """Under the lock (in the worker thread): files of an experiment the trainer holds are in use."""
         if not EXPERIMENT_NAME.fullmatch(name):
@@ -113,6 +128,8 @@ def adapter_file_route(run_dir: Path) -> web.RouteDef:
         if file not in FILES or not EXPERIMENT_NAME.fullmatch(name) or not (version.isascii() and version.isdigit()):
             raise NotFound(f"no adapter file {request.path}", code="version_not_found")
         path = adapter_io.version_dir(run_dir, name, int(version)) / file
+        if not path.is_file() and retention.was_pruned(run_dir, name, int(version)):
+            raise VersionPruned(f"version {version} of {name!r} was pruned (learner.keep_versions)")
         if not path.is_file():
             raise NotFound(f"the learner has no version {version} of {name!r} ({path})", code="version_not_found")
         return web.FileResponse(path)
@@ -120,8 +137,9 @@ def adapter_file_route(run_dir: Path) -> web.RouteDef:
     return web.get(ROUTE, serve)
 
 
-def create_app(trainer: Any, run_dir: Path, secret: str) -> web.Application:
+def create_app(trainer: Any, run_dir: Path, secret: str, keep_versions: int = 0) -> web.Application:
     """The verbs and the adapter files, all for callers with the workers' `secret` (protocol/dispatch.py)."""
-    app = worker_app(LearnerVerbs.ALL, LearnerHandler(trainer, run_dir), MAX_BODY_BYTES, secret=secret)
+    app = worker_app(LearnerVerbs.ALL, LearnerHandler(trainer, run_dir, keep_versions), MAX_BODY_BYTES,
+                     secret=secret)
     app.add_routes([adapter_file_route(run_dir)])
     return app

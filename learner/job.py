@@ -110,8 +110,8 @@ def run_rank0(config: LearnerConfig, secret: str, followers: Followers | None,
     dist.barrier()  # healthy only once every rank holds the model
 
     if followers is None:  # one rank: the learner as it always was
-        asyncio.run(_serve(create_app(trainer, config.run_dir, secret), config, lifetime, trainer.checkpoint_all,
-                           on_broken=None))
+        asyncio.run(_serve(create_app(trainer, config.run_dir, secret, config.keep_versions), config, lifetime,
+                           trainer.checkpoint_all, on_broken=None))
     else:
         lockstep = LockstepTrainer(trainer, CommandChannel(store), followers, lifetime.break_job,
                                    config.collective_timeout_s + OUTCOME_MARGIN_S)
@@ -122,8 +122,8 @@ def run_rank0(config: LearnerConfig, secret: str, followers: Followers | None,
             finally:
                 lockstep.stop_followers(FOLLOWER_STOP_S)
 
-        asyncio.run(_serve(create_app(lockstep, config.run_dir, secret), config, lifetime, stop_job,
-                           on_broken=followers.kill))
+        asyncio.run(_serve(create_app(lockstep, config.run_dir, secret, config.keep_versions), config, lifetime,
+                           stop_job, on_broken=followers.kill))
     dist.destroy_process_group()
     return 0
 

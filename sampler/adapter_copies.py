@@ -5,8 +5,9 @@ run directory: nothing is copied), else its own copy, fetched over the learner's
 A copy lives as long as the version is loaded: vLLM reads the folder again when the LoRA falls out of its
 cache, and merged serving reads it at each merge. It is deleted when the version is unloaded, and the whole
 folder is emptied when the replica starts (the front end loads the live versions into a (re)started
-sampler, through this same route). Each replica has its own folder: replicas on one host unload at
-different times.
+sampler, through this same route). The front end's unloads are best effort (a timeout is not retried), so
+each load also sweeps away copies of versions the engine does not hold (`sweep`): the copies never outgrow
+what is loaded. Each replica has its own folder: replicas on one host unload at different times.
 
 Copies come from one place only: the learner this replica was started with (`SamplerConfig.learner_url`,
 set by the front end). A `load_adapter` naming another `source_url` is refused (400): the request's URL is
@@ -17,10 +18,14 @@ which every fetch carries, to another host).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
+from typing import AsyncIterator, Iterable
 
 import aiohttp
 
@@ -30,6 +35,8 @@ from grpo_server.protocol.wire import AdapterRef, LoadAdapterRequest
 from grpo_server.protocol.worker_auth import auth_headers
 
 log = logging.getLogger(__name__)
+
+_COPY_RE = re.compile(r"^v(\d{6,})$")
 
 FETCH_TIMEOUT_S = 600.0  # a whole version; a stalled transfer fails sooner (adapter_files.READ_TIMEOUT_S)
 
@@ -44,6 +51,19 @@ class AdapterCopies:
         self._secret = secret
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()  # one fetch at a time: a retried push must not race its first try
+        self._loading: Counter[str] = Counter()  # versions between their copy and the engine's load: kept
+
+    @contextlib.asynccontextmanager
+    async def loading(self, req: LoadAdapterRequest) -> AsyncIterator[str]:
+        """`local_path`, with the version's copy kept from `sweep` until the block (the engine's load) ends."""
+        key = req.adapter.key
+        self._loading[key] += 1
+        try:
+            yield await self.local_path(req)
+        finally:
+            self._loading[key] -= 1
+            if not self._loading[key]:
+                del self._loading[key]
 
     def copy_dir(self, adapter: AdapterRef) -> Path:
         return self.root / adapter.name / f"v{adapter.version:06d}"
@@ -74,6 +94,21 @@ class AdapterCopies:
     def forget(self, adapter: AdapterRef) -> None:
         """After the version is unloaded: its copy, if we made one."""
         shutil.rmtree(self.copy_dir(adapter), ignore_errors=True)
+
+    def sweep(self, loaded: Iterable[str]) -> list[str]:
+        """Remove the copies of versions neither `loaded` in the engine (`AdapterRef.key`s) nor being loaded;
+        returns their keys. Temporary folders of a fetch in progress are left to it."""
+        keep = set(loaded) | set(self._loading)
+        removed = []
+        for folder in sorted(self.root.glob("*/v*")):
+            match = _COPY_RE.match(folder.name)
+            key = f"{folder.parent.name}@v{int(match.group(1))}" if match else None
+            if key is not None and key not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(key)
+        if removed:
+            log.info("removed copies of versions no longer loaded (their unload never arrived): %s", removed)
+        return removed
 
     async def close(self) -> None:
         if self._session is not None:

@@ -44,14 +44,16 @@ class SamplerHandler:
         return await self.engine.score(req)
 
     async def load_adapter(self, req: LoadAdapterRequest) -> AdapterList:
-        path = await self.copies.local_path(req)  # the learner's folder, or a copy of it fetched over HTTP
-        try:
-            await self.engine.load_adapter(req.adapter, path)
-        except Exception:
-            if path != req.path and req.adapter.key not in await self.engine.loaded_adapters():
-                self.copies.forget(req.adapter)
-            raise
-        return AdapterList(adapters=await self.engine.loaded_adapters())
+        async with self.copies.loading(req) as path:  # the learner's folder, or a copy of it fetched over HTTP
+            try:
+                await self.engine.load_adapter(req.adapter, path)
+            except Exception:
+                if path != req.path and req.adapter.key not in await self.engine.loaded_adapters():
+                    self.copies.forget(req.adapter)
+                raise
+        loaded = await self.engine.loaded_adapters()
+        self.copies.sweep(loaded)  # copies whose unload never arrived: disk bounded by what is loaded
+        return AdapterList(adapters=loaded)
 
     async def unload_adapter(self, req: UnloadAdapterRequest) -> AdapterList:
         await self.engine.unload_adapter(req.adapter)

@@ -14,13 +14,13 @@ import pytest
 import torch
 from aiohttp import web
 
-from grpo_server.protocol.adapter_files import (WEIGHTS_FILE, AdapterFetchFailed, fetch_version, holds,
-                                                read_fingerprint)
+from grpo_server.protocol.adapter_files import (WEIGHTS_FILE, AdapterFetchFailed, VersionPruned, fetch_version,
+                                                holds, read_fingerprint)
 from grpo_server.protocol.dispatch import worker_app
 from grpo_server.protocol.errors import BadRequest, NotFound
 from grpo_server.protocol.wire import AdapterRef, LoadAdapterRequest
 from grpo_server.protocol.worker_auth import auth_headers
-from learner import adapter_io
+from learner import adapter_io, retention
 from learner.app import adapter_file_route
 from sampler.adapter_copies import AdapterCopies
 from tests.serving import WORKER_SECRET, free_port, serve_app
@@ -74,6 +74,24 @@ async def test_a_missing_version_is_a_404_naming_it(learner, tmp_path):
         async with session.get(url + "/adapters/exp/1/..%2F..%2Fsecret") as response:  # nothing but a version's files
             assert response.status == 404
     assert not (tmp_path / "c").exists()
+
+
+async def test_a_pruned_version_is_a_410_and_one_never_written_a_404(learner, tmp_path):
+    run_a, url = learner
+    for version in (1, 2, 3):
+        write(run_a, version)
+    # The newest one kept, and v1 (in use); v2 goes: renamed away first, then removed, none left behind.
+    assert retention.prune(run_a, "exp", keep_newest=1, in_use={1}, live_version=3) == ([1, 3], [2])
+    assert sorted(p.name for p in adapter_io.adapter_root(run_a, "exp").iterdir()) == ["v000001", "v000003"]
+    async with aiohttp.ClientSession(headers=auth_headers(WORKER_SECRET)) as session:
+        with pytest.raises(VersionPruned, match="version 2 of 'exp' was pruned") as info:
+            await fetch_version(session, url, AdapterRef(name="exp", version=2), tmp_path / "c", None, timeout_s=30)
+        assert (info.value.status, info.value.code) == (410, "version_pruned")
+        with pytest.raises(NotFound) as info:
+            await fetch_version(session, url, AdapterRef(name="exp", version=4), tmp_path / "c", None, timeout_s=30)
+        assert info.value.code == "version_not_found"
+    # keep_newest 0 keeps everything.
+    assert retention.prune(run_a, "exp", keep_newest=0, in_use=set(), live_version=3) == ([1, 3], [])
 
 
 async def test_a_version_with_another_fingerprint_is_refused(learner, tmp_path):
@@ -156,6 +174,27 @@ async def test_the_sampler_uses_a_visible_path_and_copies_otherwise(learner, tmp
     AdapterCopies(tmp_path / "host-b", replica=0, learner_url=None, secret=WORKER_SECRET)
     assert not leftover.exists()
     assert os.listdir(tmp_path / "host-b" / "adapter-copies") == []
+
+
+async def test_copies_of_versions_the_engine_no_longer_holds_are_swept(learner, tmp_path):
+    """The front end's unloads are best effort: a copy whose unload never arrived goes at the next load."""
+    run_a, url = learner
+    copies = AdapterCopies(tmp_path / "host-b", replica=0, learner_url=url, secret=WORKER_SECRET)
+    try:
+        requests = {}
+        for version in (1, 2, 3):
+            folder = write(run_a, version)
+            requests[version] = LoadAdapterRequest(adapter=AdapterRef(name="exp", version=version),
+                                                   path="/nowhere/exp", source_url=url,
+                                                   fingerprint=read_fingerprint(folder))
+            await copies.local_path(requests[version])
+        async with copies.loading(requests[3]) as path:  # v3 is being loaded: kept though not loaded yet
+            assert copies.sweep(loaded=["exp@v2", "other@v1"]) == ["exp@v1"]
+            assert Path(path).is_dir()
+        assert [p.name for p in sorted((copies.root / "exp").iterdir())] == ["v000002", "v000003"]
+        assert copies.sweep(loaded=["exp@v3"]) == ["exp@v2"]
+    finally:
+        await copies.close()
 
 
 async def test_the_adapter_files_need_the_workers_secret(learner, tmp_path):

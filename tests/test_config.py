@@ -79,3 +79,43 @@ def test_server_config_strict_and_env(monkeypatch, tmp_path):
 def test_server_config_loads_experiment_files(tmp_path):
     config = load_server_config(None, experiments=[str(CONFIGS / "alphabetize.yaml")])
     assert config.experiments[0].name == "alphabetize"
+
+
+def test_environment_over_file_and_flags_over_both(monkeypatch, tmp_path):
+    """README "Configuration": the CLI's flags > GRPO_SERVER_* > the YAML file > the defaults."""
+    for name in ("GRPO_SERVER_MAX_N", "GRPO_SERVER_MAX_TOKENS", "GRPO_SERVER_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)  # the values this test reads come from where it says
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump({"port": 9001, "max_n": 7, "sampler": {"replicas": 2, "max_loras": 3}}))
+    monkeypatch.setenv("GRPO_SERVER_PORT", "9002")
+    monkeypatch.setenv("GRPO_SERVER_SAMPLER__REPLICAS", "5")  # one nested key; the file's others stay
+    config = load_server_config(path)
+    assert config.port == 9002 and (config.sampler.replicas, config.sampler.max_loras) == (5, 3)
+    assert config.max_n == 7  # only in the file: the file's value
+    assert config.max_tokens == ServerConfig.model_fields["max_tokens"].default  # in neither: the default
+    # A flag (an init argument) beats both; a flag not given (None) leaves them be.
+    assert load_server_config(path, port=9003, host=None).port == 9003
+    monkeypatch.delenv("GRPO_SERVER_SAMPLER__REPLICAS")
+    monkeypatch.setenv("GRPO_SERVER_SAMPLER", '{"replicas": 4}')  # a whole section as JSON merges the same way
+    config = load_server_config(path)
+    assert (config.sampler.replicas, config.sampler.max_loras) == (4, 3)
+
+
+def test_config_file_errors_name_the_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRPO_SERVER_PORT", raising=False)
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):  # never a server started on the defaults
+        load_server_config(tmp_path / "missing.yaml")
+    for text, message in [("- a list\n", "expected a mapping"), ("port: [\n", "not valid YAML")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message) as info:
+            load_server_config(path)
+        assert "bad.yaml" in str(info.value)
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_server_config(tmp_path / "empty.yaml").port == 8000
+
+
+def test_unknown_environment_keys_are_errors(monkeypatch):
+    monkeypatch.setenv("GRPO_SERVER_SAMPLER__TYPO", "1")
+    with pytest.raises(ValidationError, match="sampler.typo"):
+        load_server_config(None)

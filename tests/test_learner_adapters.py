@@ -173,3 +173,42 @@ def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
     again = _adapter_weights(trainer, name)
     assert all(torch.equal(again[k], after_third[k]) for k in again)
     trainer.remove_experiment(name)
+
+
+async def test_prune_keeps_the_newest_the_used_and_the_checkpoints_versions_and_resume_goes_on(trainer):
+    """learner.keep_versions through the verb's handler (learner/app.py, learner/retention.py): with 2 kept, the
+    versions the front end names, those of both kept checkpoints and the newest 2 stay; a crashed learner then
+    resumes from its checkpoint, and numbering goes on past the newest."""
+    from grpo_server.protocol.errors import ApiError
+    from grpo_server.protocol.wire import PruneVersionsRequest
+    from learner import adapter_io
+    from learner.app import LearnerHandler
+
+    name, run_dir = "pruned", trainer.config.run_dir
+    algorithm = AlgorithmConfig(learning_rate=5e-3, checkpoint_every=3)
+    trainer.add_experiment(name, LORA, algorithm)
+    for _ in range(7):  # steps 1..7, each pushed: v1..v7; checkpoints at steps 3 (at v2) and 6 (at v5)
+        trainer.train(TrainRequest(name=name, samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0], 1.0)]))
+        trainer.save_adapter(name)
+    handler = LearnerHandler(trainer, run_dir, keep_versions=2)
+    pruned = await handler.prune_versions(PruneVersionsRequest(name=name, in_use=[1, 7]))
+    assert (pruned.kept, pruned.removed) == ([1, 2, 5, 6, 7], [0, 3, 4])
+    assert adapter_io.list_versions(run_dir, name) == [1, 2, 5, 6, 7]
+    assert [p.name for p in adapter_io.adapter_root(run_dir, name).iterdir() if p.name.startswith(".")] == []
+
+    trainer.remove_experiment(name)  # as a crashed learner: only the disk is left
+    with pytest.raises(ApiError) as err:  # a removed experiment's files are not pruned
+        await handler.prune_versions(PruneVersionsRequest(name=name, in_use=[]))
+    assert err.value.status == 404
+    resumed = trainer.add_experiment(name, LORA, algorithm)
+    # The checkpoint at step 6; v7 (step 7) is not these weights, so they are served under a new number.
+    assert (resumed.step, resumed.version) == (6, 8)
+    pruned = await handler.prune_versions(PruneVersionsRequest(name=name, in_use=[8]))
+    assert (pruned.kept, pruned.removed) == ([2, 5, 7, 8], [1, 6])
+    assert trainer.train(TrainRequest(name=name, samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0],
+                                                                  1.0)])).step == 7
+    assert trainer.save_adapter(name).version == 9
+    everything = await LearnerHandler(trainer, run_dir, keep_versions=0).prune_versions(
+        PruneVersionsRequest(name=name, in_use=[]))
+    assert (everything.kept, everything.removed) == ([2, 5, 7, 8, 9], [])  # 0: keep all
+    trainer.remove_experiment(name)

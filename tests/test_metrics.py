@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_server.api import prometheus
 from grpo_server.api_models import ExperimentCounters
+from grpo_server.runtime.loop_lag import LoopLag
+from grpo_server.runtime.token_budget import TokenBudget
 from tests.serving import complete_when_admitted, headers, wait_for
 
 
@@ -53,10 +55,16 @@ async def test_metrics_follow_training(server, client):
 
 
 def fake_front_end(experiments, pending=None, workers=None):
-    """An orchestrator as the renderer reads it: `experiments`, `groups.pending_count(name)`, `workers.states()`."""
+    """An orchestrator as the renderer reads it: `experiments`, `groups.pending_count(name)`, `workers.states()`,
+    `loop_lag` and `budget` (a held-token count of 100 per experiment)."""
+    lag = LoopLag(interval_s=1.0, window_s=100.0)
+    for lag_s in (0.001, 0.002, 0.003, 0.25):
+        lag.add(lag_s)
+    names = [e.name for e in experiments]
     return SimpleNamespace(experiments={e.name: e for e in experiments},
                            groups=SimpleNamespace(pending_count=lambda name: (pending or {}).get(name, 0)),
-                           workers=SimpleNamespace(states=lambda: workers or {}))
+                           workers=SimpleNamespace(states=lambda: workers or {}), loop_lag=lag,
+                           budget=TokenBudget(1000, 1000, lambda name: 100 * (len(names) if name is None else 1)))
 
 
 def fake_experiment(name: str, **changes):
@@ -86,7 +94,8 @@ def test_render_without_a_server():
         "grpo_completions": "counter",
         "grpo_sampled_tokens": "counter", "grpo_queued_groups": "gauge", "grpo_pending_groups": "gauge",
         "grpo_reward_mean": "gauge", "grpo_kl": "gauge", "grpo_clipped_fraction": "gauge",
-        "grpo_learner_step_seconds": "gauge", "grpo_push_seconds": "gauge", "grpo_trained_staleness": "histogram"}
+        "grpo_learner_step_seconds": "gauge", "grpo_push_seconds": "gauge", "grpo_trained_staleness": "histogram",
+        "grpo_event_loop_lag_seconds": "gauge", "grpo_held_tokens": "gauge"}
     assert "# TYPE grpo_groups_total counter" in text  # the exposition's names end in _total, as before
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     odd = (("experiment", 'odd"name\\'),)
@@ -95,6 +104,9 @@ def test_render_without_a_server():
     bare = (("experiment", "bare"),)
     assert samples[("grpo_pending_groups", odd)] == 3 and samples[("grpo_pending_groups", bare)] == 0
     assert samples[("grpo_reward_mean", odd)] == 0.75 and ("grpo_reward_mean", bare) not in samples
+    assert samples[("grpo_event_loop_lag_seconds", (("quantile", "1.0"),))] == 0.25
+    assert samples[("grpo_event_loop_lag_seconds", (("quantile", "0.5"),))] == 0.003
+    assert samples[("grpo_held_tokens", (("experiment", ""),))] == 200 and samples[("grpo_held_tokens", bare)] == 100
     assert samples[("grpo_trained_staleness_bucket", odd + (("le", "0"),))] == 2
     assert samples[("grpo_trained_staleness_bucket", odd + (("le", "4"),))] == 3
     assert samples[("grpo_trained_staleness_bucket", odd + (("le", "+Inf"),))] == 6

@@ -28,9 +28,13 @@ class FakeLearner:
 
     def __init__(self, calls: list[str]):
         self.calls, self.step, self.version, self.weights_version = calls, 0, 0, 0
+        self.pruned: list[list[int]] = []  # each prune_versions' in_use (not in `calls`: it is not ordered work)
 
     async def train(self, request, timeout_s=None):
         return await self.call("train", request)
+
+    async def prune_versions(self, name, in_use):
+        self.pruned.append(in_use)
 
     async def save_adapter(self, name, probe=None):
         return await self.call("save_adapter", SaveAdapterRequest(name=name, probe=probe))
@@ -86,7 +90,7 @@ class FakeWorkers:
         self.loaded.discard(ref.version)
 
     @contextlib.asynccontextmanager
-    async def sampler(self, take_turn: bool = True):
+    async def sampler(self, take_turn: bool = True, experiment: str | None = None):
         yield self.the_sampler
 
 
@@ -159,6 +163,10 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
         await wait_until(lambda: exp.serving_version == 3)
         assert workers.calls.count("score v1") == 1 and "score v2" not in workers.calls  # one probe at a time
         assert 1 in workers.loaded and 2 not in workers.loaded  # a version being checked stays loaded
+        # After each push the learner hears which versions are in use (learner.keep_versions keeps them): the
+        # served one, and v1, loaded while its probe runs; v2, given up unchecked, is not any more.
+        await wait_until(lambda: len(workers.learner.pruned) == 3)
+        assert workers.learner.pruned == [[1], [1, 2], [1, 3]]
         assert push_lines(trainer) == [(2, None, None)]  # v2: the next push came while v1's probe ran
         workers.the_sampler.release_scores.set()
         await wait_until(lambda: exp.last_verification.version == 1)

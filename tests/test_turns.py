@@ -48,6 +48,47 @@ async def test_a_train_step_waits_for_sampling_and_holds_new_sampling_back():
     await asyncio.gather(*tasks)
 
 
+async def test_a_train_step_holds_back_its_own_experiments_sampling_not_anothers():
+    """Turns by experiment: while `a` trains, `a`'s new sampling waits and `b`'s starts; a waiting train step
+    of `b` still holds every new sampling call back, so it cannot be starved."""
+    t = ComputeTurns(alternate=True)
+    log: list[str] = []
+    train_a, a1, b1, train_b, b2 = (asyncio.Event() for _ in range(5))
+    tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", train_a))]
+    await settle()
+    tasks += [asyncio.create_task(hold(t.sampling("a"), log, "a1", a1)),
+              asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
+    await settle()
+    assert log == ["train a in", "b1 in"]  # b samples beside a's step; a's own sampling waits for it
+    tasks.append(asyncio.create_task(hold(t.training("b"), log, "train b", train_b)))
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
+    await settle()
+    assert log == ["train a in", "b1 in"]  # b's step waits for everything running; new calls wait behind it
+    train_a.set()
+    b1.set()
+    await settle()
+    assert log[-2:] == ["train b in", "a1 in"]  # a's sampling goes beside b's step, b's own waits for it
+    for event in (a1, train_b, b2):
+        event.set()
+    await asyncio.gather(*tasks)
+    assert log[-2:] == ["b2 in", "b2 out"]
+
+
+async def test_alternate_all_holds_every_experiments_sampling_back():
+    t = ComputeTurns(alternate=True, by_experiment=False)
+    log: list[str] = []
+    train_a, b1 = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", train_a))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b1", b1)))
+    await settle()
+    assert log == ["train a in"]
+    train_a.set()
+    b1.set()
+    await asyncio.gather(*tasks)
+    assert log == ["train a in", "train a out", "b1 in", "b1 out"]
+
+
 async def test_a_cancelled_train_step_lets_sampling_go():
     t = ComputeTurns(alternate=True)
     log: list[str] = []

@@ -48,6 +48,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "remove_experiment": {"name": NAME},
     "archive_experiment": {"name": NAME, "label": f"{NAME}-20240101T000000000000Z"},
     "restore_experiment": {"name": NAME},
+    "prune_versions": {"name": NAME, "in_use": [0]},
 }
 ROUTES = ([("sampler", verb) for verb in SamplerVerbs.ALL] + [("learner", verb) for verb in LearnerVerbs.ALL]
           + [("learner", "adapter-file"), ("sampler", "unknown"), ("learner", "unknown")])

@@ -5,6 +5,7 @@ stops)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import AsyncIterator
 
 import aiohttp
@@ -59,7 +60,8 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app[ADMIN_KEY] = admin_key
     app[AUTH_LIMITER] = FailedAuthLimiter(config.auth_failure_limit, config.auth_failure_window_s,
                                           config.auth_limit_exempt)
-    app[MODEL_NAME] = config.model
+    # The public health answer names the model, never a server path: a local folder by its own name.
+    app[MODEL_NAME] = Path(config.model).name
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
         workers = WorkerSet(config)

@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import tarfile
+from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 import msgpack
@@ -201,8 +202,10 @@ async def health(request: web.Request) -> web.Response:
     workers = request.app[ORCHESTRATOR].workers
     states = workers.states()
     ok = all(state == "ready" for state in states.values())
+    lag = request.app[ORCHESTRATOR].loop_lag
     return respond(request, Health(status="ok" if ok else "degraded", workers=states,
-                                   model=request.app[MODEL_NAME], replicas=workers.replica_health()))
+                                   model=request.app[MODEL_NAME], replicas=workers.replica_health(),
+                                   event_loop_lag_p99_s=lag.quantile(0.99), event_loop_lag_max_s=lag.recent_max()))
 
 
 async def create_experiment(request: web.Request) -> web.Response:
@@ -269,7 +272,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.experiment is not None:
         require(who, body.experiment)
         request.app[ORCHESTRATOR].get(body.experiment)
-    return respond(request, request.app[ORCHESTRATOR].tokenize(body))
+    return respond(request, await request.app[ORCHESTRATOR].tokenize(body))
 
 
 async def download_adapter(request: web.Request) -> web.Response:
@@ -283,13 +286,19 @@ async def download_adapter(request: web.Request) -> web.Response:
         raise BadRequest(f"version must be an integer, got {raw_version!r}", code="bad_version") from exc
     if version is not None and version < 0:  # no such folder, and no version the learner could be asked for
         raise BadRequest(f"version must be 0 or more, got {version}", code="bad_version")
-    buffer = io.BytesIO()
     async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
-        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-            for path in sorted(folder.iterdir()):
-                archive.add(path, arcname=f"{name}-{folder.name}/{path.name}")
-    return web.Response(body=buffer.getvalue(), content_type="application/gzip", headers={
+        body = await asyncio.to_thread(tar_gz, folder, f"{name}-{folder.name}")  # seconds for a large adapter
+    return web.Response(body=body, content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
+
+
+def tar_gz(folder: Path, top: str) -> bytes:
+    """`folder`'s files as a .tar.gz whose entries sit under `top/`."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for path in sorted(folder.iterdir()):
+            archive.add(path, arcname=f"{top}/{path.name}")
+    return buffer.getvalue()
 
 
 async def experiment_metrics(request: web.Request) -> web.Response:

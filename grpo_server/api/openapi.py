@@ -76,6 +76,8 @@ class Endpoint:
     content_type: str = JSON  # of the success answer
     query: tuple[QueryParameter, ...] = ()  # all optional; a bad value is a 400 (declare it in `errors`)
     events: type[BaseModel] | None = None  # with `stream: true`: server-sent events of these chunks
+    # (status, description) where this route's cause of an error status is not the one _ERROR_TEXT gives all
+    error_text: tuple[tuple[int, str], ...] = ()
 
     @property
     def operation_id(self) -> str:
@@ -93,6 +95,12 @@ METRICS_QUERY = (
     QueryParameter("limit", f"At most this many records, the newest (default {METRICS_LIMIT_DEFAULT})",
                    {"type": "integer", "minimum": 1, "maximum": RECENT_PER_KIND}),
 )
+
+# Feedback writes the journal before it answers 202 (runtime/journal.py): a failed write is a 503 too, and a
+# client must know that retrying it cannot count a reward twice.
+FEEDBACK_503 = ("A worker is down or restarting (a sampler scores external completions), or the feedback journal "
+                "could not be written (`journal_write_failed`: disk full, I/O error; nothing was accepted and the "
+                "group stays rateable, so the retry is safe); retry after `Retry-After` seconds")
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/openapi.json", None, None, 200, "This document (OpenAPI 3.1)", "public"),
@@ -112,9 +120,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", EXP + "/completions", CompletionsRequest, CompletionsResponse, 200,
              "Sample one group of completions", "experiment", (429, 502, 503)),
     Endpoint("POST", EXP + "/feedback", FeedbackRequest, FeedbackResponse, 202,
-             "Rewards for a group (or for external completions)", "experiment", (409, 502, 503)),
+             "Rewards for a group (or for external completions)", "experiment", (409, 502, 503),
+             error_text=((503, FEEDBACK_503),)),
     Endpoint("GET", EXP + "/adapter", None, None, 200,
-             "An adapter version as a .tar.gz of its peft folder", "experiment", (400,), GZIP, ADAPTER_QUERY),
+             "An adapter version as a .tar.gz of its peft folder", "experiment", (400, 410), GZIP, ADAPTER_QUERY),
     Endpoint("GET", EXP + "/metrics", None, MetricsHistory, 200,
              "The experiment's newest metrics records (train steps, pushes, sampling throughput)", "experiment",
              (400,), query=METRICS_QUERY),
@@ -137,10 +146,13 @@ _ERROR_TEXT = {
     403: "This key may not make this call (another experiment's key, or not the admin key)",
     404: "No such experiment, group or adapter version (or, for `resume`, no archive to resume)",
     409: "Duplicate experiment, or feedback already given",
+    410: "The adapter version was deleted (`version_pruned`): the learner keeps its newest `learner.keep_versions` "
+         "and those in use",
     413: "Request body too large",
     422: "Schema error (the message names each bad field), or over a server limit (`over_limit`)",
-    429: "Back-pressure (the learner is behind, or too many groups await feedback), or too many unknown keys "
-         "from this address; retry after `Retry-After` seconds",
+    429: "Back-pressure (the learner is behind, too many groups await feedback, or the tokens held would pass a "
+         "token budget: `token_budget`), or too many unknown keys from this address; retry after `Retry-After` "
+         "seconds",
     502: "A worker failed",
     503: "A worker is down or restarting; retry after `Retry-After` seconds",
 }
@@ -195,9 +207,10 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
     if content is not None:
         success["content"] = content
     responses: dict[str, Any] = {str(endpoint.status): success}
+    error_text = {**_ERROR_TEXT, **dict(endpoint.error_text)}
     for status in _error_statuses(endpoint):
         responses[str(status)] = {
-            "description": _ERROR_TEXT[status],
+            "description": error_text[status],
             "content": {JSON: {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorBody")}}},
             **({"headers": retry_after} if status in (429, 503) else {}),
         }

@@ -15,7 +15,8 @@ What a scrape reads, and nothing else: the orchestrator's `experiments` (name ->
 `completions_external`, `tokens_sampled`),
 `queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `rollout_corrected_fraction`,
 `clipped_fraction`, `seconds`),
-`last_push_seconds` and `staleness` (versions behind -> trained groups).
+`last_push_seconds` and `staleness` (versions behind -> trained groups). Server-wide: the event loop's lag
+(`loop_lag`) and the tokens held against the token budget (`budget.in_use`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,22 @@ class FrontEndCollector(Collector):
         experiments = list(orchestrator.experiments.values())
         pending = {exp.name: orchestrator.groups.pending_count(exp.name) for exp in experiments}
         families = families_of(experiments, pending, orchestrator.workers.states(), self.http)
+        families += server_families(orchestrator)
         yield from (family for family in families if family.samples)  # as before: no family without samples
+
+
+def server_families(orchestrator: "Orchestrator") -> list[Metric]:
+    """The front end's own load: the event loop's lag, and the tokens held per experiment and in all."""
+    lag = GaugeMetricFamily("grpo_event_loop_lag_seconds", "Event-loop lag over the last minute, by quantile "
+                            "(1: the largest)", labels=["quantile"])
+    for q in (0.5, 0.99, 1.0):
+        lag.add_metric([str(q)], orchestrator.loop_lag.quantile(q) if q < 1 else orchestrator.loop_lag.recent_max())
+    held = GaugeMetricFamily("grpo_held_tokens", "Tokens held in memory for feedback and training, and reserved by "
+                             "requests being sampled (experiment=\"\": the whole server)", labels=["experiment"])
+    held.add_metric([""], orchestrator.budget.in_use(None))
+    for name in orchestrator.experiments:
+        held.add_metric([name], orchestrator.budget.in_use(name))
+    return [lag, held]
 
 
 def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], worker_states: dict[str, str],

@@ -41,6 +41,13 @@ class AdapterFetchFailed(ApiError):
     status, code = 502, "adapter_fetch_failed"
 
 
+class VersionPruned(ApiError):
+    """The learner deleted the version (`LearnerOptions.keep_versions`, learner/retention.py): gone for good,
+    which a 404 (never written, or a wrong name) would not say."""
+
+    status, code = 410, "version_pruned"
+
+
 def file_url(source_url: str, adapter: AdapterRef, file: str) -> str:
     return source_url.rstrip("/") + ROUTE.format(name=adapter.name, version=adapter.version, file=file)
 
@@ -84,7 +91,8 @@ async def fetch_version(session: aiohttp.ClientSession, source_url: str, adapter
                         fingerprint: str | None, timeout_s: float) -> Path:
     """Copy the version's files from `source_url` (the learner) into `dest`, atomically: a temporary sibling,
     checked (every byte the header announces, the fingerprint), then renamed. Raises `NotFound` when the
-    learner has no such version, `AdapterFetchFailed` for anything else; never waits past `timeout_s`."""
+    learner has no such version, `VersionPruned` when it deleted it, `AdapterFetchFailed` for anything else;
+    never waits past `timeout_s`."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
@@ -123,6 +131,8 @@ async def _download(session: aiohttp.ClientSession, url: str, path: Path, timeou
                 message = _error_message(await response.read())
                 if response.status == 404:
                     raise NotFound(f"{url}: 404 ({message})", code="version_not_found")
+                if response.status == VersionPruned.status:
+                    raise VersionPruned(f"{url}: 410 ({message})")
                 raise AdapterFetchFailed(f"{url}: {response.status} ({message})")
             with open(path, "wb") as file:
                 # aiohttp raises ClientPayloadError when the body ends before its Content-Length.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import ValidationError
 
 
@@ -72,7 +74,8 @@ class Unavailable(ApiError):
 
 
 class WorkerFailed(ApiError):
-    """A worker answered with an internal error: reported, never hidden."""
+    """A worker answered with an internal error: reported, never hidden (its text in the front end's log, the
+    client gets a fixed message with an incident id: grpo_server/workers/pool.py)."""
 
     status, code = 502, "worker_error"
 
@@ -81,3 +84,20 @@ def describe_validation_error(exc: ValidationError, most: int = 10) -> str:
     """A pydantic error as one line naming each bad field (the first `most` of them)."""
     return "; ".join(f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}"
                      for error in exc.errors()[:most])
+
+
+# An absolute path (a run directory, a model folder, a source file) and a URL (a worker's address): the server's
+# own layout, which no client needs. A path not after a word character, '.', ':', '/', '~' or '-', so "tok/s"
+# and "1/2" stay as they are.
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"`,;()\[\]{}<>]*[^\s'\"`,;()\[\]{}<>:.]", re.IGNORECASE)
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/[\w.~-][^\s'\"`,;:()\[\]{}<>]*")
+_TRACEBACK = "Traceback (most recent call last)"
+MAX_PUBLIC_MESSAGE = 2000
+
+
+def public_message(text: str) -> str:
+    """`text` (a worker's message, an exception's) as a client may read it: no traceback, URLs as `<url>`,
+    absolute paths as `<path>`, at most MAX_PUBLIC_MESSAGE characters. The full text belongs in the server's log."""
+    text = text.split(_TRACEBACK, 1)[0].rstrip() or "details in the server log"
+    text = _ABSOLUTE_PATH.sub("<path>", _URL.sub("<url>", text))
+    return text if len(text) <= MAX_PUBLIC_MESSAGE else text[:MAX_PUBLIC_MESSAGE - 3] + "..."

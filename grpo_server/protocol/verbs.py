@@ -15,9 +15,10 @@ from pydantic import BaseModel
 
 from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, ExperimentName,
                                        GenerateRequest, GenerateResponse, LearnerStatus, LoadAdapterRequest,
-                                       LogprobsRequest, LogprobsResponse, RemoveExperimentRequest, SamplerHealth,
-                                       SaveAdapterRequest, ScoreRequest, ScoreResponse, TrainMetrics, TrainRequest,
-                                       UnloadAdapterRequest, VersionProbe, WireModel)
+                                       LogprobsRequest, LogprobsResponse, PrunedVersions, PruneVersionsRequest,
+                                       RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest, ScoreRequest,
+                                       ScoreResponse, TrainMetrics, TrainRequest, UnloadAdapterRequest, VersionProbe,
+                                       WireModel)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -81,10 +82,11 @@ class LearnerVerbs:
     remove_experiment = Verb("remove_experiment", RemoveExperimentRequest, Removed)
     archive_experiment = Verb("archive_experiment", ArchiveRequest, Archived)
     restore_experiment = Verb("restore_experiment", ArchiveRequest, Archived)
+    prune_versions = Verb("prune_versions", PruneVersionsRequest, PrunedVersions)
     status = Verb("status", None, LearnerStatus)
     health = Verb("health", None, Healthy)
     ALL = (add_experiment, train, save_adapter, logprobs, remove_experiment, archive_experiment, restore_experiment,
-           status, health)
+           prune_versions, status, health)
 
 
 class Transport(Protocol):
@@ -160,6 +162,11 @@ class LearnerClient(_Client):
     async def restore_experiment(self, name: str, label: str | None = None) -> Archived:
         """Move archive `label` (None: the newest) back, unless the experiment has live files (`live`)."""
         return await self.transport.request(LearnerVerbs.restore_experiment, ArchiveRequest(name=name, label=label))
+
+    async def prune_versions(self, name: str, in_use: list[int]) -> PrunedVersions:
+        """Delete the experiment's versions on the learner's disk that nothing needs (PruneVersionsRequest)."""
+        return await self.transport.request(LearnerVerbs.prune_versions,
+                                            PruneVersionsRequest(name=name, in_use=in_use))
 
     async def status(self, *, syncing_ok: bool = False) -> LearnerStatus:
         return await self.transport.request(LearnerVerbs.status, None, syncing_ok=syncing_ok)

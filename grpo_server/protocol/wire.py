@@ -264,6 +264,21 @@ class RemoveExperimentRequest(WireModel):
     name: ExperimentName
 
 
+class PruneVersionsRequest(WireModel):
+    """After a push: the versions of a live experiment the front end still uses (loaded on a sampler, awaiting
+    a check, served). The learner keeps those, its checkpoints' and its newest `keep_versions`, and deletes
+    the rest (learner/retention.py)."""
+
+    name: ExperimentName
+    # Far more than can be in use (max_loaded_versions is at most 256, and one version awaits its check).
+    in_use: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=4096)
+
+
+class PrunedVersions(WireModel):
+    kept: list[int]  # on disk after the prune, oldest first
+    removed: list[int]
+
+
 class LearnerStatus(WireModel):
     status: Literal["ok"] = "ok"
     experiments: dict[str, dict[str, Any]]  # name -> {step, version}

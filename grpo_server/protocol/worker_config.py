@@ -158,6 +158,15 @@ class LearnerOptions(StrictModel):
         "Train steps' forward and backward under bfloat16 autocast, weights and AdamW staying float32 (a "
         "float32 learner only). auto: where the CPU has bf16 instructions (avx512_bf16 or amx_bf16). Scoring "
         "for the push checks stays float32; the free check is skipped (README, 'bf16 learner')."))
+    # A learner option, not the front end's: the versions are the learner's files (on its own host in a split
+    # deployment), and the learner alone knows its checkpoints; the front end only says which it still uses
+    # (learner/retention.py). 8: twice the default max_loaded_versions (which are kept anyway), so a recent
+    # version stays downloadable for a while; with the embedded model's r=16 adapter (19.6 MB a version)
+    # about 160 MB per experiment, where a run of 1000 pushes used to keep 20 GB.
+    keep_versions: int = Field(8, ge=0, le=1_000_000, description=(
+        "Adapter versions kept on disk per experiment: the newest this many, plus every version a sampler has "
+        "loaded, one awaiting its check and the versions of the kept checkpoints (what a restart resumes from); "
+        "older ones are deleted after each push, and downloading one is a 410 version_pruned. 0 = keep all."))
 
 
 class WorkerProcessConfig(StrictModel):

@@ -193,20 +193,36 @@ def reply_key(completion: Completion) -> dict[str, Any]:
 
 
 class EpisodeStore:
-    """Pending episodes of every experiment."""
+    """Pending episodes of every experiment, and the tokens they hold (runtime/token_budget.py): an episode's
+    count is taken again whenever a turn ends or is undone (`done`)."""
 
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
         self._pending: dict[tuple[str, str], Episode] = {}
         self._pending_per_experiment: Counter[str] = Counter()
         self._rated: OrderedDict[tuple[str, str], float] = OrderedDict()  # for 409 rather than 404, a TTL long
+        self._counted: dict[tuple[str, str], int] = {}  # tokens of each pending episode, as last counted
+        self._tokens: Counter[str] = Counter()
+        self._tokens_total = 0
 
     def pending_count(self, experiment: str) -> int:
         return self._pending_per_experiment[experiment]
 
+    def tokens(self, experiment: str | None = None) -> int:
+        """Tokens held by one experiment's pending episodes, or (None) by all."""
+        return self._tokens_total if experiment is None else self._tokens[experiment]
+
+    def _count(self, key: tuple[str, str], tokens: int) -> None:
+        change = tokens - self._counted.pop(key, 0)
+        if tokens:
+            self._counted[key] = tokens
+        self._tokens[key[0]] += change
+        self._tokens_total += change
+
     def _forget(self, key: tuple[str, str]) -> None:
         del self._pending[key]
         self._pending_per_experiment[key[0]] -= 1
+        self._count(key, 0)
 
     def open(self, experiment: str, episode_id: str, max_pending: int, max_turns: int) -> Episode:
         """The episode for a new turn, created on its first; marked busy (call `done` when the turn ends)."""
@@ -238,6 +254,8 @@ class EpisodeStore:
         key = (episode.experiment, episode.episode_id)
         if episode.turns == 0 and key in self._pending:
             self._forget(key)
+        elif key in self._pending:
+            self._count(key, episode.tokens)
 
     def undo_turn(self, experiment: str, episode_id: str) -> None:
         """Forget an episode's newest turn (`Episode.undo_last_turn`); an episode left with no turn goes."""
@@ -280,6 +298,7 @@ class EpisodeStore:
             episode.touched_at = time.monotonic()  # a full TTL for the client's retry
             self._pending[key] = episode
             self._pending_per_experiment[experiment] += 1
+            self._count(key, episode.tokens)
 
     def expire(self, now: float | None = None) -> dict[str, int]:
         """Drop episodes idle for longer than the TTL (not while a turn runs); return how many per experiment."""

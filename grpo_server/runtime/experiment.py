@@ -30,6 +30,7 @@ from grpo_server.runtime.external import external_token_ids, score_external
 from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import FeedbackJournal
 from grpo_server.runtime.tasks import OwnedTasks
+from grpo_server.runtime.token_budget import TokenBudget
 
 if TYPE_CHECKING:
     from grpo_server.runtime.prompts import PromptBuilder
@@ -51,6 +52,7 @@ class Experiment:
     groups: GroupStore | None = None  # sampled groups awaiting feedback (the server's store, by experiment)
     episodes: EpisodeStore | None = None  # episodes awaiting their reward (the server's store, by experiment)
     journal: FeedbackJournal | None = None
+    budget: TokenBudget = field(default_factory=lambda: TokenBudget(2**62, 2**62))  # the server's (orchestrator)
     serving_version: int = 0  # the version new completions are sampled from
     learner_version: int = 0  # the newest version the learner has written
     step: int = 0
@@ -87,7 +89,6 @@ class Experiment:
 
     def record_error(self, message: str) -> None:
         self.errors.append(message)
-
     # --- requests ------------------------------------------------------------------------------------
 
     async def complete(self, request: CompletionsRequest, group_id: str | None = None,
@@ -121,11 +122,9 @@ class Experiment:
             raise TooManyRequests(f"{limits.max_pending_groups} groups of {name!r} await feedback "
                                   "(max_pending_groups); post feedback or let them expire",
                                   code="too_many_pending_groups", retry_after=5.0)
-        prompt_ids = self.prompts.token_ids(request)
+        prompt_ids = await self.prompts.off_loop(self.prompts.token_ids, request)
         self.prompts.check_fits(len(prompt_ids), max_tokens)
-        if admitted is not None:
-            admitted.set()
-        result, version = await self._generate(request, prompt_ids, n, max_tokens, decoding)
+        result, version = await self._generate(request, prompt_ids, n, max_tokens, decoding, admitted)
         group = Group(group_id=group_id or self.groups.new_id(), experiment=name, prompt_token_ids=prompt_ids,
                       completions=result.completions, policy_version=version, temperature=temperature,
                       max_tokens=max_tokens, top_p=decoding[1])
@@ -144,15 +143,14 @@ class Experiment:
         try:
             episode.check_decoding(*decoding)
             continued = episode.continuation(request.messages)
-            prompt_ids = (self.prompts.continue_conversation(*continued, tools=request.tools) if continued
-                          else self.prompts.token_ids(request))
+            prompt_ids = await (self.prompts.off_loop(self.prompts.continue_conversation, *continued,
+                                                      tools=request.tools)
+                                if continued else self.prompts.off_loop(self.prompts.token_ids, request))
             self.prompts.check_fits(len(prompt_ids), max_tokens)
             if episode.tokens_with(prompt_ids, max_tokens) > limits.max_episode_tokens:
                 raise Unprocessable(f"episode {episode.episode_id} would hold more than max_episode_tokens "
                                     f"({limits.max_episode_tokens}) with this turn", code="episode_too_long")
-            if admitted is not None:
-                admitted.set()
-            result, version = await self._generate(request, prompt_ids, 1, max_tokens, decoding)
+            result, version = await self._generate(request, prompt_ids, 1, max_tokens, decoding, admitted)
             self.counters.episodes_started += episode.turns == 0
             self.counters.episode_turns += 1
             episode.add_turn(prompt_ids, result.completions[0], version, request.messages, decoding)
@@ -164,11 +162,15 @@ class Experiment:
         )
 
     async def _generate(self, request: CompletionsRequest, prompt_ids: list[int], n: int, max_tokens: int,
-                        decoding: tuple[float, float]) -> tuple[GenerateResponse, int]:
-        """Sample under the serving version; the version is chosen once the sampling turn starts, so a
-        request that waited for a train step samples the version that step pushed."""
-        with self.sampling_request(1 / self.config.sampling.n if request.episode_id else 1.0):
-            async with self.workers.sampler() as sampler:
+                        decoding: tuple[float, float], admitted: asyncio.Event | None) -> tuple[GenerateResponse, int]:
+        """Sample under the serving version, once its worst case fits the token budget (else 429 before `admitted`
+        is set; the caller stores the result before any await, as the reservation ends), chosen once the sampling
+        turn starts: a request that waited for a train step samples the version that step pushed."""
+        with (self.budget.reserve(self.name, len(prompt_ids) + n * max_tokens),
+              self.sampling_request(1 / self.config.sampling.n if request.episode_id else 1.0)):
+            if admitted is not None:
+                admitted.set()
+            async with self.workers.sampler(experiment=self.name) as sampler:
                 with self.pinned_serving_version() as version:
                     result = await sampler.generate(GenerateRequest(
                         prompt_token_ids=prompt_ids, n=n, temperature=decoding[0], top_p=decoding[1],
@@ -190,7 +192,8 @@ class Experiment:
             return await self._rate_episodes(request)
         if request.group_id is None:
             group = Group(group_id=self.groups.new_id(), experiment=name, completions=[],
-                          prompt_token_ids=self.prompts.token_ids(request), policy_version=self.serving_version,
+                          prompt_token_ids=await self.prompts.off_loop(self.prompts.token_ids, request),
+                          policy_version=self.serving_version,
                           temperature=self.config.sampling.temperature, max_tokens=self.config.sampling.max_tokens)
             external = request.completions
         else:
@@ -205,7 +208,9 @@ class Experiment:
             raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
                                 "sample with temperature > 0 to give feedback", code="greedy_group")
         skipped, advantages = rate(request.rewards, self.config.algorithm)
-        external_ids = external_token_ids(self.prompts, group, external)  # 400s for bad ones, skipped or not
+        external_ids = (await self.prompts.off_loop(external_token_ids, self.prompts, group, external)  # 400s for bad
+                        if external else [])
+        self.budget.check(name, len(group.prompt_token_ids) * (request.group_id is None) + sum(map(len, external_ids)))
         scored_version, external_logprobs = None, None
         if external_ids and skipped is None:
             scored_version, added = await score_external(self, group, external_ids)
@@ -264,7 +269,6 @@ class Experiment:
 
     def pushed(self, seconds: float, at: float) -> None:
         self.last_push_seconds, self.last_push_at = seconds, at
-
     def keep_for_check(self, version: int) -> None:
         """Keep `version` loaded on the samplers until `checked` (a probe may score it)."""
         self.versions_in_check.add(version)
@@ -375,11 +379,9 @@ class Experiment:
         self.training_task.add_done_callback(self._training_ended)
 
     def _training_ended(self, task: asyncio.Task) -> None:
-        """The training task only ends by cancellation (deleted, server stopping), so anything else is a bug
-        that must show in the log and the status, not vanish."""
-        if task.cancelled() or task.exception() is None:
+        """The training task ends only by cancellation (deleted, stopping): anything else is a bug to show."""
+        if task.cancelled() or (exc := task.exception()) is None:
             return
-        exc = task.exception()
         log.error("%s: training stopped by an internal error", self.name, exc_info=exc)
         self.record_error(f"training stopped by an internal error ({type(exc).__name__}: {exc}); feedback is still "
                           "journalled, and a server restart resumes training from it")

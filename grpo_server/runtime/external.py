@@ -42,7 +42,7 @@ async def score_external(exp: Scorer, group: Group, token_ids: list[list[int]]) 
     """Score completions the model did not sample under the serving version: those logprobs are
     their behaviour logprobs, so the first step's importance ratio is 1 (see README)."""
     with exp.sampling_request():
-        async with exp.workers.sampler() as sampler:
+        async with exp.workers.sampler(experiment=exp.name) as sampler:
             with exp.pinned_serving_version() as version:
                 scored = await sampler.score(ScoreRequest(
                     prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,

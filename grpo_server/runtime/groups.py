@@ -40,6 +40,13 @@ class Group:
     sequence_prompts: list[list[int]] | None = None
     loss_masks: list[list[int]] | None = None
 
+    @property
+    def tokens(self) -> int:
+        """Token ids it holds (prompts and completions): what runtime/token_budget.py counts."""
+        prompts = (len(self.prompt_token_ids) if self.sequence_prompts is None
+                   else sum(len(p) for p in self.sequence_prompts))
+        return prompts + sum(len(c.token_ids) for c in self.completions)
+
     def training_sequences(self) -> list[tuple[list[int], Completion, float, float, list[int] | None]]:
         """(prompt ids, completion, advantage, reward, loss mask) of every sequence it trains."""
         if self.episode_of is None:
@@ -50,7 +57,8 @@ class Group:
 
 
 class GroupStore:
-    """Pending groups per experiment, in creation order (the oldest expire first)."""
+    """Pending groups per experiment, in creation order (the oldest expire first), and the tokens they hold
+    (runtime/token_budget.py): every change of `_pending` goes through `_add` / `_remove`."""
 
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
@@ -58,6 +66,8 @@ class GroupStore:
         # Ids that already took feedback, so a repeat is 409 rather than 404; kept as long as a TTL.
         self._consumed: OrderedDict[str, float] = OrderedDict()
         self._pending_per_experiment: Counter[str] = Counter()
+        self._tokens: Counter[str] = Counter()
+        self._tokens_total = 0
 
     def new_id(self) -> str:
         return "grp_" + secrets.token_urlsafe(12)
@@ -65,6 +75,18 @@ class GroupStore:
     def add(self, group: Group) -> None:
         self._pending[group.group_id] = group
         self._pending_per_experiment[group.experiment] += 1
+        self._count_tokens(group, +1)
+
+    def _remove(self, group_id: str) -> Group:
+        group = self._pending.pop(group_id)
+        self._pending_per_experiment[group.experiment] -= 1
+        self._count_tokens(group, -1)
+        return group
+
+    def _count_tokens(self, group: Group, sign: int) -> None:
+        tokens = sign * group.tokens
+        self._tokens[group.experiment] += tokens
+        self._tokens_total += tokens
 
     def peek(self, experiment: str, group_id: str) -> Group:
         """The pending group: 404 if unknown or expired, 409 if it already took feedback."""
@@ -77,11 +99,9 @@ class GroupStore:
 
     def take(self, experiment: str, group_id: str) -> Group:
         """Remove and return a group for its feedback (errors as `peek`)."""
-        group = self.peek(experiment, group_id)
-        del self._pending[group_id]
-        self._pending_per_experiment[experiment] -= 1
+        self.peek(experiment, group_id)
         self._consumed[group_id] = time.monotonic()
-        return group
+        return self._remove(group_id)
 
     def put_back(self, group: Group) -> None:
         """Undo `take`: its feedback was not accepted after all (the journal write failed), so it is rateable
@@ -95,8 +115,7 @@ class GroupStore:
         group = self._pending.get(group_id)
         if group is None or group.experiment != experiment:
             return False
-        del self._pending[group_id]
-        self._pending_per_experiment[experiment] -= 1
+        self._remove(group_id)
         return True
 
     def expire(self, now: float | None = None) -> dict[str, int]:
@@ -107,8 +126,7 @@ class GroupStore:
             group = next(iter(self._pending.values()))
             if now - group.created_at < self.ttl_s:
                 break
-            self._pending.popitem(last=False)
-            self._pending_per_experiment[group.experiment] -= 1
+            self._remove(group.group_id)
             expired[group.experiment] = expired.get(group.experiment, 0) + 1
         while self._consumed and now - next(iter(self._consumed.values())) >= self.ttl_s:
             self._consumed.popitem(last=False)
@@ -116,8 +134,13 @@ class GroupStore:
 
     def drop_experiment(self, experiment: str) -> None:
         for group_id in [g for g, grp in self._pending.items() if grp.experiment == experiment]:
-            del self._pending[group_id]
+            self._remove(group_id)
         self._pending_per_experiment.pop(experiment, None)
+        self._tokens.pop(experiment, None)
 
     def pending_count(self, experiment: str) -> int:
         return self._pending_per_experiment[experiment]
+
+    def tokens(self, experiment: str | None = None) -> int:
+        """Tokens held by one experiment's pending groups, or (None) by all."""
+        return self._tokens_total if experiment is None else self._tokens[experiment]

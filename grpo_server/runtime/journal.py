@@ -172,7 +172,9 @@ class FeedbackJournal:
                 await asyncio.to_thread(self._write_group, group, seq)
             except OSError as exc:
                 log.error("%s: feedback not journalled: %s", self.path, exc)
-                raise JournalWriteFailed(f"the feedback journal could not be written ({exc}); nothing was "
+                # The reason without the file's name (an OSError's str carries the server's path): the log has it.
+                reason = exc.strerror or type(exc).__name__
+                raise JournalWriteFailed(f"the feedback journal could not be written ({reason}); nothing was "
                                          "accepted and the group is still rateable: retry", retry_after=5.0) from exc
             group.journal_seq = self.last_seq = seq
             if then is not None:

@@ -18,17 +18,19 @@ from typing import AsyncIterator, Literal
 from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeResponse
 from grpo_server.config import MIN_KEY_LENGTH, ExperimentConfig, ServerConfig, keys_as_saved
 from grpo_server.protocol import archive
-from grpo_server.protocol.adapter_files import fetch_version, holds
+from grpo_server.protocol.adapter_files import VersionPruned, fetch_version, holds
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.wire import AdapterRef
 from grpo_server.runtime.episodes import EpisodeStore
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import GroupStore
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
+from grpo_server.runtime.loop_lag import LoopLag
 from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.tasks import OwnedTasks
+from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
 from grpo_server.workers.pool import WorkerPool
 
@@ -53,6 +55,15 @@ class Orchestrator:
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
         self.upkeep = OwnedTasks("orchestrator")
+        self.budget = TokenBudget(config.max_held_tokens_per_experiment, config.max_held_tokens, self.tokens_held)
+        self.loop_lag = LoopLag()
+
+    def tokens_held(self, experiment: str | None = None) -> int:
+        """Tokens in one experiment's (None: every experiment's) pending groups and episodes and training queue."""
+        queues = [e.queue for e in self.experiments.values()] if experiment is None else (
+            [self.experiments[experiment].queue] if experiment in self.experiments else [])
+        return (self.groups.tokens(experiment) + self.episodes.tokens(experiment)
+                + sum(group.tokens for queue in queues for group in queue))
 
     # --- experiments ---------------------------------------------------------------------------
 
@@ -91,11 +102,11 @@ class Orchestrator:
                 await self.workers.learner.remove_experiment(config.name)
                 raise
             exp = Experiment(config=config, workers=self.workers, server=self.config, prompts=self.prompts,
-                             groups=self.groups, episodes=self.episodes,
+                             groups=self.groups, episodes=self.episodes, budget=self.budget,
                              journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
             exp.resume_from(first)
             exp.serve(first.version, first.path)
-            self.registry.save(config)
+            await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
             metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name))
             self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
@@ -110,7 +121,7 @@ class Orchestrator:
         async with self._lock:
             exp = self.get(name)
             del self.experiments[name]
-            self.registry.remove(name)
+            await asyncio.to_thread(self.registry.remove, name)
             await exp.stop()
             self.metrics_logs.pop(name).close()  # the file stays
             self.groups.drop_experiment(name)
@@ -126,7 +137,8 @@ class Orchestrator:
                 await self.workers.learner.archive_experiment(name, label)
             except ApiError as exc:  # what stays is archived before a new experiment of this name starts
                 log.warning("archive_experiment %s: %s", name, exc.message)
-            archive.move_out(self.config.run_dir, label, self._own_files(name))
+            # Renames and fsyncs: on a thread, as every disk write of a request.
+            await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
             log.info("experiment %s deleted, its files archived as %s", name, label)
 
     def saved_experiments(self) -> list[ExperimentConfig]:
@@ -156,7 +168,7 @@ class Orchestrator:
             # Still held by the learner, though deleted here (its remove failed): it is no experiment of ours.
             await self.workers.learner.remove_experiment(name)
             await self.workers.learner.archive_experiment(name, label)
-        archive.move_out(self.config.run_dir, label, self._own_files(name))
+        await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
 
     async def _restore(self, name: str) -> None:
         """The newest archive of `name` back in place, each process its own part, or its files as they are
@@ -172,7 +184,7 @@ class Orchestrator:
             # life (a delete always archives the front end's part).
             label = learner.label or archive.newest(self.config.run_dir, name, own)
             if label is not None:
-                archive.move_back(self.config.run_dir, label, own)
+                await asyncio.to_thread(archive.move_back, self.config.run_dir, label, own)
         log.info("experiment %s: resuming %s", name, learner.label or "its files on disk")
 
     @contextlib.asynccontextmanager
@@ -182,8 +194,14 @@ class Orchestrator:
         exp = self.get(name)
         version = exp.serving_version if version is None else version
         folder = self.config.run_dir / "adapters" / name / f"v{version:06d}"
+        # 410, not 404 or 500, for a version the learner deleted (learner.keep_versions): gone for good.
+        pruned = VersionPruned(f"adapter version {version} of {name!r} was deleted: the learner keeps the newest "
+                               "learner.keep_versions versions and those in use")
         if holds(folder, None):
-            yield folder
+            try:
+                yield folder
+            except FileNotFoundError as exc:  # pruned while being read (learner/retention.py renames it away)
+                raise pruned from exc
             return
         with tempfile.TemporaryDirectory(prefix=".download-", dir=self.config.run_dir) as scratch:
             learner = self.workers.learner_connection  # its session sends the workers' secret, as the learner asks
@@ -193,17 +211,20 @@ class Orchestrator:
             except NotFound as exc:
                 raise NotFound(f"experiment {name!r} has no adapter version {version}",
                                code="version_not_found") from exc
+            except VersionPruned as exc:
+                raise pruned from exc
             yield copy
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        prompts = self.prompts
         if request.continue_from is not None:
-            ids = self.prompts.continue_conversation(request.continue_from, request.messages,
-                                                     request.add_generation_prompt, tools=request.tools)
+            ids = await prompts.off_loop(prompts.continue_conversation, request.continue_from, request.messages,
+                                         request.add_generation_prompt, tools=request.tools)
         elif request.messages is not None:
-            ids = self.prompts.render_messages(request.messages, add_generation_prompt=request.add_generation_prompt,
-                                               tools=request.tools)
+            ids = await prompts.off_loop(prompts.render_messages, request.messages,
+                                         add_generation_prompt=request.add_generation_prompt, tools=request.tools)
         else:
-            ids = self.prompts.token_ids(request)
+            ids = await prompts.off_loop(prompts.token_ids, request)
         return TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.prompts.max_model_len)
 
     # --- background upkeep ---------------------------------------------------------------------
@@ -254,9 +275,11 @@ class Orchestrator:
         """Group expiry and the sampling lines of the metrics logs, until `close`."""
         self.upkeep.spawn(self.expire_groups_forever(), "expire-groups")
         self.upkeep.spawn(self.log_sampling_forever(), "log-sampling")
+        self.upkeep.spawn(self.loop_lag.watch_forever(), "loop-lag")
 
     async def close(self) -> None:
         await self.upkeep.stop()
         await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))
         for metrics_log in self.metrics_logs.values():
             metrics_log.close()
+        self.prompts.close()

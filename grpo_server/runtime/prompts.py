@@ -8,8 +8,13 @@ before a sampler sees it. Tools, tool calls and tool results reach the chat temp
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from grpo_server.api_models import ChatMessage, ExternalCompletion, PromptFields, Tool
 from grpo_server.protocol.errors import BadRequest
@@ -18,16 +23,63 @@ from grpo_server.runtime.chat_render import chat_inputs
 # Stand-ins for an earlier exchange when rendering only the turns that follow it.
 _EARLIER_USER = "\x00earlier user turn\x00"
 _EARLIER_ANSWER = "\x00earlier model turn\x00"
+# Tokenising and rendering run on these threads, each with its own copy of the tokenizer (a fast tokenizer's
+# truncation and padding settings are state that threads sharing one would race on): 8 MiB of text takes
+# 10-20 s here, which on the event loop would stall every other client. Two, so that one tenant's large
+# request leaves a thread for everyone else's prompts.
+TOKENIZER_THREADS = 2
+# Margin on the longest token when bounding a text's tokens from its length (`_check_text_length`): a
+# normalizer may drop characters (control characters, accents), so a text can hold more per token than
+# the vocabulary's longest token shows.
+CHARS_PER_TOKEN_MARGIN = 4
+T = TypeVar("T")
 
 
 class PromptBuilder:
     def __init__(self, model_dir: Path, max_model_len: int, max_prompt_tokens: int | None = None):
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.vocab_size = len(self.tokenizer)
+        self._shared_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.vocab_size = len(self._shared_tokenizer)
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens  # a server limit below the context, if configured
+        tokens = self._shared_tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        self.max_chars_per_token = CHARS_PER_TOKEN_MARGIN * max(len(t or "") for t in tokens)
+        self._local = threading.local()
+        self._threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer",
+                                           initializer=self._own_copy)
+        # Start every thread now, at start-up: a thread's copy takes ~0.3 s of Python (holding the GIL), which
+        # on a first request would stall the event loop after all. An executor starts a thread per task
+        # submitted while the others are busy, so each of these holds one until all have started.
+        started = threading.Barrier(TOKENIZER_THREADS)
+        for future in [self._threads.submit(started.wait) for _ in range(TOKENIZER_THREADS)]:
+            future.result()
+
+    def _own_copy(self) -> None:
+        self._local.tokenizer = copy.deepcopy(self._shared_tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of the calling thread: its own copy on a tokenizer thread, else the shared one (the
+        event loop's short decodes)."""
+        return getattr(self._local, "tokenizer", self._shared_tokenizer)
+
+    async def off_loop(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`method(*args, **kwargs)`, one of this builder's, on a tokenizer thread, awaited: the event loop
+        serves other clients meanwhile (the tokenizers library lets go of the GIL while it encodes)."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads,
+                                                                functools.partial(method, *args, **kwargs))
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _check_text_length(self, chars: int, what: str) -> None:
+        """A 400 for text that cannot fit the context whatever its tokens, before spending seconds on it: no
+        token covers more than `max_chars_per_token` characters."""
+        if chars > self.max_model_len * self.max_chars_per_token:
+            raise BadRequest(f"{what} has {chars} characters: more than the model's context of {self.max_model_len} "
+                             f"tokens can hold at {self.max_chars_per_token} characters per token",
+                             code="prompt_too_long")
 
     def token_ids(self, fields: PromptFields) -> list[int]:
         if fields.prompt_token_ids is not None:
@@ -45,6 +97,7 @@ class PromptBuilder:
                         tools: Sequence[Tool] | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise BadRequest("this model has no chat template: send 'prompt' or 'prompt_token_ids'")
+        self._check_text_length(sum(len(m.content or "") for m in messages), "messages")
         dicts, tool_schemas = chat_inputs(self.tokenizer.chat_template, messages, tools)
         encoded = self._apply_template(dicts, tool_schemas, tokenize=True, add_generation_prompt=add_generation_prompt)
         # transformers 5 returns a BatchEncoding here; older versions a plain list.
@@ -97,6 +150,7 @@ class PromptBuilder:
         return ids
 
     def encode(self, text: str) -> list[int]:
+        self._check_text_length(len(text), "the text")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 from grpo_server.api_models import ExperimentStatus
+from grpo_server.protocol.errors import public_message
 from grpo_server.runtime.experiment import Experiment
 
 
@@ -28,6 +29,8 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         last_push_seconds=exp.last_push_seconds,
         last_verification=exp.last_verification,
         served_as=exp.last_served_as,
-        errors=list(exp.errors),
+        # Descriptive (an exception's type and text may be there: runtime/tasks.py), but an experiment key is a
+        # tenant's: no server path, worker URL or traceback (the log has the full text).
+        errors=[public_message(error) for error in exp.errors],
         config=exp.config.public_dict(),
     )

@@ -104,7 +104,7 @@ class ExperimentTrainer:
         slot = await self._version_slot() if pushing else False
         # The step and the push that follows it, in one turn (grpo_server/workers/pool.py): when sampling takes
         # turns with training, what it samples next comes from the new version.
-        async with self.workers.turns.training():
+        async with self.workers.turns.training(exp.name):
             if exp.queue_generation != generation:
                 return  # the learner restarted meanwhile and these groups were queued again from the journal
             try:
@@ -118,6 +118,8 @@ class ExperimentTrainer:
             self._trained(groups, metrics, left_out)
             if pushing:
                 await self.push(slot)
+        if pushing:  # outside the turn: sampling need not wait for it
+            await self.prune_versions()
 
     def _trained(self, groups: list[Group], metrics: TrainMetrics, left_out: int = 0) -> None:
         exp = self.exp
@@ -150,6 +152,19 @@ class ExperimentTrainer:
         exp.pushed(seconds=time.monotonic() - started, at=time.time())
         exp.serve(saved.version, saved.path)
         self.checks.pushed(saved.version, exp.last_push_seconds, probe, saved.probe_logprobs)
+
+    async def prune_versions(self) -> None:
+        """Let the learner delete the versions nobody needs (learner.keep_versions, learner/retention.py). Only
+        this task's pushes add versions, and each is followed by this from the same task, so no version missing
+        from `in_use` can come into use before the learner acts on it. A failure costs disk, not training:
+        shown, and the next push prunes again."""
+        exp = self.exp
+        in_use = sorted(set(exp.adapter_paths) | exp.versions_in_check | {exp.serving_version})
+        try:
+            await self.workers.learner.prune_versions(exp.name, in_use)
+        except ApiError as exc:
+            exp.record_error(f"old adapter versions not pruned: {exc.message}")
+            log.warning("%s: prune_versions failed: %s", exp.name, exc.message)
 
     async def _version_slot(self) -> bool:
         """Wait until fewer than max_loaded_versions versions are loaded: slow requests pin old ones."""

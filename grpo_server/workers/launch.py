@@ -137,9 +137,11 @@ class WorkerSet:
         if failures:
             await self.stop()
             raise RuntimeError(f"a worker failed to start: {failures[0]}") from failures[0]
-        log.info("schedule: %s (sampling and training %s)", self.schedule,
-                 "take turns" if self.schedule == "alternate" else "run at the same time")
-        return WorkerPool(samplers, learner, ComputeTurns(alternate=self.schedule == "alternate"))
+        log.info("schedule: %s (sampling and training %s)", self.schedule, {
+            "alternate": "take turns by experiment", "alternate_all": "take turns, every experiment's sampling "
+            "waiting for each train step"}.get(self.schedule, "run at the same time"))
+        return WorkerPool(samplers, learner, ComputeTurns(alternate=self.schedule != "overlap",
+                                                          by_experiment=self.schedule == "alternate"))
 
     def _remote_workers(self, session: aiohttp.ClientSession,
                         on_sampler_restart: Callable[[int], Awaitable[None]],

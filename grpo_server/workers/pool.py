@@ -2,9 +2,15 @@
 the turns that sampling and training take on a CPU host.
 
 **Connections.** A worker that is down or restarting answers 503 at once (no connection attempt, no hang);
-a worker's 4xx passes through with its code and message; a worker's 5xx becomes 502 with its message. A
+a worker's 4xx passes through with its code and its message (a check of what was sent), less any absolute
+path, URL or traceback (`protocol/errors.py` `public_message`). A worker's 5xx becomes 502 `worker_error`
+with a fixed message naming the worker, the verb and an incident id: its text (an exception's, with the
+worker's paths) goes to the front end's log at ERROR under that id, never to a client. So does a worker's
+401: it refused the front end's worker secret, a misconfiguration of the server, not the client's key. A
 connection that fails (refused, reset, dropped before the answer) is a `WorkerUnreachable` (503): the
 worker died or is not there, so a caller whose verb has no side effects may send it to another replica.
+Its client sees the worker's name and an incident id; aiohttp's text, which holds the worker's address,
+goes to the log.
 
 **Replicas.** Requests go to the ready replica with the least outstanding work (ties in turn, so a trickle
 of requests spreads too); a replica that cannot be reached is skipped for the next one. An adapter version
@@ -26,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import secrets
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Protocol, TypeVar
@@ -35,12 +43,13 @@ from pydantic import BaseModel
 
 from grpo_server.api_models import ReplicaHealth
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
-from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed
+from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed, public_message
 from grpo_server.protocol.gate import Gate
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient, Verb
 from grpo_server.protocol.wire import AdapterRef
 
 Ans = TypeVar("Ans", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 # States in which a worker is expected back: a train batch waits for it rather than failing.
 COMING_BACK = ("starting", "restarting", "syncing", "down")
@@ -100,25 +109,44 @@ class WorkerConnection:
             raise Unavailable(f"{self.name} did not answer {verb.name} within {timeout_s:.0f} s",
                               code="worker_timeout") from exc
         except aiohttp.ClientConnectionError as exc:  # refused, reset (a reused connection to a dead worker), dropped
-            raise WorkerUnreachable(f"{self.name} is unreachable: {exc}", code="worker_unavailable") from exc
+            raise WorkerUnreachable(self._unreachable(verb, exc), code="worker_unavailable") from exc
         except aiohttp.ClientError as exc:
-            raise Unavailable(f"{self.name} is unreachable: {exc}", code="worker_unavailable") from exc
+            raise Unavailable(self._unreachable(verb, exc), code="worker_unavailable") from exc
         if status >= 400:
             error = payload.get("error", {}) if isinstance(payload, dict) else {}
-            message = f"{self.name}: {error.get('message', payload)}"
-            if status >= 500:
-                raise WorkerFailed(message)
-            raise ApiError(message, code=error.get("code", "bad_request"), status=status)
+            code, text = error.get("code", "bad_request"), str(error.get("message", payload))
+            if status >= 500 or status == 401:
+                incident = new_incident()
+                log.error("%s failed on %s [incident %s]: %d %s: %s", self.name, verb.name, incident, status, code,
+                          text)
+                raise WorkerFailed(f"{self.name} failed on {verb.name}; see the server log (incident {incident})")
+            message = public_message(text)
+            if message != text:  # what the client does not see, the operator can
+                log.warning("%s refused %s: %d %s: %s", self.name, verb.name, status, code, text)
+            raise ApiError(f"{self.name}: {message}", code=code, status=status)
         return verb.answer.model_validate(payload)
+
+    def _unreachable(self, verb: Verb, exc: Exception) -> str:
+        incident = new_incident()
+        # WARNING, not ERROR: a worker that died is the supervisor's to report (processes.py), and every call
+        # in flight to it ends here.
+        log.warning("%s unreachable on %s [incident %s]: %s: %s", self.name, verb.name, incident,
+                    type(exc).__name__, exc)
+        return f"{self.name} is unreachable; retry shortly (incident {incident})"
+
+
+def new_incident() -> str:
+    """A short random id that ties a client's error to the server's log line about it."""
+    return secrets.token_hex(4)
 
 
 # --- sampling and training turns -----------------------------------------------------------------------
 
-Schedule = Literal["auto", "overlap", "alternate"]
+Schedule = Literal["auto", "overlap", "alternate", "alternate_all"]
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the NVIDIA driver sees
 
 
-def resolve_schedule(schedule: Schedule, remote_workers: bool) -> Literal["overlap", "alternate"]:
+def resolve_schedule(schedule: Schedule, remote_workers: bool) -> Literal["overlap", "alternate", "alternate_all"]:
     """`auto`: alternate when the workers run on this machine and it has no NVIDIA GPU (they share its
     CPU cores), overlap otherwise."""
     if schedule != "auto":
@@ -129,10 +157,17 @@ def resolve_schedule(schedule: Schedule, remote_workers: bool) -> Literal["overl
 
 class ComputeTurns:
     """Sampler calls share their turn; a train step has it alone and goes first (protocol/gate.py).
-    With `alternate` False nothing waits; sampler calls are counted either way."""
+    With `alternate` False nothing waits; sampler calls are counted either way.
 
-    def __init__(self, alternate: bool):
+    Turns are by experiment unless `by_experiment` is False (schedule `alternate_all`): a train step keeps out
+    its own experiment's sampling (what that samples next comes from the step's version) but not another's.
+    On one CPU they then share the cores for a while, and the step is slower; keeping everyone out instead
+    makes every tenant's completion wait out another tenant's whole train step and push (seconds): 4.9x its
+    latency alone beside a flooding tenant, against 1.4x by experiment (tests/test_budgets.py, BENCHMARKS.md)."""
+
+    def __init__(self, alternate: bool, by_experiment: bool = True):
         self.alternate = alternate
+        self.by_experiment = by_experiment
         self._gate = Gate()
         self._sampling = 0  # sampler calls running
 
@@ -142,8 +177,9 @@ class ComputeTurns:
         return self._sampling
 
     @contextlib.asynccontextmanager
-    async def sampling(self) -> AsyncIterator[None]:
-        async with (self._gate.shared() if self.alternate else contextlib.nullcontext()):
+    async def sampling(self, experiment: str | None = None) -> AsyncIterator[None]:
+        owner = experiment if self.by_experiment else None
+        async with (self._gate.shared(owner) if self.alternate else contextlib.nullcontext()):
             self._sampling += 1
             try:
                 yield
@@ -151,8 +187,9 @@ class ComputeTurns:
                 self._sampling -= 1
 
     @contextlib.asynccontextmanager
-    async def training(self) -> AsyncIterator[None]:
-        async with (self._gate.exclusive() if self.alternate else contextlib.nullcontext()):
+    async def training(self, experiment: str | None = None) -> AsyncIterator[None]:
+        async with (self._gate.exclusive(experiment if self.by_experiment else None) if self.alternate
+                    else contextlib.nullcontext()):
             yield
 
 
@@ -223,13 +260,13 @@ class WorkerPool:
         return SamplerClient(self.samplers[index])
 
     @contextlib.asynccontextmanager
-    async def sampler(self, take_turn: bool = True) -> AsyncIterator[SamplerClient]:
+    async def sampler(self, take_turn: bool = True, experiment: str | None = None) -> AsyncIterator[SamplerClient]:
         """A client whose calls go to the least-loaded ready replica (see `BalancedReplicas`), held during a
-        sampling turn (it may first wait for a train step to end) unless `take_turn` is False. Raises 503 at
-        once when no replica is ready."""
+        sampling turn of `experiment` (it may first wait for its train step to end) unless `take_turn` is False.
+        Raises 503 at once when no replica is ready."""
         if not self.ready_samplers():
             raise self._none_ready()
-        async with (self.turns.sampling() if take_turn else contextlib.nullcontext()):
+        async with (self.turns.sampling(experiment) if take_turn else contextlib.nullcontext()):
             yield SamplerClient(BalancedReplicas(self))
 
     def _none_ready(self) -> Unavailable:

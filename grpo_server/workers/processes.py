@@ -2,7 +2,8 @@
 
 Each worker runs in its own process group, so stopping it also stops what it spawned (vLLM's engine
 core). PR_SET_PDEATHSIG makes a worker die with the front end even when the front end is killed -9,
-so Ctrl-C or a crash leaves no orphans.
+so Ctrl-C or a crash leaves no orphans. Its stdout and stderr come through a pipe into its log, which
+rotates by size, and is only ever read from its tail (grpo_server/workers/worker_logs.py says why).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from grpo_server.workers.worker_logs import LogPump, RotatingLog, tail_lines
+
 log = logging.getLogger(__name__)
 
 MAX_CRASHES = 5  # within CRASH_WINDOW_S, then the worker is marked failed and not restarted
@@ -27,6 +30,7 @@ CRASH_WINDOW_S = 600.0
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_GRACE_S = 15.0
 HEALTH_PROGRESS_S = 15.0  # while a worker starts, how often the front end's log says it is still waiting
+DRAIN_S = 3.0  # after a worker exits, how long its last output may take to reach the log before it is read
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -48,6 +52,8 @@ class WorkerProcess:
         self.argv = argv
         self.url = url
         self.log_path = log_path
+        self._log = RotatingLog(log_path)
+        self._pump: LogPump | None = None
         self.env = env
         self.startup_timeout_s = startup_timeout_s
         self.on_restart = on_restart
@@ -70,13 +76,15 @@ class WorkerProcess:
 
     async def _spawn_and_wait(self) -> None:
         self.state = "starting"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            self._proc = subprocess.Popen(
-                self.argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                # Unbuffered: a worker's prints reach its log (and the start-up progress lines) at once.
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}, preexec_fn=_die_with_parent,
-            )
+        self._proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # Unbuffered: a worker's prints reach its log (and the start-up progress lines) at once.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}, preexec_fn=_die_with_parent,
+        )
+        # Before the pump starts: the worker's first bytes wait in the pipe, so this line comes first.
+        self._log.write(f"--- {self.name}: started pid {self._proc.pid} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
+                        .encode())
+        self._pump = LogPump(self._proc.stdout, self._log, self.name)
         log.info("%s: started pid %s, log %s", self.name, self._proc.pid, self.log_path)
         started = time.monotonic()
         await self._wait_healthy()
@@ -92,6 +100,7 @@ class WorkerProcess:
                     log.info("%s: waiting for health, %.0f s of %.0f s; its log's last line: %s", self.name,
                              time.monotonic() - started, self.startup_timeout_s, self.tail_log(1)[-200:] or "(empty)")
                 if self._proc.poll() is not None:
+                    await self._drained()
                     raise RuntimeError(
                         f"{self.name} exited with code {self._proc.returncode} during start-up; "
                         f"last log lines:\n{self.tail_log()}"
@@ -111,6 +120,7 @@ class WorkerProcess:
             if self._stopping:
                 return
             self._kill_leftovers()  # what the dead worker spawned (vLLM's engine core) goes with it
+            await self._drained()  # its last words (a traceback) are in the log before the log is read
             self.last_error = f"exited with code {code}"
             log.error("%s: %s; last log lines:\n%s", self.name, self.last_error, self.tail_log())
             now = time.monotonic()
@@ -137,10 +147,14 @@ class WorkerProcess:
                 self._kill_group(signal.SIGKILL)
 
     def tail_log(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        """The log's last lines, read from its end only (it may hold megabytes of a long run)."""
+        return tail_lines(self.log_path, lines)
+
+    async def _drained(self, timeout_s: float = DRAIN_S) -> None:
+        """Wait (a little) until the exited worker's output is all in its log: the pipe ends once every process
+        of its group has closed it."""
+        if self._pump is not None:
+            await asyncio.to_thread(self._pump.join, timeout_s)
 
     def _kill_group(self, sig: int) -> None:
         if self._proc is None or self._proc.poll() is not None:
@@ -172,4 +186,6 @@ class WorkerProcess:
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
+        await self._drained()
+        self._log.close()
         self.state = "stopped"
