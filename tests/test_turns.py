@@ -49,11 +49,11 @@ async def test_a_train_step_waits_for_sampling_and_holds_new_sampling_back():
 
 
 async def test_a_train_step_holds_back_its_own_experiments_sampling_not_anothers():
-    """Turns by experiment: while `a` trains, `a`'s new sampling waits and `b`'s starts; a waiting train step
-    of `b` still holds every new sampling call back, so it cannot be starved."""
+    """Turns by experiment: while `a` trains, `a`'s new sampling waits and `b`'s starts; `b`'s train step waits
+    only for `b`'s sampling, not for `a`'s, and holds back only `b`'s new calls."""
     t = ComputeTurns(alternate=True)
     log: list[str] = []
-    train_a, a1, b1, train_b, b2 = (asyncio.Event() for _ in range(5))
+    train_a, a1, b1, train_b, b2, a2 = (asyncio.Event() for _ in range(6))
     tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", train_a))]
     await settle()
     tasks += [asyncio.create_task(hold(t.sampling("a"), log, "a1", a1)),
@@ -63,12 +63,17 @@ async def test_a_train_step_holds_back_its_own_experiments_sampling_not_anothers
     tasks.append(asyncio.create_task(hold(t.training("b"), log, "train b", train_b)))
     tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
     await settle()
-    assert log == ["train a in", "b1 in"]  # b's step waits for everything running; new calls wait behind it
-    train_a.set()
+    assert log == ["train a in", "b1 in"]  # b's step waits for b1; b's new call waits behind it
     b1.set()
     await settle()
-    assert log[-2:] == ["train b in", "a1 in"]  # a's sampling goes beside b's step, b's own waits for it
-    for event in (a1, train_b, b2):
+    assert log[-2:] == ["b1 out", "train b in"]
+    tasks.append(asyncio.create_task(hold(t.sampling("a"), log, "a2", a2)))
+    await settle()
+    assert "a2 in" not in log  # a's step still holds a's calls back, whoever else trains
+    train_a.set()
+    await settle()
+    assert {"a1 in", "a2 in"} <= set(log) and "b2 in" not in log
+    for event in (a1, a2, train_b, b2):
         event.set()
     await asyncio.gather(*tasks)
     assert log[-2:] == ["b2 in", "b2 out"]

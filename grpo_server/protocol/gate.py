@@ -5,31 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Hashable
 
 
 class Gate:
     """Many shared holders at once, or one exclusive holder alone. An exclusive waiter goes first: new
     shared holders wait behind it, so a stream of shared holders cannot starve it. The vLLM sampler keeps
     its prompt-logprob requests out of other requests' batches with it (sampler/vllm_engine.py); the front
-    end lets sampling and training take turns with it (grpo_server/workers/pool.py).
-
-    Holders may name an `owner`. A shared holder whose owner is given and differs from the exclusive holder's
-    may start while that one holds the gate (not while an exclusive waiter waits, so it cannot be starved):
-    the front end's sampling of one experiment need not wait out another experiment's train step."""
+    end lets sampling and training take turns with it (grpo_server/workers/pool.py)."""
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
         self._shared = 0
         self._exclusive = False
-        self._owner: Hashable | None = None  # the exclusive holder's
         self._waiting = 0
 
     @contextlib.asynccontextmanager
-    async def shared(self, owner: Hashable | None = None) -> AsyncIterator[None]:
+    async def shared(self) -> AsyncIterator[None]:
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._waiting and (
-                not self._exclusive or (owner is not None and self._owner is not None and owner != self._owner)))
+            await self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
             self._shared += 1
         try:
             yield
@@ -37,14 +30,14 @@ class Gate:
             await self._release_shared()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self, owner: Hashable | None = None) -> AsyncIterator[None]:
-        await self._acquire_exclusive(owner)
+    async def exclusive(self) -> AsyncIterator[None]:
+        await self._acquire_exclusive()
         try:
             yield
         finally:
             await self._release_exclusive()
 
-    async def _acquire_exclusive(self, owner: Hashable | None) -> None:
+    async def _acquire_exclusive(self) -> None:
         async with self._cond:
             self._waiting += 1
             try:
@@ -52,11 +45,11 @@ class Gate:
             finally:
                 self._waiting -= 1
                 self._cond.notify_all()  # a cancelled waiter must not keep generations held back
-            self._exclusive, self._owner = True, owner
+            self._exclusive = True
 
     async def _release_exclusive(self) -> None:
         async with self._cond:
-            self._exclusive, self._owner = False, None
+            self._exclusive = False
             self._cond.notify_all()
 
     async def _release_shared(self) -> None:

@@ -208,6 +208,11 @@ class EpisodeStore:
     def pending_count(self, experiment: str) -> int:
         return self._pending_per_experiment[experiment]
 
+    def started(self, experiment: str, episode_id: str | None) -> bool:
+        """Whether `episode_id` is a pending episode with a turn already (its next turn is no new work)."""
+        episode = self._pending.get((experiment, episode_id)) if episode_id is not None else None
+        return episode is not None and episode.turns > 0
+
     def tokens(self, experiment: str | None = None) -> int:
         """Tokens held by one experiment's pending episodes, or (None) by all."""
         return self._tokens_total if experiment is None else self._tokens[experiment]

@@ -94,17 +94,22 @@ class Experiment:
     async def complete(self, request: CompletionsRequest, group_id: str | None = None,
                        admitted: asyncio.Event | None = None) -> CompletionsResponse:
         """A group of completions under the serving version, kept for its feedback (or one turn of an episode).
-        A stream (api/streaming.py) names the group first (`group_id`) and starts once `admitted` is set."""
-        name, limits = self.name, self.server
-        # Requests still sampling count too: their groups reach the queue later, and admitting them all
-        # while the queue looks short only makes groups that go stale before the learner gets to them.
-        backlog = limits.max_queued_batches * self.config.algorithm.batch_groups
+        A stream (api/streaming.py) names the group first (`group_id`) and starts once `admitted` is set.
+        Requests admitted count from here to their end (tokenising included): their groups reach the queue
+        later, and admitting more while the queue looks short only makes groups that go stale. An episode's
+        later turns are work already admitted: held back, its earlier turns would be lost."""
+        backlog = self.server.max_queued_batches * self.config.algorithm.batch_groups
         in_pipeline = len(self.queue) + self.sampling_requests
-        if in_pipeline >= backlog:
-            raise TooManyRequests(f"{in_pipeline:.3g} groups of {name!r} are being sampled or wait for the learner "
-                                  f"(max_queued_batches x batch_groups = {backlog}); retry shortly",
+        if in_pipeline >= backlog and not self.episodes.started(self.name, request.episode_id):
+            raise TooManyRequests(f"{in_pipeline:.3g} groups of {self.name!r} are being sampled or wait for the "
+                                  f"learner (max_queued_batches x batch_groups = {backlog}); retry shortly",
                                   code="learner_behind", retry_after=2.0)
-        defaults = self.config.sampling
+        with self.sampling_request(1 / self.config.sampling.n if request.episode_id is not None else 1.0):
+            return await self._admitted(request, group_id, admitted)
+
+    async def _admitted(self, request: CompletionsRequest, group_id: str | None,
+                        admitted: asyncio.Event | None) -> CompletionsResponse:
+        name, limits, defaults = self.name, self.server, self.config.sampling
         n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
         if request.episode_id is not None:
             if request.n not in (None, 1):
@@ -135,8 +140,7 @@ class Experiment:
 
     async def _episode_turn(self, request: CompletionsRequest, max_tokens: int, decoding: tuple[float, float],
                             admitted: asyncio.Event | None) -> CompletionsResponse:
-        """One completion in its episode (runtime/episodes.py): a history that repeats the previous turn
-        continues from its sampled ids, not a re-rendering."""
+        """One completion in its episode (runtime/episodes.py): a repeated history continues from its sampled ids."""
         limits = self.server
         episode = self.episodes.open(self.name, request.episode_id, limits.max_pending_episodes,
                                      limits.max_episode_turns)
@@ -166,8 +170,7 @@ class Experiment:
         """Sample under the serving version, once its worst case fits the token budget (else 429 before `admitted`
         is set; the caller stores the result before any await, as the reservation ends), chosen once the sampling
         turn starts: a request that waited for a train step samples the version that step pushed."""
-        with (self.budget.reserve(self.name, len(prompt_ids) + n * max_tokens),
-              self.sampling_request(1 / self.config.sampling.n if request.episode_id else 1.0)):
+        with self.budget.reserve(self.name, len(prompt_ids) + n * max_tokens):
             if admitted is not None:
                 admitted.set()
             async with self.workers.sampler(experiment=self.name) as sampler:
@@ -309,18 +312,15 @@ class Experiment:
                 self.retire_unused_versions()
 
     def abandon(self, group_id: str | None, episode_id: str | None = None) -> None:
-        """Drop what `complete` stored for a client that left before receiving it (a stream cut short): its
-        group (nobody can rate it; kept, it would hold a max_pending_groups slot, then count as expired), or
-        its episode's newest turn (so that a retry continues from the turn before)."""
+        """Drop what `complete` stored for a client that left before receiving it (a stream cut short): its group
+        (unrateable, it would hold a pending slot), or its episode's newest turn (a retry continues before it)."""
         if group_id is not None and self.groups.discard(self.name, group_id):
             log.info("%s: group %s dropped: its client left the stream before receiving it", self.name, group_id)
         if episode_id is not None:
             self.episodes.undo_turn(self.name, episode_id)
-            log.info("%s: episode %s: its newest turn undone: its client left the stream before receiving it",
-                     self.name, episode_id)
+            log.info("%s: episode %s: newest turn undone: its client left the stream before it", self.name, episode_id)
 
-    def expired(self, groups: int = 0, episodes: int = 0) -> None:
-        """Pending groups and episodes expired without feedback (their stores dropped them)."""
+    def expired(self, groups: int = 0, episodes: int = 0) -> None:  # their stores dropped them without feedback
         self.counters.groups_expired += groups
         self.counters.episodes_expired += episodes
 

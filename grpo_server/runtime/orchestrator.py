@@ -126,6 +126,7 @@ class Orchestrator:
             self.metrics_logs.pop(name).close()  # the file stays
             self.groups.drop_experiment(name)
             self.episodes.drop_experiment(name)
+            self.workers.turns.forget(name)
             for version in list(exp.adapter_paths):
                 await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
             try:

@@ -159,17 +159,29 @@ class ComputeTurns:
     """Sampler calls share their turn; a train step has it alone and goes first (protocol/gate.py).
     With `alternate` False nothing waits; sampler calls are counted either way.
 
-    Turns are by experiment unless `by_experiment` is False (schedule `alternate_all`): a train step keeps out
-    its own experiment's sampling (what that samples next comes from the step's version) but not another's.
-    On one CPU they then share the cores for a while, and the step is slower; keeping everyone out instead
-    makes every tenant's completion wait out another tenant's whole train step and push (seconds): 4.9x its
-    latency alone beside a flooding tenant, against 1.4x by experiment (tests/test_budgets.py, BENCHMARKS.md)."""
+    Turns are by experiment (one gate each) unless `by_experiment` is False (schedule `alternate_all`, one gate
+    for all): a train step waits for its own experiment's sampler calls and holds its new ones back (what that
+    samples next comes from the step's version), while other experiments' calls neither wait for it nor delay
+    it. On one CPU they then share the cores for a while, and the step is slower; one gate for all instead makes
+    every tenant's completion wait out another tenant's whole train step and push, and the sampler calls that
+    step waits for (seconds): 4.9x a tenant's latency alone beside a flooding one (tests/test_budgets.py)."""
 
     def __init__(self, alternate: bool, by_experiment: bool = True):
         self.alternate = alternate
         self.by_experiment = by_experiment
-        self._gate = Gate()
+        self._gates: dict[str | None, Gate] = {}
         self._sampling = 0  # sampler calls running
+
+    def _gate(self, experiment: str | None) -> Gate:
+        key = experiment if self.by_experiment else None
+        if key not in self._gates:
+            self._gates[key] = Gate()
+        return self._gates[key]
+
+    def forget(self, experiment: str) -> None:
+        """A deleted experiment's gate (none of its calls is left)."""
+        if self.by_experiment:
+            self._gates.pop(experiment, None)
 
     @property
     def sampling_calls(self) -> int:
@@ -178,8 +190,7 @@ class ComputeTurns:
 
     @contextlib.asynccontextmanager
     async def sampling(self, experiment: str | None = None) -> AsyncIterator[None]:
-        owner = experiment if self.by_experiment else None
-        async with (self._gate.shared(owner) if self.alternate else contextlib.nullcontext()):
+        async with (self._gate(experiment).shared() if self.alternate else contextlib.nullcontext()):
             self._sampling += 1
             try:
                 yield
@@ -188,8 +199,7 @@ class ComputeTurns:
 
     @contextlib.asynccontextmanager
     async def training(self, experiment: str | None = None) -> AsyncIterator[None]:
-        async with (self._gate.exclusive(experiment if self.by_experiment else None) if self.alternate
-                    else contextlib.nullcontext()):
+        async with (self._gate(experiment).exclusive() if self.alternate else contextlib.nullcontext()):
             yield
 
 

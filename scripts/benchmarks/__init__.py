@@ -17,7 +17,10 @@ Run every module from the repository root (`.venv/bin/python -m scripts.benchmar
     end_to_end.py       time to a mean reward on alphabetize, this server vs TRL
     race.py             the race both end-to-end sides share, and the median over several runs
     trl_side.py         TRL's GRPOTrainer side of the end-to-end race
-    load.py             a bounded load test: C concurrent clients for D seconds
+    load.py             a bounded load test: C concurrent clients for D seconds (--mix: the mixed round)
+    load_mixed.py       the mixed round: plain, streaming, episode and tool-call clients; 5xx, RSS, event-loop lag
+    load_kinds.py       the mixed round's client kinds
+    fairness.py         a quiet experiment's latency alone vs beside a noisy experiment's flood (--only fairness)
     table.py            the summary table written into BENCHMARKS.md
     gpu_check.py        scripts/gpu-check's driver: each phase in its own process and time limit, one JSON
     gpu_phases.py       scripts/gpu-check's phases: model, learner, sampler, server, the race's two sides

@@ -31,6 +31,9 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
    server vs TRL's GRPOTrainer (end_to_end.py, race.py, trl_side.py; needs the `bench` extra), one after
    the other, 3 pairs; each side's median, spread and runs that got there.
    `--e2e-target`, `--e2e-window`, `--e2e-time-limit-s`, `--e2e-runs` change the race.
+5. fairness (only when asked: `--only fairness`; a server of its own, a few minutes): a quiet experiment's
+   completion latency alone vs beside a noisy experiment flooded by 8 clients with its learner steps running,
+   and the event-loop lag (fairness.py).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
 `<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it). A figure that fails is reported
@@ -60,12 +63,14 @@ from grpo_server.config import EMBEDDED_MODEL_NAME, SamplerSettings
 from . import REPO
 from .adapter import adapter_figure
 from .end_to_end import end_to_end_figure, end_to_end_minutes, with_settings
+from .fairness import own_server_figure
 from .host import figure, loadavg
 from .learner_vs_peft import learner_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import render, replace_block
 
 FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes", "learner", "adapter", "end_to_end")
+EXTRA_FIGURES = ("fairness",)  # run only when named in --only
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ class Mode:
     ep_max_tokens: int = 16
     ep_rounds: int = 2
     ep_groups: int = 4
+    # fairness: quiet's completions per phase, and the least seconds of its flooded phase
+    fair_requests: int = 20
+    fair_window_s: float = 30.0
 
 
 QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4),
@@ -146,6 +154,10 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
         await figure(results, "learner", learner_figure(mode))
     if "adapter" in only:
         await figure(results, "adapter", adapter_figure(model_dir, mode))
+    if "fairness" in only:
+        meta = results["meta"]
+        await figure(results, "fairness", own_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
+                                                            requests=mode.fair_requests, window_s=mode.fair_window_s))
     if "end_to_end" in only:
         if mode.end_to_end:
             await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))
@@ -163,7 +175,8 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path, default=REPO / "BENCHMARKS.md", help="file with the table")
     parser.add_argument("--no-markdown", action="store_true", help="do not touch the markdown file")
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory (else removed)")
-    parser.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
+    parser.add_argument("--only", default=",".join(FIGURES),
+                        help=f"comma-separated subset of {','.join(FIGURES + EXTRA_FIGURES)}")
     parser.add_argument("--e2e-target", type=float, default=None, help="end_to_end: running mean reward to reach")
     parser.add_argument("--e2e-window", type=int, default=None, help="end_to_end: groups in the running mean")
     parser.add_argument("--e2e-time-limit-s", type=float, default=None, help="end_to_end: limit per side")
@@ -173,9 +186,9 @@ def main() -> int:
                         help="server figures: a sampler setting (YAML value), e.g. several_experiments=turns")
     args = parser.parse_args()
     only = {f.strip() for f in args.only.split(",") if f.strip()}
-    unknown = only - set(FIGURES)
+    unknown = only - set(FIGURES) - set(EXTRA_FIGURES)
     if unknown:
-        parser.error(f"unknown figures {sorted(unknown)}; choose from {FIGURES}")
+        parser.error(f"unknown figures {sorted(unknown)}; choose from {FIGURES + EXTRA_FIGURES}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     mode = QUICK if args.quick else FULL

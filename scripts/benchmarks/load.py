@@ -1,14 +1,13 @@
 """Load: answers by status, latency percentiles and front-end RSS with C concurrent clients for D seconds.
 
-A bounded load test of the real server on loopback: C concurrent clients for D seconds.
-
     .venv/bin/python -m scripts.benchmarks.load [--clients 200 --duration 60 --ttl 20 --n 4 --max-tokens 4]
     .venv/bin/python -m scripts.benchmarks.load --url http://127.0.0.1:8000 --api-key KEY [--pid PID] ...
+    .venv/bin/python -m scripts.benchmarks.load --mix [plain=2,stream=1,episode=1,tools=1] ...  # load_mixed.py
 
 Without --url it starts `grpo-server serve` (tests/serving.py's start_server) on the tiny random Llama of
-tests/tiny_model.py, with `group_ttl_s` set to --ttl. It creates an experiment (n, max_tokens, a small
-`batch_groups`, so the learner trains and pushes versions during the load), then runs C clients, each
-looping: `completions`, then `feedback` with random rewards, except for a fraction of groups
+tests/tiny_model.py, with `group_ttl_s` (and `episode_ttl_s`) set to --ttl. It creates an experiment (n,
+max_tokens, a small `batch_groups`, so the learner trains and pushes versions during the load), then runs C
+clients, each looping: `completions`, then `feedback` with random rewards, except for a fraction of groups
 (--abandon) left without feedback, to exercise the TTL expiry. A client that gets a 429 waits out its
 Retry-After (capped at 2 s) as a well-behaved client does.
 
@@ -21,8 +20,9 @@ process: before, peak during the load, right after, and after the TTL has passed
 Prints a table and writes the JSON results to --out. Exit status: 1 if there was any error other than
 429, 2 if pending groups did not expire, else 0. The load generator runs in this process, beside the
 server on the same cores: on a small machine the figures measure the whole box, not the front end alone.
-`run_load` is the importable core (tests/test_load.py uses it against the test session's server). This
-module imports nothing else of scripts/benchmarks, so it can be loaded by its path too.
+`run_load` is the importable core (tests/test_load.py uses it against the test session's server); only
+`main` imports from scripts/benchmarks (load_mixed.py, for `--mix`: plain, streaming, episode and tool-call
+clients at once), so the rest can be loaded by its path too.
 """
 
 from __future__ import annotations
@@ -351,7 +351,11 @@ def main() -> int:
     parser.add_argument("--pid", type=int, help="the running server's front-end pid, for its RSS (with --url)")
     parser.add_argument("--model-dir", type=Path, help="tiny model folder to reuse (built there if missing)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_load.json"), help="JSON results")
+    parser.add_argument("--mix", nargs="?", const="plain=2,stream=1,episode=1,tools=1", help="the mixed round "
+                        "(load_mixed.py), the clients split by these weights (default: %(const)s)")
     args = parser.parse_args()
+    from scripts.benchmarks import load_mixed  # here: loaded by its path, the rest needs no package
+    bench, table = (load_mixed.benchmark, load_mixed.print_table) if args.mix else (benchmark, print_table)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for signum in (signal.SIGINT, signal.SIGTERM):  # KeyboardInterrupt: the server started below is stopped
         signal.signal(signum, signal.default_int_handler)
@@ -362,23 +366,23 @@ def main() -> int:
     if args.url:
         if not args.api_key:
             parser.error("--url needs --api-key (or GRPO_SERVER_API_KEY)")
-        result = asyncio.run(benchmark(args.url.rstrip("/"), args.api_key, args.pid, args))
+        result = asyncio.run(bench(args.url.rstrip("/"), args.api_key, args.pid, args))
     else:
         from tests.serving import start_server, stop_server
         from tests.tiny_model import build_tiny_model
 
         work = Path(tempfile.mkdtemp(prefix="bench-load-"))
         model_dir = build_tiny_model(args.model_dir or work / "tiny-llama")
-        handle = start_server(work / "run", model_dir, group_ttl_s=args.ttl)
+        handle = start_server(work / "run", model_dir, group_ttl_s=args.ttl, episode_ttl_s=args.ttl)
         print(f"server up at {handle.url} (front end pid {handle.process.pid}, run dir {work / 'run'})", flush=True)
         try:
-            result = asyncio.run(benchmark(handle.url, handle.api_key, handle.process.pid, args))
+            result = asyncio.run(bench(handle.url, handle.api_key, handle.process.pid, args))
         finally:
             code = stop_server(handle)
             meta["server_exit_code"] = code
             meta["server_log"] = str(handle.log_path)
     result = {**meta, **result}
-    print_table(result)
+    table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {args.out}")

@@ -159,6 +159,25 @@ def _episodes_row(ep: dict | None) -> tuple[str, str, str, str, str]:
     return (name, what, measured, target, _verdict(ep["ratio"], 0.9) + _spread(ep["round_ratios"]))
 
 
+def _fairness_row(fa: dict) -> tuple[str, str, str, str, str]:
+    name, target = "fairness", "<= 2x"
+    err = _error(fa)
+    if err:
+        return (name, "a quiet experiment's latency alone vs beside a noisy one's flood", err, target, "")
+    noisy, lag = fa["noisy"], fa["loop_lag"]
+    what = (f"`quiet`'s completion latency ({fa['requests']}+ requests one after another, n={fa['n']}, max_tokens "
+            f"{fa['max_tokens']}) alone vs while `noisy` is flooded by {fa['noisy_clients']} clients looping "
+            f"completion + feedback (batch_groups {fa['batch_groups']}, its learner stepping), on a server of its own")
+    measured = (f"median {_f(fa['alone']['median_s'], 3)} s alone, {_f(fa['flooded']['median_s'], 3)} s flooded: "
+                f"**{_f(fa['ratio_median'], 2)}x** (p90 {_f(fa['ratio_p90'], 2)}x; alone again after "
+                f"{_f(fa['alone_after']['median_s'], 3)} s). noisy in the {noisy['window_s']} s window: "
+                f"{', '.join(f'{k} {v}' for k, v in noisy['answers_window'].items())}; "
+                f"{noisy['learner_steps_window']} learner steps. Event-loop lag flooded: p99 "
+                f"{_f(lag['flooded']['p99_s'], 3)} s, max {_f(lag['flooded']['max_s'], 3)} s")
+    ratio = fa["ratio_median"]
+    return (name, what, measured, target, "met" if ratio <= 2.0 else f"**missed**: {ratio:.2f}x")
+
+
 def _rounds(fig: dict) -> str:
     """The request mix and its alternating rounds, as the front-end and overlap figures run them."""
     return (f"{fig['requests']} requests x n={fig['n']}, max_tokens {fig['max_tokens']}, concurrency "
@@ -305,6 +324,8 @@ def render(results: dict) -> str:
                      "and worker count under the sampler), after k experiments each sampled and trained one step",
                      "; ".join(parts), "report", ""))
 
+    if "fairness" in figs:  # only when asked for (scripts/bench --only fairness)
+        rows.append(_fairness_row(figs["fairness"]))
     rows.append(_end_to_end_row(figs.get("end_to_end")))
 
     lines = [
