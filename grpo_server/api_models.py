@@ -6,7 +6,7 @@ No ML imports: the client install shares these models with the server.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -95,7 +95,8 @@ class CompletionsRequest(PromptFields):
     temperature: float | None = Field(None, ge=0, le=2)  # vLLM takes [0, 2], as OpenAI does
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
-    stop: list[str] | None = Field(None, max_length=16)
+    # Each at least one character: the sampler refuses an empty one, which must be a 422 here, before a stream starts.
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
     seed: int | None = Field(None, ge=0, lt=2**63)
     tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description=(
         "Functions the model may call (with `messages`): its calls come back parsed as `tool_calls`."))

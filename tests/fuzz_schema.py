@@ -619,22 +619,6 @@ def shape(case: schemathesis.Case, turn: int, sizes: dict[str, int], names: list
             _as_episode_turn(case, body, body["model"], turn, episodes)
 
 
-def avoid_known_bugs(case: schemathesis.Case) -> None:
-    """What the fuzzing found and the server does not handle yet, left out so that the fuzzing goes on; each
-    has an xfail test in tests/test_fuzz.py (`test_known_bug`) that fails once the server is fixed, to take
-    the edit out here.
-
-    - An empty stop string in a stream: the front end takes it (the schema has no minLength on stop's items),
-      the stream starts, and then the sampler refuses it (sampler/engine.py `check_generate`): the 400 comes
-      as an error event inside a 200 stream. (Without `stream` it is the sampler's 400, a plain answer.)"""
-    body = case.body
-    if isinstance(body, dict) and body.get("stream") is True and case.path in OPENAI_PATHS:
-        if body.get("stop") == "":
-            body.pop("stop")
-        elif isinstance(body.get("stop"), list) and "" in body["stop"]:
-            body["stop"] = [stop for stop in body["stop"] if stop != ""]
-
-
 def protect(case: schemathesis.Case, created: Iterable[str] = ()) -> None:
     """Fuzzing never touches the experiments other tests left (schemathesis infers links from the list of
     experiments, so it finds their names) and never deletes the fuzz target: such a call goes to a name that

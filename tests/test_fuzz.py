@@ -52,7 +52,7 @@ from hypothesis.errors import FlakyStrategyDefinition
 from grpo_server.api.openapi import ENDPOINTS, openapi_document
 from grpo_server.config import ExperimentConfig
 from tests.fuzz_schema import (ADMIN, BEFORE, CHEAP, COUNTS, EXAMPLES, KINDS, STATUSES, STEPS, Episodes, Http,
-                               avoid_known_bugs, check_raw, cheapen, created_name, delete_quietly, error_code, kinds_of,
+                               check_raw, cheapen, created_name, delete_quietly, error_code, kinds_of,
                                knob, protect, record, sampled, schema, shape, strict_json, summary)
 from tests.fuzz_strategies import FUZZ_EXP, FUZZ_KEY, MSGPACK, RawCase, raw_cases
 
@@ -132,7 +132,6 @@ def test_api(case, http, fuzz_target, api_groups):
     shape(case, turn, api_groups if target else {}, [], API_EPISODES)
     protect(case)
     cheapen(case)
-    avoid_known_bugs(case)
     kinds = kinds_of(case)
     headers = {"Accept": MSGPACK if turn % 5 == 2 else "application/json"}
     key = turn % 10
@@ -192,7 +191,6 @@ def test_stateful(http, fuzz_target, capsys):
             shape(case, self.turn, self.sizes, self.live or [FUZZ_EXP], self.episodes)
             protect(case, self.created)
             cheapen(case)
-            avoid_known_bugs(case)
             self.kinds = kinds_of(case)
 
         def get_call_kwargs(self, case) -> dict[str, Any]:
@@ -318,18 +316,16 @@ def test_found_by_fuzzing(http, fuzz_target, path, data, status, code):
     assert http.json("GET", "/v1/experiments", key="wrong-key")[0] == 401
 
 
-KNOWN_BUGS = [  # found by the fuzzing, not fixed in the server yet: tests/fuzz_schema.py's avoid_known_bugs
-    # A stream with an empty stop string: a 200 stream whose one event after the first chunk is the sampler's
+FOUND_BUGS = [  # found by the fuzzing, fixed in the server
+    # A stream with an empty stop string was a 200 stream whose one event after the first chunk was the sampler's
     # {"error": {"code": "bad_request", "message": "sampler-0: stop strings must be non-empty"}}, not a 4xx.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop": ""}),
     ("/v1/completions", {"prompt": "Hi", "stop": ["a", ""]}),
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="a server bug the fuzzing found (KNOWN_BUGS); fixed: take it out here and in "
-                   "avoid_known_bugs")
-@pytest.mark.parametrize("path, body", KNOWN_BUGS, ids=range(len(KNOWN_BUGS)))
-def test_known_bug(http, fuzz_target, path, body):
+@pytest.mark.parametrize("path, body", FOUND_BUGS, ids=range(len(FOUND_BUGS)))
+def test_found_bug_stays_fixed(http, fuzz_target, path, body):
     """What every refusal of a stream should be (README, Streaming): a plain JSON error with its 4xx status,
     before the stream starts."""
     body = {"model": FUZZ_EXP, "n": 1, "max_tokens": 1, "stream": True, **body}

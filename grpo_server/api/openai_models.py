@@ -37,7 +37,7 @@ No ML imports: the handler passes token strings in (it owns the tokenizer).
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -66,7 +66,7 @@ class OpenAIRequest(OpenAIBody):
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None  # as ours
     seed: int | None = None
     stream: bool | None = Field(None, description="Server-sent events (api/streaming.py).")
     stream_options: StreamOptions | None = None  # read only with `stream: true`
