@@ -40,13 +40,18 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-async def flood(client: AsyncClient, name: str, seconds: float, concurrency: int = 8) -> dict[str, int]:
-    """Completions without feedback from `concurrency` clients for `seconds`: what they were answered."""
+async def flood(client: AsyncClient, name: str, seconds: float, concurrency: int = 8,
+                until_budget: bool = False) -> dict[str, int]:
+    """Completions without feedback from `concurrency` clients for `seconds` (with `until_budget`: until each
+    client has had a 429 token_budget, at most `seconds`: a loaded box samples slowly): what they were answered."""
     answers: dict[str, int] = {}
     deadline = time.monotonic() + seconds
 
+    def going() -> bool:
+        return time.monotonic() < deadline and not (until_budget and answers.get("429 token_budget", 0) >= concurrency)
+
     async def one_client() -> None:
-        while time.monotonic() < deadline:
+        while going():
             try:
                 await client.complete(name, prompt_token_ids=PROMPT_IDS, n=4, max_tokens=8)
                 answers["200"] = answers.get("200", 0) + 1
@@ -103,13 +108,13 @@ async def test_a_flood_reaches_the_token_budget_and_memory_stops_growing(budget_
     async with AsyncClient(budget_server.url, budget_server.api_key, timeout_s=120) as client:
         for name in ("flood-a", "flood-b"):
             await client.create_experiment({"name": name, "sampling": {"n": 4, "max_tokens": 8}})
-        first = await flood(client, "flood-a", seconds=25)
+        first = await flood(client, "flood-a", seconds=240, until_budget=True)
         assert first.get("429 token_budget"), first  # the experiment's budget was reached
         held = await held_tokens(budget_server)
         assert 0.8 * PER_EXPERIMENT < held["flood-a"] <= PER_EXPERIMENT, held
         rss_full = rss_bytes(budget_server.process.pid)
         # Another tenant gets the server's remainder, then 429 too: the server's budget holds across them.
-        second = await flood(client, "flood-b", seconds=15)
+        second = await flood(client, "flood-b", seconds=240, until_budget=True)
         assert second.get("429 token_budget") and second.get("200"), second
         held = await held_tokens(budget_server)
         assert held[""] <= TOTAL and held["flood-b"] < PER_EXPERIMENT, held
