@@ -51,9 +51,10 @@ from hypothesis.errors import FlakyStrategyDefinition
 
 from grpo_server.api.openapi import ENDPOINTS, openapi_document
 from grpo_server.config import ExperimentConfig
-from tests.fuzz_schema import (ADMIN, BEFORE, CHEAP, COUNTS, EXAMPLES, KINDS, STATUSES, STEPS, Episodes, Http,
-                               check_raw, cheapen, created_name, delete_quietly, error_code, kinds_of,
-                               knob, protect, record, sampled, schema, shape, strict_json, summary)
+from tests.fuzz_report import COUNTS, KINDS, STATUSES, error_code, kinds_of, record, summary
+from tests.fuzz_schema import (ADMIN, BEFORE, CHEAP, EXAMPLES, STEPS, Http, check_raw, created_name, delete_quietly,
+                               knob, protect, sampled, schema, strict_json)
+from tests.fuzz_shape import Episodes, cheapen, shape
 from tests.fuzz_strategies import FUZZ_EXP, FUZZ_KEY, MSGPACK, RawCase, raw_cases
 
 # test_stateful: scenarios (tests/fuzz_schema.py has the other knobs: STEPS, EXAMPLES, CHEAP)

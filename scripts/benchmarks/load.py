@@ -136,6 +136,18 @@ def rss_kib(pid: int | None) -> int | None:
     return None
 
 
+async def watch_rss(pid: int | None, rss: dict[str, int | None], done: asyncio.Event) -> None:
+    """Keep `rss["peak"]` at the largest VmRSS of `pid` seen every 0.25 s, until `done` is set."""
+    while not done.is_set():
+        value = rss_kib(pid)
+        if value is not None and (rss["peak"] is None or value > rss["peak"]):
+            rss["peak"] = value
+        try:
+            await asyncio.wait_for(done.wait(), 0.25)
+        except asyncio.TimeoutError:
+            pass
+
+
 @dataclass
 class LoadResult:
     clients: int
@@ -195,16 +207,6 @@ async def run_load(url: str, api_key: str, experiment: str, *, clients: int = 20
     rss = {"before": rss_kib(pid), "peak": rss_kib(pid), "after_load": None}
     done = asyncio.Event()
 
-    async def watch_rss() -> None:
-        while not done.is_set():
-            value = rss_kib(pid)
-            if value is not None and (rss["peak"] is None or value > rss["peak"]):
-                rss["peak"] = value
-            try:
-                await asyncio.wait_for(done.wait(), 0.25)
-            except asyncio.TimeoutError:
-                pass
-
     async def one_client(index: int, session: aiohttp.ClientSession, deadline: float) -> None:
         nonlocal abandoned
         client_rng = random.Random(rng.random())
@@ -229,7 +231,7 @@ async def run_load(url: str, api_key: str, experiment: str, *, clients: int = 20
 
     connector = aiohttp.TCPConnector(limit=clients + 16, limit_per_host=clients + 16)
     async with aiohttp.ClientSession(connector=connector) as session:
-        watcher = asyncio.create_task(watch_rss())
+        watcher = asyncio.create_task(watch_rss(pid, rss, done))
         started = time.monotonic()
         deadline = started + duration_s
         try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .load import EXPIRY_INTERVAL_S, experiment_config, get_json, percentiles, rss_kib
+from .load import EXPIRY_INTERVAL_S, experiment_config, get_json, percentiles, rss_kib, watch_rss
 from .host import loadavg
 from .load_kinds import CLIENTS, DEFAULT_MIX, TOOL_MAX_TOKENS, WEATHER, Round, split_clients
 
@@ -106,16 +106,6 @@ async def run_mixed(url: str, api_key: str, experiment: str, *, clients: int = 2
     rss = {"before": rss_kib(pid), "peak": rss_kib(pid), "after_load": None}
     done, lag, cpu0 = asyncio.Event(), LagWatch(), cpu_s(pid)
 
-    async def watch_rss() -> None:
-        while not done.is_set():
-            value = rss_kib(pid)
-            if value is not None and (rss["peak"] is None or value > rss["peak"]):
-                rss["peak"] = value
-            try:
-                await asyncio.wait_for(done.wait(), 0.25)
-            except asyncio.TimeoutError:
-                pass
-
     async def start(kind: str, index: int, r: Round, client_rng: random.Random) -> None:
         await asyncio.sleep(client_rng.random() * 0.5)  # spread the first wave a little
         await CLIENTS[kind](r, index, client_rng)
@@ -125,7 +115,8 @@ async def run_mixed(url: str, api_key: str, experiment: str, *, clients: int = 2
         started = time.monotonic()
         r = Round(session, url.rstrip("/"), experiment, {"Authorization": f"Bearer {api_key}"},
                   aiohttp.ClientTimeout(total=timeout_s), started + duration_s, n, max_tokens, abandon)
-        watchers = [asyncio.create_task(watch_rss()), asyncio.create_task(lag.run(session, r.url, done, LAG_EVERY_S))]
+        watchers = [asyncio.create_task(watch_rss(pid, rss, done)),
+                    asyncio.create_task(lag.run(session, r.url, done, LAG_EVERY_S))]
         jobs, index = [], 0
         for kind, count in split.items():
             for _ in range(count):
