@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import schemathesis
 
-from grpo_server.api.openapi import ENDPOINTS
+from grpo_server.api.app import ENDPOINTS
 from tests.fuzz_schema import EPISODE_PREFIX
 
 COUNTS: dict[str, Counter] = defaultdict(Counter)  # test -> "METHOD /path" -> cases

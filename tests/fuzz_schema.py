@@ -33,6 +33,7 @@ import schemathesis
 from jsonschema import Draft202012Validator
 from schemathesis.core.failures import Failure
 
+from grpo_server.api.app import ENDPOINTS
 from grpo_server.api.openapi import openapi_document
 from tests.fuzz_strategies import FUZZ_EXP, MSGPACK
 from tests.serving import ADMIN_KEY
@@ -107,7 +108,7 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {  # (path, metho
 }
 
 
-DOCUMENT = openapi_document()  # the server's (the `http` fixture checks that it serves this one)
+DOCUMENT = openapi_document(ENDPOINTS)  # the server's (the `http` fixture checks that it serves this one)
 
 # One server-sent event as schemathesis reads a stream (OpenAPI 3.2's `itemSchema`, and `schema` for an older
 # document): an object with the event's `data` (and `event`, `id`, `retry`). The server's document gives the

@@ -1,7 +1,7 @@
 """The auth matrix over real HTTP: every public route (the OpenAPI table, which a test holds equal to
 `app.routes()`) x {no key, wrong key, another experiment's key, the experiment's own key, the admin key}.
 
-Expected, from the route's `auth` in `grpo_server/api/openapi.py`:
+Expected, from the route's `auth` in `grpo_server/api/route_table.py`:
 - `public` (`/openapi.json`, `/v1/health`): the answer, whatever the key (a bad one is ignored);
 - otherwise no key or an unknown key: 401;
 - `key` (the experiment list, the model list): any valid key succeeds; the list shows an experiment key its own
@@ -24,8 +24,9 @@ import pytest
 from aiohttp import web
 from jsonschema import Draft202012Validator
 
-from grpo_server.api.app import routes
-from grpo_server.api.openapi import ENDPOINTS, Endpoint, openapi_document
+from grpo_server.api.app import ENDPOINTS, routes
+from grpo_server.api.openapi import openapi_document
+from grpo_server.api.route_table import Endpoint
 from tests.serving import ADMIN_KEY
 
 A, B = "auth-a", "auth-b"
@@ -45,7 +46,8 @@ def test_table_covers_every_route():
     served = _route_set((r.method, r.path) for r in routes() if isinstance(r, web.RouteDef))
     assert len(served) == len(routes())
     assert served == _route_set((e.method, e.path) for e in ENDPOINTS)
-    documented = _route_set((method, path) for path, ops in openapi_document()["paths"].items() for method in ops)
+    paths = openapi_document(ENDPOINTS)["paths"]
+    documented = _route_set((method, path) for path, ops in paths.items() for method in ops)
     assert served == documented
 
 
@@ -56,7 +58,7 @@ def test_openapi_document_is_served_without_a_key_and_is_complete(server):
     with urllib.request.urlopen(f"{server.url}/openapi.json", timeout=60) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("application/json")
         doc = json.loads(response.read())
-    assert doc == json.loads(json.dumps(openapi_document()))
+    assert doc == json.loads(json.dumps(openapi_document(ENDPOINTS)))
     assert doc["openapi"].startswith("3.1")
     assert doc["components"]["securitySchemes"]["bearer"] == {
         **doc["components"]["securitySchemes"]["bearer"], "type": "http", "scheme": "bearer"}

@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoints, with the official `openai` package as the client, against the real
-server on the tiny model; and the pure conversions of grpo_server/api/openai_models.py on their own."""
+server on the tiny model; and the pure conversions of grpo_server/api/openai/models.py on their own."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from grpo_server.api_models import CompletionOut, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest
-from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, chat_response, chat_to_request,
+from grpo_server.api.openai.models import (ChatCompletionRequest, CompletionRequest, chat_response, chat_to_request,
                                     completion_response, completion_to_request)
 from tests.test_layout import imported_after
 
@@ -25,7 +25,7 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
 def test_openai_api_imports_no_ml_package():
-    assert not imported_after("grpo_server.api.openai_models") & {"torch", "vllm", "transformers", "deepspeed", "peft"}
+    assert not imported_after("grpo_server.api.openai.models") & {"torch", "vllm", "transformers", "deepspeed", "peft"}
 
 
 def test_chat_request_conversion():

@@ -1,4 +1,4 @@
-"""`stream: true` on the OpenAI routes (grpo_server/api/streaming.py): through the official `openai` package and
+"""`stream: true` on the OpenAI routes (grpo_server/api/openai/streaming.py): through the official `openai` package and
 plain aiohttp against the real server on the tiny model, and the framing against a fake experiment whose
 sampling the test holds (a worker failure after the headers, a client that leaves), deterministically."""
 
@@ -16,8 +16,8 @@ from aiohttp import web
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from grpo_server.api.openai_models import chat_response
-from grpo_server.api.streaming import Framing, pieces, stream_group
+from grpo_server.api.openai.models import chat_response
+from grpo_server.api.openai.streaming import Framing, pieces, stream_group
 from grpo_server.api_models import CompletionOut, CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import WorkerFailed
 from grpo_server.protocol.wire import ToolCall

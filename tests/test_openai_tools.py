@@ -11,7 +11,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from grpo_server.api.openai_models import chat_response
+from grpo_server.api.openai.models import chat_response
 from grpo_server.api_models import CompletionOut, CompletionsResponse
 from grpo_server.protocol.wire import ToolCall
 

@@ -4,7 +4,7 @@ the full text under the same incident id.
 
 The worker is a real process serving the real worker side (`protocol/dispatch.py`, with the workers' secret)
 under the real supervisor (`workers/processes.py`); the front end's side is its real connection
-(`workers/pool.py`) behind its real error middleware (`api/handlers.py`), called over HTTP.
+(`workers/pool.py`) behind its real error middleware (`api/edge.py`), called over HTTP.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from grpo_server.api.handlers import error_middleware
+from grpo_server.api.edge import error_middleware
 from grpo_server.protocol.errors import public_message
 from grpo_server.protocol.verbs import LearnerVerbs
 from grpo_server.protocol.wire import RemoveExperimentRequest

@@ -1,2 +1,3 @@
-"""The public HTTP API: the app, every route's edge and handlers, the OpenAI routes, /openapi.json, /metrics and
-the status page. Calls into `runtime`; nothing below imports it."""
+"""The public HTTP API: the app, the edge every route shares, one folder per API family (`native/`, `openai/`,
+`tinker/`) each exporting one route table, /openapi.json, /metrics and the status page. Calls into `runtime`;
+nothing below imports it."""

@@ -1,6 +1,6 @@
-"""The front end's aiohttp application: one route table, the middlewares of `handlers.py` (one error mapping),
-workers and experiments owned by a cleanup context (started before the port opens, stopped when the app
-stops)."""
+"""The front end's aiohttp application: the route table (every API family's `ROUTES`, `route_table.py`), the
+middlewares of `edge.py` (one error mapping), workers and experiments owned by a cleanup context (started before
+the port opens, stopped when the app stops)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from grpo_server.api import handlers, openai_routes, prometheus, status_page
-from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, ORCHESTRATOR
+from grpo_server.api import prometheus, status_page
+from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON,
+                                      ORCHESTRATOR)
 from grpo_server.api.auth_limit import FailedAuthLimiter
-from grpo_server.api.handlers import count_middleware, error_middleware
+from grpo_server.api.edge import count_middleware, error_middleware
+from grpo_server.api.native.routes import ROUTES as NATIVE_ROUTES
+from grpo_server.api.openai.routes import ROUTES as OPENAI_ROUTES
+from grpo_server.api.openapi import openapi_json
+from grpo_server.api.route_table import Endpoint, aiohttp_routes
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.worker_auth import auth_headers
 from grpo_server.runtime.orchestrator import Orchestrator
@@ -24,26 +29,13 @@ from grpo_server.workers.launch import WorkerSet
 log = logging.getLogger(__name__)
 
 
+# The server's route table: every API family's rows. Registration, auth (tests/test_auth.py) and the OpenAPI
+# document all read it.
+ENDPOINTS: tuple[Endpoint, ...] = NATIVE_ROUTES + OPENAI_ROUTES
+
+
 def routes() -> list[web.RouteDef]:
-    exp = "/v1/experiments/{name}"
-    return [
-        web.get("/openapi.json", handlers.openapi),
-        web.get("/v1/health", handlers.health),
-        web.get("/metrics", handlers.metrics),
-        web.post("/v1/tokenize", handlers.tokenize),
-        web.post("/v1/experiments", handlers.create_experiment),
-        web.get("/v1/experiments", handlers.list_experiments),
-        web.get(exp, handlers.get_experiment),
-        web.delete(exp, handlers.delete_experiment),
-        web.post(exp + "/completions", handlers.completions),
-        web.post(exp + "/feedback", handlers.feedback),
-        web.get(exp + "/adapter", handlers.download_adapter),
-        web.get(exp + "/metrics", handlers.experiment_metrics),
-        web.post("/v1/chat/completions", openai_routes.chat_completions),
-        web.post("/v1/completions", openai_routes.completions),
-        web.get("/v1/models", openai_routes.list_models),
-        web.get("/v1/models/{name}", openai_routes.get_model),
-    ]
+    return aiohttp_routes(ENDPOINTS)
 
 
 def page_routes() -> list[web.RouteDef]:
@@ -62,6 +54,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
                                           config.auth_limit_exempt)
     # The public health answer names the model, never a server path: a local folder by its own name.
     app[MODEL_NAME] = Path(config.model).name
+    app[OPENAPI_JSON] = openapi_json(ENDPOINTS)
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
         workers = WorkerSet(config)

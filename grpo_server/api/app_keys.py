@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
 ADMIN_KEY: web.AppKey[str] = web.AppKey("admin_key", str)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
+OPENAPI_JSON: web.AppKey[bytes] = web.AppKey("openapi_json", bytes)  # built once, from the route table
 HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")
 AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)

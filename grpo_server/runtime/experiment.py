@@ -94,7 +94,7 @@ class Experiment:
     async def complete(self, request: CompletionsRequest, group_id: str | None = None,
                        admitted: asyncio.Event | None = None) -> CompletionsResponse:
         """A group of completions under the serving version, kept for its feedback (or one turn of an episode).
-        A stream (api/streaming.py) names the group first (`group_id`) and starts once `admitted` is set.
+        A stream (api/openai/streaming.py) names the group first (`group_id`) and starts once `admitted` is set.
         Requests admitted count from here to their end (tokenising included): their groups reach the queue
         later, and admitting more while the queue looks short only makes groups that go stale. An episode's
         later turns are work already admitted: held back, its earlier turns would be lost."""

@@ -2,7 +2,7 @@
 experiment's own key; the experiment is the `model` field), convert, sample one group, convert back; with
 `stream: true`, the same answer as server-sent events (`streaming.py`). And `GET /v1/models` (the experiments
 the key may use) and `GET /v1/models/{name}`, which agent frameworks ask first. The bodies and conversions
-live in `openai_models.py`.
+live in `models.py`.
 
 Every sampling answer names what feedback needs in a header as well: `X-Group-Id`, or `X-Episode-Id` for an
 episode's turn. A request's `X-Episode-Id` header makes the call a turn of that episode, as `episode_id` in
@@ -17,10 +17,12 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.api.app_keys import ORCHESTRATOR
-from grpo_server.api.handlers import ADMIN, caller, parse_body, require, respond
-from grpo_server.api.openai_models import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIRequest,
-                                           chat_response, chat_to_request, completion_response, completion_to_request)
-from grpo_server.api.streaming import id_header, stream_group
+from grpo_server.api.edge import ADMIN, caller, parse_body, require, respond
+from grpo_server.api.openai.models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
+                                           ModelList, OpenAIRequest, TextCompletionResponse, chat_response,
+                                           chat_to_request, completion_response, completion_to_request)
+from grpo_server.api.openai.streaming import ChatCompletionChunk, TextCompletionChunk, id_header, stream_group
+from grpo_server.api.route_table import Endpoint
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 from grpo_server.runtime.experiment import Experiment
@@ -107,3 +109,17 @@ async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require(caller(request), name)
     return respond(request, _model(request.app[ORCHESTRATOR].get(name)))
+
+
+ROUTES: tuple[Endpoint, ...] = (
+    Endpoint("POST", "/v1/chat/completions", chat_completions, ChatCompletionRequest, ChatCompletionResponse, 200,
+             "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503),
+             events=ChatCompletionChunk),
+    Endpoint("POST", "/v1/completions", completions, CompletionRequest, TextCompletionResponse, 200,
+             "OpenAI-compatible (legacy) completions (`model` is the experiment)", "experiment", (429, 502, 503),
+             events=TextCompletionChunk),
+    Endpoint("GET", "/v1/models", list_models, None, ModelList, 200,
+             "OpenAI-compatible: the experiments this key may sample, as models", "key"),
+    Endpoint("GET", "/v1/models/{name}", get_model, None, Model, 200, "OpenAI-compatible: one experiment as a model",
+             "experiment"),
+)

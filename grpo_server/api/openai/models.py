@@ -1,5 +1,5 @@
 """OpenAI-compatible bodies for `POST /v1/chat/completions` and `POST /v1/completions`, and the pure
-conversions between them and our own API models (`openai_routes.py` wires them to HTTP).
+conversions between them and our own API models (`routes.py` wires them to HTTP).
 
 The OpenAI `model` field names the experiment. One request is one group: it becomes one
 `CompletionsRequest`, the orchestrator samples and stores the group, and the answer carries the usual
@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from grpo_server.api.openai_convert import chat_messages
+from grpo_server.api.openai.convert import chat_messages
 from grpo_server.api_models import CompletionOut, CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 
@@ -68,7 +68,7 @@ class OpenAIRequest(OpenAIBody):
     max_tokens: int | None = None
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None  # as ours
     seed: int | None = None
-    stream: bool | None = Field(None, description="Server-sent events (api/streaming.py).")
+    stream: bool | None = Field(None, description="Server-sent events (api/openai/streaming.py).")
     stream_options: StreamOptions | None = None  # read only with `stream: true`
     episode_id: str | None = None  # ours: this call is a turn of that episode (checked by CompletionsRequest)
     # Rejected unless neutral (see the module docstring).
@@ -225,7 +225,7 @@ class TextCompletionResponse(BaseModel):
 
 
 def _reject_common(body: OpenAIRequest) -> None:
-    # `stream: true` is served (api/streaming.py): the same group, sent as server-sent events.
+    # `stream: true` is served (api/openai/streaming.py): the same group, sent as server-sent events.
     for field in ("frequency_penalty", "presence_penalty"):
         if getattr(body, field):
             raise BadRequest(f"{field} is not supported (only 0): the sampler applies no penalties",

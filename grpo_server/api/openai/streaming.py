@@ -45,7 +45,7 @@ import aiohttp_sse
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from grpo_server.api.openai_models import (ChatChoice, ChatChoiceLogprobs, ChatCompletionResponse,
+from grpo_server.api.openai.models import (ChatChoice, ChatChoiceLogprobs, ChatCompletionResponse,
                                            CompletionChoice, CompletionLogprobs, TextCompletionResponse,
                                            Usage)
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse

@@ -1,7 +1,7 @@
 """An OpenAI chat history as our `ChatMessage`s: text parts joined, `developer` as `system`, assistant
 `tool_calls` and `tool` results kept (how they are rendered: `grpo_server/runtime/chat_render.py`).
 
-Pure and free of ML imports, like `openai_models.py`, which uses it for `chat_to_request`.
+Pure and free of ML imports, like `models.py`, which uses it for `chat_to_request`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from grpo_server.api_models import ChatMessage
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 
 class ChatMessageIn(Protocol):
-    """An OpenAI chat message as `openai_models.OpenAIChatMessage` parses it (that module calls this one)."""
+    """An OpenAI chat message as `models.OpenAIChatMessage` parses it (that module calls this one)."""
 
     role: str
     content: str | list[dict[str, Any]] | None

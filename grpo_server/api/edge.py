@@ -1,0 +1,187 @@
+"""The edge every route shares, whatever its API family: the middlewares around each request (every error
+becomes `{"error": {"code", "message"}}` with its status; requests are counted for /metrics), bodies in and out
+(JSON, or msgpack when the client says so), and keys (the admin key manages everything; an experiment's own
+key reaches that experiment only; keys are compared in constant time and never logged; an address that keeps
+sending unknown keys is slowed down: `auth_limit.py`). A route authorises (`caller`, `require`), parses into a
+typed model (`parse_body`), calls the experiment's owner (or the orchestrator) and answers (`respond`)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import Any, Iterable, TypeVar
+
+import msgpack
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
+from grpo_server.config import ExperimentConfig
+from grpo_server.protocol.codec import MSGPACK
+from grpo_server.protocol.errors import (ApiError, BadRequest, Forbidden, PayloadTooLarge, Unauthorized, Unprocessable,
+                                         describe_validation_error)
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# --- the edge -----------------------------------------------------------------------------------------------
+
+
+async def parse_body(request: web.Request, model: type[M]) -> M:
+    """The body as `model`: 400 for an undecodable body, 413 too large, 422 naming each bad field."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(f"request body over {request.client_max_size} bytes") from exc
+    try:
+        if request.content_type == MSGPACK:
+            data = msgpack.unpackb(raw, raw=False)
+        else:
+            data = json.loads(raw) if raw else {}
+            if _has_lone_surrogate(data):
+                raise ValueError("a string holds a lone UTF-16 surrogate (e.g. \\ud800): not Unicode text")
+    except (ValueError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        # RecursionError: JSON nested deeper than Python's parser goes.
+        raise BadRequest(f"body is not valid {'msgpack' if request.content_type == MSGPACK else 'JSON'}: "
+                         f"{exc}", code="malformed_body") from exc
+    if not isinstance(data, dict):
+        raise BadRequest("body must be an object", code="malformed_body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """JSON can hold a lone surrogate (escaped as \\ud800, or raw: the parser decodes bytes with
+    'surrogatepass'), which no UTF-8 text holds: such a string passes pydantic's `str` and then fails deep
+    inside (the tokenizer, msgpack to the workers, comparing keys). Iterative: the data may be nested up to
+    the JSON parser's limit."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    return MSGPACK in request.headers.get("Accept", "")
+
+
+def respond(request: web.Request, payload: BaseModel | dict[str, Any], status: int = 200) -> web.Response:
+    if wants_msgpack(request):
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+        return web.Response(body=msgpack.packb(data, use_bin_type=True), status=status, content_type=MSGPACK)
+    if isinstance(payload, BaseModel):  # NaN / inf become null: JSON has no such numbers
+        return web.Response(text=payload.model_dump_json(), status=status, content_type="application/json")
+    return web.json_response(payload, status=status)
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+# --- middlewares: around every route ------------------------------------------------------------------------
+
+
+@web.middleware
+async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Requests by route template and status, for /metrics (outermost: it sees the final status)."""
+    response = await handler(request)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[HTTP_COUNTER].add(request.method, route, response.status)
+    return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Domain errors -> their status; aiohttp's own -> JSON; anything else -> 500 without a trace."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(PayloadTooLarge("request body too large"))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            response = error_response(ApiError(exc.reason, code=exc.reason.lower().replace(" ", "_"),
+                                               status=exc.status))
+            if "Allow" in exc.headers:  # a 405 says which methods the route takes (RFC 9110)
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(ApiError("internal error (logged on the server)", code="internal", status=500))
+
+
+# --- keys ---------------------------------------------------------------------------------------------------
+
+ADMIN = "admin"
+
+
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("missing 'Authorization: Bearer <key>' header", code="missing_key")
+    return token.strip()
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def principal(request: web.Request, admin_key: str, experiments: Iterable[ExperimentConfig]) -> str:
+    """ADMIN, or the name of the experiment whose key was given. 401 for an unknown key."""
+    token = _bearer(request)
+    if _same(token, admin_key):
+        return ADMIN
+    found = None
+    for config in experiments:  # every key is compared, so timing does not reveal which matched
+        if config.api_key is not None and _same(token, config.api_key.get_secret_value()):
+            found = config.name
+    if found is None:
+        raise Unauthorized("invalid API key", code="invalid_key")
+    return found
+
+
+def require(who: str, experiment: str | None = None, admin_only: bool = False) -> None:
+    if who == ADMIN:
+        return
+    if admin_only:
+        raise Forbidden("this call needs the admin key", code="admin_only")
+    if experiment is not None and who != experiment:
+        raise Forbidden("this key does not grant access to that experiment", code="wrong_experiment")
+
+
+def caller(request: web.Request) -> str:
+    """ADMIN, or the name of the experiment whose key the request carries (401 otherwise; 429 while its
+    address has sent too many unknown keys)."""
+    orchestrator = request.app[ORCHESTRATOR]
+    limiter = request.app[AUTH_LIMITER]
+    limiter.check(request.remote)
+    try:
+        return principal(request, request.app[ADMIN_KEY], (e.config for e in orchestrator.experiments.values()))
+    except Unauthorized as exc:
+        if exc.code == "invalid_key":
+            limiter.failed(request.remote)
+        raise

@@ -1,0 +1,1 @@
+"""The native API (`routes.py`): experiments, completions, feedback, adapters."""

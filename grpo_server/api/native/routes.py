@@ -1,0 +1,205 @@
+"""The native API: experiments, completions, feedback, adapters, their metrics, tokenize, health, /metrics and
+this server's OpenAPI document; the handlers, and `ROUTES`, the table that serves and documents them."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import io
+import secrets
+import tarfile
+from pathlib import Path
+
+from aiohttp import web
+from pydantic import SecretStr
+
+from grpo_server.api import prometheus
+from grpo_server.api.app_keys import ADMIN_KEY, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR
+from grpo_server.api.edge import ADMIN, caller, parse_body, require, respond
+from grpo_server.api.route_table import GZIP, Endpoint, QueryParameter
+from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, CreatedExperiment, ExperimentList,
+                                    ExperimentStatus, FeedbackRequest, FeedbackResponse, Health, NewExperiment,
+                                    TokenizeRequest, TokenizeResponse)
+from grpo_server.protocol.errors import BadRequest, Conflict, Forbidden
+from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
+
+METRICS_LIMIT_DEFAULT = 500
+
+
+async def health(request: web.Request) -> web.Response:
+    workers = request.app[ORCHESTRATOR].workers
+    states = workers.states()
+    ok = all(state == "ready" for state in states.values())
+    lag = request.app[ORCHESTRATOR].loop_lag
+    return respond(request, Health(status="ok" if ok else "degraded", workers=states,
+                                   model=request.app[MODEL_NAME], replicas=workers.replica_health(),
+                                   event_loop_lag_p99_s=lag.quantile(0.99), event_loop_lag_max_s=lag.recent_max()))
+
+
+async def create_experiment(request: web.Request) -> web.Response:
+    """A new experiment (an earlier one of its name stays archived), or with `resume` the deleted one again.
+    Without an `api_key` the server makes one, returned in this answer only."""
+    require(caller(request), admin_only=True)
+    body = await parse_body(request, NewExperiment)
+    config, generated = body.config(), None
+    if config.api_key is None:
+        generated = secrets.token_urlsafe(24)
+        config = config.model_copy(update={"api_key": SecretStr(generated)})
+    key = config.api_key.get_secret_value()
+    taken = [request.app[ADMIN_KEY]] + [e.config.api_key.get_secret_value()
+                                        for e in request.app[ORCHESTRATOR].experiments.values()
+                                        if e.config.api_key is not None]
+    # Every key is compared (constant time each), and the answer does not say whose it is.
+    if sum(hmac.compare_digest(key.encode(), other.encode()) for other in taken):
+        raise Conflict("this api_key is already in use: give each experiment its own key", code="api_key_in_use")
+    status = await request.app[ORCHESTRATOR].create(config, start="resume" if body.resume else "fresh")
+    return respond(request, CreatedExperiment(**dict(status), api_key=generated), status=201)
+
+
+async def list_experiments(request: web.Request) -> web.Response:
+    who = caller(request)
+    orchestrator = request.app[ORCHESTRATOR]
+    names = list(orchestrator.experiments) if who == ADMIN else [who]
+    return respond(request, ExperimentList(experiments=[orchestrator.status(n) for n in names]))
+
+
+async def get_experiment(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(caller(request), name)
+    return respond(request, request.app[ORCHESTRATOR].status(name))
+
+
+async def delete_experiment(request: web.Request) -> web.Response:
+    require(caller(request), admin_only=True)
+    await request.app[ORCHESTRATOR].delete(request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def completions(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(caller(request), name)
+    body = await parse_body(request, CompletionsRequest)
+    return respond(request, await request.app[ORCHESTRATOR].get(name).complete(body))
+
+
+async def feedback(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require(caller(request), name)
+    body = await parse_body(request, FeedbackRequest)
+    return respond(request, await request.app[ORCHESTRATOR].get(name).feedback(body), status=202)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """Scoped as completions are: an experiment's key names its own experiment in `experiment` (another's, or
+    none, is a 403); the admin key may name any (404 if it does not exist) or none."""
+    who = caller(request)
+    body = await parse_body(request, TokenizeRequest)
+    if body.experiment is None and who != ADMIN:
+        raise Forbidden("an experiment's key tokenizes for its own experiment: name it in 'experiment'",
+                        code="wrong_experiment")
+    if body.experiment is not None:
+        require(who, body.experiment)
+        request.app[ORCHESTRATOR].get(body.experiment)
+    return respond(request, await request.app[ORCHESTRATOR].tokenize(body))
+
+
+async def download_adapter(request: web.Request) -> web.Response:
+    """The adapter version as a .tar.gz of its peft folder (adapter_config.json, adapter_model.safetensors)."""
+    name = request.match_info["name"]
+    require(caller(request), name)
+    raw_version = request.query.get("version")
+    try:
+        version = None if raw_version is None else int(raw_version)
+    except ValueError as exc:
+        raise BadRequest(f"version must be an integer, got {raw_version!r}", code="bad_version") from exc
+    if version is not None and version < 0:  # no such folder, and no version the learner could be asked for
+        raise BadRequest(f"version must be 0 or more, got {version}", code="bad_version")
+    async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
+        body = await asyncio.to_thread(tar_gz, folder, f"{name}-{folder.name}")  # seconds for a large adapter
+    return web.Response(body=body, content_type="application/gzip", headers={
+        "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
+
+
+def tar_gz(folder: Path, top: str) -> bytes:
+    """`folder`'s files as a .tar.gz whose entries sit under `top/`."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for path in sorted(folder.iterdir()):
+            archive.add(path, arcname=f"{top}/{path.name}")
+    return buffer.getvalue()
+
+
+async def experiment_metrics(request: web.Request) -> web.Response:
+    """The experiment's newest metrics records (its metrics log's lines), for the status page and scripts."""
+    name = request.match_info["name"]
+    require(caller(request), name)
+    orchestrator = request.app[ORCHESTRATOR]
+    orchestrator.get(name)  # 404 for an unknown experiment
+    kind = request.query.get("kind")
+    if kind is not None and kind not in KINDS:
+        raise BadRequest(f"kind must be one of {', '.join(KINDS)}, got {kind!r}", code="bad_kind")
+    raw_limit = request.query.get("limit", str(METRICS_LIMIT_DEFAULT))
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= RECENT_PER_KIND:
+        raise BadRequest(f"limit must be an integer from 1 to {RECENT_PER_KIND}, got {raw_limit!r}",
+                         code="bad_limit")
+    records = orchestrator.metrics_logs[name].records(kind, limit)
+    return respond(request, MetricsHistory(name=name, records=records))
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI 3.1 document of this server's routes (every family's), built once when the app is made
+    (`openapi.py`). Public: no key needed."""
+    return web.Response(body=request.app[OPENAPI_JSON], content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format; admin key only (it names every experiment)."""
+    require(caller(request), admin_only=True)
+    return web.Response(body=prometheus.render(request.app[METRICS_REGISTRY]),
+                        headers={"Content-Type": prometheus.CONTENT_TYPE})
+
+
+EXP = "/v1/experiments/{name}"
+ADAPTER_QUERY = (QueryParameter("version", "The adapter version; the one serving now if absent",
+                                {"type": "integer", "minimum": 0}),)
+METRICS_QUERY = (
+    QueryParameter("kind", "Only records of this kind; every kind if absent", {"type": "string", "enum": list(KINDS)}),
+    QueryParameter("limit", f"At most this many records, the newest (default {METRICS_LIMIT_DEFAULT})",
+                   {"type": "integer", "minimum": 1, "maximum": RECENT_PER_KIND}),
+)
+# Feedback writes the journal before it answers 202 (runtime/journal.py): a failed write is a 503 too, and a
+# client must know that retrying it cannot count a reward twice.
+FEEDBACK_503 = ("A worker is down or restarting (a sampler scores external completions), or the feedback journal "
+                "could not be written (`journal_write_failed`: disk full, I/O error; nothing was accepted and the "
+                "group stays rateable, so the retry is safe); retry after `Retry-After` seconds")
+
+ROUTES: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/openapi.json", openapi, None, None, 200, "This document (OpenAPI 3.1)", "public"),
+    Endpoint("GET", "/v1/health", health, None, Health, 200, "The workers' states", "public"),
+    Endpoint("GET", "/metrics", metrics, None, None, 200, "Prometheus metrics (text format 0.0.4)", "admin",
+             content_type="text/plain"),
+    Endpoint("POST", "/v1/tokenize", tokenize, TokenizeRequest, TokenizeResponse, 200,
+             "A prompt or messages to the token ids completions would use", "experiment"),
+    Endpoint("POST", "/v1/experiments", create_experiment, NewExperiment, CreatedExperiment, 201,
+             "Create an experiment (or, with `resume`, bring back a deleted one)", "admin", (404, 409, 502, 503)),
+    Endpoint("GET", "/v1/experiments", list_experiments, None, ExperimentList, 200,
+             "Experiments' status (an experiment key sees its own only)", "key"),
+    Endpoint("GET", EXP, get_experiment, None, ExperimentStatus, 200, "One experiment's status", "experiment"),
+    Endpoint("DELETE", EXP, delete_experiment, None, None, 204,
+             "Stop serving and training an experiment (its files are archived: a new one of its name starts "
+             "afresh)", "admin", (502, 503)),
+    Endpoint("POST", EXP + "/completions", completions, CompletionsRequest, CompletionsResponse, 200,
+             "Sample one group of completions", "experiment", (429, 502, 503)),
+    Endpoint("POST", EXP + "/feedback", feedback, FeedbackRequest, FeedbackResponse, 202,
+             "Rewards for a group (or for external completions)", "experiment", (409, 502, 503),
+             error_text=((503, FEEDBACK_503),)),
+    Endpoint("GET", EXP + "/adapter", download_adapter, None, None, 200,
+             "An adapter version as a .tar.gz of its peft folder", "experiment", (400, 410), GZIP, ADAPTER_QUERY),
+    Endpoint("GET", EXP + "/metrics", experiment_metrics, None, MetricsHistory, 200,
+             "The experiment's newest metrics records (train steps, pushes, sampling throughput)", "experiment",
+             (400,), query=METRICS_QUERY),
+)

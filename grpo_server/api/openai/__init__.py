@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API (`routes.py`): chat and text completions, with streams and tools; models."""

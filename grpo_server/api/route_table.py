@@ -1,0 +1,67 @@
+"""The shape of a route table. Each API family (`native/`, `openai/`, `tinker/`) exports one tuple of
+`Endpoint` rows, `ROUTES`; `app.py` joins them into the server's table, which drives everything a route needs
+besides its handler's body: aiohttp's registration, who may call it (`tests/test_auth.py` checks every row),
+and the OpenAPI document (`openapi.py`). A route without a row cannot be served; a row without a route
+cannot exist.
+
+Who may call (`auth`):
+- `public`: no key needed (an `Authorization` header is ignored);
+- `key`: any valid key, the admin's or any experiment's;
+- `experiment`: the admin key, or the experiment's own key; the experiment is the `{name}` in the path,
+  the body's `model` field on the OpenAI-compatible routes, its `experiment` field on tokenize (which the
+  admin key may leave out), or the Tinker model the request names. Another experiment's key is a 403,
+  whether or not the experiment exists (names do not leak);
+- `admin`: the admin key only (an experiment's key is a 403).
+A missing or unknown key is a 401 wherever a key is needed, and too many unknown keys from one address make
+every call that needs a key a 429 for a while (`auth_limit.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Literal
+
+from aiohttp import web
+from pydantic import BaseModel
+
+Auth = Literal["public", "key", "experiment", "admin"]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+GZIP = "application/gzip"
+
+
+@dataclass(frozen=True)
+class QueryParameter:
+    name: str
+    description: str
+    schema: dict[str, Any] = field(hash=False)  # (a dict: keeps Endpoint hashable)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: how it is reached, what it takes and answers, and who may call it."""
+
+    method: str
+    path: str
+    handler: Handler = field(compare=False)
+    request: type[BaseModel] | None  # the JSON/msgpack body, if any
+    response: type[BaseModel] | None  # None: no JSON body (204, a file, or this document)
+    status: int
+    summary: str
+    auth: Auth
+    errors: tuple[int, ...] = ()  # statuses besides the auth ones and those a body or `{name}` brings
+    content_type: str = JSON  # of the success answer
+    query: tuple[QueryParameter, ...] = ()  # all optional; a bad value is a 400 (declare it in `errors`)
+    events: type[BaseModel] | None = None  # with `stream: true`: server-sent events of these chunks
+    # (status, description) where this route's cause of an error status is not the one openapi.py gives all
+    error_text: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def operation_id(self) -> str:
+        words = [w for w in self.path.replace("{", "").replace("}", "").replace(".", "_").split("/") if w]
+        return "_".join([self.method.lower()] + [w for w in words if w not in ("v1", "api")])
+
+
+def aiohttp_routes(endpoints: tuple[Endpoint, ...]) -> list[web.RouteDef]:
+    return [web.route(e.method, e.path, e.handler) for e in endpoints]
