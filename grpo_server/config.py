@@ -42,6 +42,7 @@ from grpo_server.protocol.worker_config import (MAX_CONTEXT, WEEK_S, AlgorithmCo
                                                 LoraConfig, SamplerOptions, StrictModel, load_yaml)
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+EMBEDDED_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its name on the Hugging Face hub
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,6 +208,9 @@ class ServerConfig(BaseSettings):
     model: str = Field(
         EMBEDDED_MODEL_NAME, description=f"'{EMBEDDED_MODEL_NAME}' (the embedded model) or a local HF folder."
     )
+    tinker_base_model: str | None = Field(None, description=(
+        "The base model's name on the Tinker API (`base_model`, get_info's `model_name`, which the SDK's "
+        "get_tokenizer loads). Unset: HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model, else `model`."))
     host: str = Field("127.0.0.1", description="Address the public API listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the public API (0 = pick one).")
     run_dir: Path = Field(Path("runs/default"), description="Adapters, configs, logs and checkpoints.")

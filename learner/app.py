@@ -26,8 +26,10 @@ from grpo_server.protocol.errors import BadRequest, Conflict, NotFound
 from grpo_server.protocol import wire
 from grpo_server.protocol.verbs import Archived, ArchiveRequest, Healthy, LearnerVerbs, Removed
 from grpo_server.protocol.wire import (
-    AdapterVersion, AddExperimentRequest, LearnerStatus, LogprobsRequest, LogprobsResponse, PrunedVersions,
-    PruneVersionsRequest, RemoveExperimentRequest, SaveAdapterRequest, TrainMetrics, TrainRequest,
+    AdapterVersion, AddExperimentRequest, DeleteStateRequest, ForwardBackwardOutput, ForwardBackwardRequest,
+    LearnerStatus, LoadStateRequest, LogprobsRequest, LogprobsResponse, OptimStepRequest, OptimStepResponse,
+    PrunedVersions, PruneVersionsRequest, RemoveExperimentRequest, SaveAdapterRequest, SavedState, SavedStates,
+    SaveStateRequest, StatesRequest, TrainMetrics, TrainRequest,
 )
 from learner import adapter_io, checkpoint, retention
 
@@ -110,6 +112,29 @@ class LearnerHandler:
             raise Conflict(f"experiment {name!r} is live on the learner: remove it first", code="experiment_live")
         return move({"adapters": adapter_io.adapter_root(self.run_dir, name),
                      "checkpoints": checkpoint.checkpoint_root(self.run_dir, name)})
+
+    # --- Tinker's training verbs (learner/steps.py), under the same lock ----------------------------------------
+
+    async def forward(self, req: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        return await self._run(self.trainer.forward, req)
+
+    async def forward_backward(self, req: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        return await self._run(self.trainer.forward_backward, req)
+
+    async def optim_step(self, req: OptimStepRequest) -> OptimStepResponse:
+        return await self._run(self.trainer.optim_step, req)
+
+    async def save_state(self, req: SaveStateRequest) -> SavedState:
+        return await self._run(self.trainer.save_state, req)
+
+    async def load_state(self, req: LoadStateRequest) -> SavedState:
+        return await self._run(self.trainer.load_state, req)
+
+    async def list_states(self, req: StatesRequest) -> SavedStates:
+        return await self._run(self.trainer.list_states, req)
+
+    async def delete_state(self, req: DeleteStateRequest) -> SavedState:
+        return await self._run(self.trainer.delete_state, req)
 
     async def status(self) -> LearnerStatus:
         # No lock: a snapshot of counters, so it answers during a train step.

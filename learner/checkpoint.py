@@ -22,6 +22,10 @@ only, plus the few DeepSpeed classes its optimizer state holds (`_optimizer_clas
 directory cannot run code in the learner as a pickle could. The shards other ranks send rank 0 cross the same
 way (`encode_shard` / `decode_shard`, carried by learner/rank_transfer.py), not as pickled objects.
 
+Tinker's saved states (learner/states.py) are folders of the same files, written the same way, under
+`run_dir/checkpoints/{name}/states/{label}/`: list_steps and the pruning above never see them, and archiving the
+experiment moves them with its checkpoints.
+
 DeepSpeed's own `save_checkpoint` is not used: it writes the module's state dict, which for a peft
 model with tied embeddings holds the whole embedding matrix (113 MB for SmolLM2-135M) per checkpoint.
 """
@@ -101,18 +105,28 @@ def list_steps(run_dir: Path, name: str) -> list[int]:
 
 def write(run_dir: Path, name: str, state: CheckpointState, weights: dict[str, torch.Tensor],
           shards: list[RankShard]) -> Path:
-    """Write a checkpoint with one shard per rank (shards[r] is rank r's)."""
-    if len(shards) != state.ranks:
-        raise ValueError(f"{len(shards)} rank shards for a checkpoint of {state.ranks} ranks")
+    """Write a checkpoint with one shard per rank (shards[r] is rank r's); keep the newest KEEP."""
     root = checkpoint_root(run_dir, name)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step{state.step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    final = write_folder(root / f"step{state.step:08d}", state, weights, shards)
+    for old in list_steps(run_dir, name)[:-KEEP]:
+        shutil.rmtree(root / f"step{old:08d}", ignore_errors=True)
+    return final
+
+
+def write_folder(final: Path, state: CheckpointState, weights: dict[str, torch.Tensor],
+                 shards: list[RankShard] | None) -> Path:
+    """A checkpoint's files as folder `final` (its parent exists), whole or not at all: written into a temporary
+    sibling, fsynced, renamed into place. `shards` None: weights and state only (a state saved without its
+    optimizer: learner/states.py)."""
+    if shards is not None and len(shards) != state.ranks:
+        raise ValueError(f"{len(shards)} rank shards for a checkpoint of {state.ranks} ranks")
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE))
-        for rank, shard in enumerate(shards):
+        for rank, shard in enumerate(shards or []):
             torch.save(shard.optimizer, tmp / shard_file(OPTIMIZER_FILE, rank))
             torch.save(shard.rng, tmp / shard_file(RNG_FILE, rank))
         # state.json last: list_steps only counts folders that have it.
@@ -123,8 +137,6 @@ def write(run_dir: Path, name: str, state: CheckpointState, weights: dict[str, t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_steps(run_dir, name)[:-KEEP]:
-        shutil.rmtree(root / f"step{old:08d}", ignore_errors=True)
     return final
 
 
@@ -133,10 +145,16 @@ def read_latest(run_dir: Path, name: str, rank: int = 0, ranks: int = 1) -> Chec
     steps = list_steps(run_dir, name)
     if not steps:
         return None
-    folder = checkpoint_root(run_dir, name) / f"step{steps[-1]:08d}"
+    return read_folder(checkpoint_root(run_dir, name) / f"step{steps[-1]:08d}", rank, ranks)
+
+
+def read_folder(folder: Path, rank: int = 0, ranks: int = 1, optimizer_optional: bool = False) -> Checkpoint:
+    """One checkpoint folder; its optimizer and RNG None when written by another number of ranks (or, with
+    `optimizer_optional`, saved without them; a checkpoint's missing optimizer file is an error)."""
     state = CheckpointState(**json.loads((folder / STATE_FILE).read_text()))
     weights = load_file(str(folder / WEIGHTS_FILE))
-    if state.ranks != ranks:
+    absent = optimizer_optional and not (folder / shard_file(OPTIMIZER_FILE, rank)).is_file()
+    if state.ranks != ranks or absent:
         return Checkpoint(state=state, weights=weights, optimizer=None, rng=None)
     return Checkpoint(state=state, weights=weights, optimizer=load_data(folder / shard_file(OPTIMIZER_FILE, rank)),
                       rng=load_data(folder / shard_file(RNG_FILE, rank)))

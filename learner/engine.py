@@ -94,7 +94,19 @@ def optimizer_step(engine: Any, params: list[torch.nn.Parameter]) -> float:
     if not engine.zero_optimization():
         norms = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
         own_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-    engine.step()
+    # At stage 0 DeepSpeed's step clips, then sets to None, the .grad of EVERY parameter of the shared module
+    # (clip_fp32_gradients, zero_grad over engine.module): other experiments' gradients, which they hold between
+    # their forward_backward calls and their optim_step (learner/steps.py), would be scaled by this experiment's
+    # clip and then dropped. They are set aside for the step and put back.
+    own = {id(p) for p in params}
+    others = [(p, p.grad) for p in engine.module.parameters() if p.grad is not None and id(p) not in own]
+    for param, _ in others:
+        param.grad = None
+    try:
+        engine.step()
+    finally:
+        for param, grad in others:
+            param.grad = grad
     value = engine.get_global_grad_norm()
     if value is not None:
         return float(value)

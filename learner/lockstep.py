@@ -205,6 +205,31 @@ class LockstepTrainer:
     def status(self) -> Any:
         return self.trainer.status()
 
+    # --- Tinker's verbs (learner/steps.py): rank 0 alone. forward reads, the states are rank 0's files; the verbs
+    # that move weights or optimizer state refuse themselves (409) with several ranks before touching anything,
+    # so no follower is left waiting for a collective.
+
+    def forward(self, request: Any) -> Any:
+        return self.trainer.forward(request)
+
+    def forward_backward(self, request: Any) -> Any:
+        return self.trainer.forward_backward(request)
+
+    def optim_step(self, request: Any) -> Any:
+        return self.trainer.optim_step(request)
+
+    def save_state(self, request: Any) -> Any:
+        return self.trainer.save_state(request)
+
+    def load_state(self, request: Any) -> Any:
+        return self.trainer.load_state(request)
+
+    def list_states(self, request: Any) -> Any:
+        return self.trainer.list_states(request)
+
+    def delete_state(self, request: Any) -> Any:
+        return self.trainer.delete_state(request)
+
     # --- the job --------------------------------------------------------------------------------
 
     def stop_followers(self, timeout_s: float) -> None:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_server.protocol.loss_table import NATIVE_LOSSES
 from grpo_server.protocol.sampling_distribution import outside_nucleus
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
+LOSS_TYPES = NATIVE_LOSSES  # the loss table's GRPO family: "grpo", "dr_grpo", "dapo", "gspo"
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 
 # Log-ratios beyond this are a broken batch, not a signal; clamping keeps exp() finite so one bad

@@ -14,6 +14,8 @@ With N ranks (learner/ranks.py, learner/lockstep.py) every rank holds the same t
 state-changing verbs in the same order; a train step splits the batch's sequences over the ranks
 (learner/sharding.py) and DeepSpeed reduces their gradients. Only rank 0 writes adapter versions and
 checkpoints (the weights are replicated; the optimizer shards of ZeRO-1/2 are gathered to it).
+
+Tinker's training verbs (forward, forward_backward, optim_step, saved states) are learner/steps.py's mixin.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig
-from grpo_server.protocol.errors import ApiError, BadRequest, NotFound
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, checkpoint, rank_transfer, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
@@ -40,6 +42,7 @@ from learner.engine import make_engine, optimizer_step, release_engine, uses_aut
 from learner.loss import BatchNormalizer, LossSettings, RolloutCorrection, policy_loss, token_logprobs
 from learner.metrics import StepStats
 from learner.sharding import RankShare, rank_share
+from learner.steps import TinkerSteps
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class AdapterUnderTraining:
     # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
     # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
     weights_version: int | None = None
+    pending_backwards: int = 0  # Tinker's forward_backward calls summed into the gradients since its optim_step
 
 
 def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
@@ -72,7 +76,7 @@ def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-class MultiAdapterTrainer:
+class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_backward, optim_step, states
     def __init__(self, config: LearnerConfig):
         import deepspeed
 
@@ -159,6 +163,9 @@ class MultiAdapterTrainer:
     def train(self, request: TrainRequest) -> TrainMetrics:
         started = time.perf_counter()
         exp = self._get(request.name)
+        if exp.pending_backwards:  # a batch of its own: it must not step on a Tinker client's summed gradients
+            raise Conflict(f"experiment {exp.name!r} holds forward_backward gradients: optim_step first",
+                           code="gradients_pending")
         # With LoRA dropout or bf16 autocast the training forward is not the function the samplers serve.
         exact = self._lora_configs[exp.name].dropout == 0 and not self.autocast
         checked = exp.weights_version if exact else None

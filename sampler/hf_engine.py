@@ -138,6 +138,9 @@ class HfEngine(Engine):
             raise BadRequest("tool calls need the vLLM engine (vLLM's tool parsers and structured outputs); "
                              "this sampler runs transformers", code="tools_unsupported")
         self.limits.check_generate(req)
+        if req.stop_token_ids or req.ignore_eos:
+            raise BadRequest("stop token ids and ignore_eos need the vLLM engine; this sampler runs transformers",
+                             code="unsupported_parameter")
         seed = req.seed if req.seed is not None else self._seeds.randrange(2**31)
         completions = await self._call(self._generate, req, seed)
         return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions,

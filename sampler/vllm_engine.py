@@ -197,6 +197,8 @@ class VllmEngine(MergedServing, Engine):
             top_p=req.top_p,
             max_tokens=req.max_tokens,
             stop=req.stop or None,
+            stop_token_ids=req.stop_token_ids or None,
+            ignore_eos=req.ignore_eos,
             seed=req.seed,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,

@@ -13,15 +13,18 @@ from aiohttp import web
 
 from grpo_server.api import prometheus, status_page
 from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON,
-                                      ORCHESTRATOR)
+                                      ORCHESTRATOR, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.edge import count_middleware, error_middleware
 from grpo_server.api.native.routes import ROUTES as NATIVE_ROUTES
 from grpo_server.api.openai.routes import ROUTES as OPENAI_ROUTES
 from grpo_server.api.openapi import openapi_json
 from grpo_server.api.route_table import Endpoint, aiohttp_routes
-from grpo_server.config import ServerConfig
+from grpo_server.api.tinker.routes import ROUTES as TINKER_ROUTES
+from grpo_server.api.tinker.service import TinkerModels
+from grpo_server.config import EMBEDDED_MODEL_HUB_ID, EMBEDDED_MODEL_NAME, ServerConfig
 from grpo_server.protocol.worker_auth import auth_headers
+from grpo_server.runtime.futures import FutureStore
 from grpo_server.runtime.orchestrator import Orchestrator
 from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.workers.launch import WorkerSet
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # The server's route table: every API family's rows. Registration, auth (tests/test_auth.py) and the OpenAPI
 # document all read it.
-ENDPOINTS: tuple[Endpoint, ...] = NATIVE_ROUTES + OPENAI_ROUTES
+ENDPOINTS: tuple[Endpoint, ...] = NATIVE_ROUTES + OPENAI_ROUTES + TINKER_ROUTES
 
 
 def routes() -> list[web.RouteDef]:
@@ -68,6 +71,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             prompts = PromptBuilder(workers.model_dir, config.max_model_len, config.max_prompt_tokens)
             orchestrator = Orchestrator(config, pool, prompts)
             app[ORCHESTRATOR] = orchestrator
+            app[TINKER] = TinkerModels(orchestrator, tinker_base_model(config), FutureStore())
             # Experiments of an earlier run in this run directory resume first; the config's own are
             # created if they are not among them. Both start from their files as they are (a restart
             # archives nothing; only an API create does, grpo_server/protocol/archive.py).
@@ -79,6 +83,8 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)
             yield
         finally:
+            if TINKER in app:
+                await app[TINKER].futures.close()
             if orchestrator is not None:
                 await orchestrator.close()
             await workers.stop()
@@ -87,3 +93,9 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app.cleanup_ctx.append(workers_and_orchestrator)
     return app
 
+
+def tinker_base_model(config: ServerConfig) -> str:
+    """The base model's name on the Tinker API (config.tinker_base_model's default)."""
+    if config.tinker_base_model is not None:
+        return config.tinker_base_model
+    return EMBEDDED_MODEL_HUB_ID if config.model == EMBEDDED_MODEL_NAME else config.model

@@ -10,6 +10,7 @@ from prometheus_client.registry import CollectorRegistry
 if TYPE_CHECKING:
     from grpo_server.api.auth_limit import FailedAuthLimiter
     from grpo_server.api.prometheus import HttpCounter
+    from grpo_server.api.tinker.service import TinkerModels
     from grpo_server.runtime.orchestrator import Orchestrator
 
 ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
@@ -19,3 +20,4 @@ OPENAPI_JSON: web.AppKey[bytes] = web.AppKey("openapi_json", bytes)  # built onc
 HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")
 AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)
+TINKER: web.AppKey["TinkerModels"] = web.AppKey("tinker")  # the Tinker API's sessions, models and futures

@@ -136,14 +136,21 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 # --- keys ---------------------------------------------------------------------------------------------------
 
 ADMIN = "admin"
+TINKER_KEY_HEADER = "X-API-Key"
+TINKER_KEY_PREFIX = "tml-"
 
 
 def _bearer(request: web.Request) -> str:
+    """The key: `Authorization: Bearer <key>`, or (the Tinker SDK's way) `X-API-Key: tml-<key>`."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized("missing 'Authorization: Bearer <key>' header", code="missing_key")
-    return token.strip()
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    tinker_key = request.headers.get(TINKER_KEY_HEADER, "").strip()
+    if tinker_key:
+        # The SDK refuses a key without the prefix, so a Tinker client sends `tml-` + this server's key.
+        return tinker_key.removeprefix(TINKER_KEY_PREFIX)
+    raise Unauthorized("missing 'Authorization: Bearer <key>' header", code="missing_key")
 
 
 def _same(a: str, b: str) -> bool:

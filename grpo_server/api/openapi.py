@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -39,8 +40,9 @@ _ERROR_TEXT = {
     403: "This key may not make this call (another experiment's key, or not the admin key)",
     404: "No such experiment, group or adapter version (or, for `resume`, no archive to resume)",
     409: "Duplicate experiment, or feedback already given",
+    408: "Tinker: the call is still running; poll again (the body is a `try_again` record)",
     410: "The adapter version was deleted (`version_pruned`): the learner keeps its newest `learner.keep_versions` "
-         "and those in use",
+         "and those in use; on the Tinker API, a call's result that expired",
     413: "Request body too large",
     422: "Schema error (the message names each bad field), or over a server limit (`over_limit`)",
     429: "Back-pressure (the learner is behind, too many groups await feedback, or the tokens held would pass a "
@@ -74,9 +76,13 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
         "security": [] if endpoint.auth == "public" else [{"bearer": []}],
         "parameters": [],
     }
-    if "{name}" in endpoint.path:
-        operation["parameters"].append({"name": "name", "in": "path", "required": True,
-                                        "description": "The experiment's name", "schema": name_schema})
+    for parameter in re.findall(r"{(\w+)}", endpoint.path):
+        if parameter == "name":
+            operation["parameters"].append({"name": "name", "in": "path", "required": True,
+                                            "description": "The experiment's name", "schema": name_schema})
+        else:
+            operation["parameters"].append({"name": parameter, "in": "path", "required": True,
+                                            "schema": {"type": "string"}})
     for parameter in endpoint.query:
         operation["parameters"].append({"name": parameter.name, "in": "query", "required": False,
                                         "description": parameter.description, "schema": parameter.schema})

@@ -13,12 +13,14 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, AddExperimentRequest, ExperimentName,
-                                       GenerateRequest, GenerateResponse, LearnerStatus, LoadAdapterRequest,
-                                       LogprobsRequest, LogprobsResponse, PrunedVersions, PruneVersionsRequest,
-                                       RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest, ScoreRequest,
-                                       ScoreResponse, TrainMetrics, TrainRequest, UnloadAdapterRequest, VersionProbe,
-                                       WireModel)
+from grpo_server.protocol.wire import (AdamParams, AdapterRef, AdapterVersion, AddExperimentRequest,
+                                       DeleteStateRequest, ExperimentName, ForwardBackwardOutput,
+                                       ForwardBackwardRequest, GenerateRequest, GenerateResponse, LearnerStatus,
+                                       LoadAdapterRequest, LoadStateRequest, LogprobsRequest, LogprobsResponse,
+                                       OptimStepRequest, OptimStepResponse, PrunedVersions, PruneVersionsRequest,
+                                       RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest, SavedState,
+                                       SavedStates, SaveStateRequest, ScoreRequest, ScoreResponse, StatesRequest,
+                                       TrainMetrics, TrainRequest, UnloadAdapterRequest, VersionProbe, WireModel)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -85,8 +87,17 @@ class LearnerVerbs:
     prune_versions = Verb("prune_versions", PruneVersionsRequest, PrunedVersions)
     status = Verb("status", None, LearnerStatus)
     health = Verb("health", None, Healthy)
+    # Tinker's training verbs (learner/steps.py): gradients accumulate over forward_backward calls until optim_step.
+    forward = Verb("forward", ForwardBackwardRequest, ForwardBackwardOutput)
+    forward_backward = Verb("forward_backward", ForwardBackwardRequest, ForwardBackwardOutput)
+    optim_step = Verb("optim_step", OptimStepRequest, OptimStepResponse)
+    save_state = Verb("save_state", SaveStateRequest, SavedState)
+    load_state = Verb("load_state", LoadStateRequest, SavedState)
+    list_states = Verb("list_states", StatesRequest, SavedStates)
+    delete_state = Verb("delete_state", DeleteStateRequest, SavedState)
     ALL = (add_experiment, train, save_adapter, logprobs, remove_experiment, archive_experiment, restore_experiment,
-           prune_versions, status, health)
+           prune_versions, status, health, forward, forward_backward, optim_step, save_state, load_state, list_states,
+           delete_state)
 
 
 class Transport(Protocol):
@@ -170,3 +181,38 @@ class LearnerClient(_Client):
 
     async def status(self, *, syncing_ok: bool = False) -> LearnerStatus:
         return await self.transport.request(LearnerVerbs.status, None, syncing_ok=syncing_ok)
+
+    # --- Tinker's training verbs (learner/steps.py) -------------------------------------------------------
+
+    async def forward(self, request: ForwardBackwardRequest, *,
+                      timeout_s: float | None = None) -> ForwardBackwardOutput:
+        """The loss and per-position logprobs under the current weights; no gradient."""
+        return await self.transport.request(LearnerVerbs.forward, request, timeout_s=timeout_s)
+
+    async def forward_backward(self, request: ForwardBackwardRequest, *,
+                               timeout_s: float | None = None) -> ForwardBackwardOutput:
+        """As forward, and adds the loss's gradient to the experiment's (summed until the next optim_step)."""
+        return await self.transport.request(LearnerVerbs.forward_backward, request, timeout_s=timeout_s)
+
+    async def optim_step(self, name: str, adam_params: AdamParams | None = None) -> OptimStepResponse:
+        """One AdamW step on the gradients summed since the last one, with these hyperparameters; zeroes them."""
+        request = OptimStepRequest(name=name, adam_params=adam_params or AdamParams())
+        return await self.transport.request(LearnerVerbs.optim_step, request)
+
+    async def save_state(self, name: str, label: str, *, with_optimizer: bool = True,
+                         overwrite: bool = False) -> SavedState:
+        return await self.transport.request(LearnerVerbs.save_state, SaveStateRequest(
+            name=name, label=label, with_optimizer=with_optimizer, overwrite=overwrite))
+
+    async def load_state(self, name: str, label: str, *, source: str | None = None,
+                         with_optimizer: bool = False) -> SavedState:
+        """Into live experiment `name`: state `label` of `source` (default `name`). The learner does not check who
+        may read `source`: the caller must."""
+        return await self.transport.request(LearnerVerbs.load_state, LoadStateRequest(
+            name=name, label=label, source=source, with_optimizer=with_optimizer))
+
+    async def list_states(self, name: str) -> SavedStates:
+        return await self.transport.request(LearnerVerbs.list_states, StatesRequest(name=name))
+
+    async def delete_state(self, name: str, label: str) -> SavedState:
+        return await self.transport.request(LearnerVerbs.delete_state, DeleteStateRequest(name=name, label=label))

@@ -70,6 +70,10 @@ class GenerateRequest(WireModel):
     seed: int | None = None
     adapter: AdapterRef | None = None
     tool_calling: ToolCalling | None = None
+    # Tinker's sampling (api/tinker/): stop at these token ids too (the token is kept in the completion), or run
+    # to max_tokens past EOS (`stop: []` there).
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
 
 
 class ToolCall(WireModel):
@@ -277,6 +281,98 @@ class PruneVersionsRequest(WireModel):
 class PrunedVersions(WireModel):
     kept: list[int]  # on disk after the prune, oldest first
     removed: list[int]
+
+
+# --- learner: Tinker's training verbs (learner/steps.py; losses: protocol/loss_table.py) -------------------
+
+# A saved state's label: one folder name under the experiment's checkpoints (no path, no leading dot).
+STATE_LABEL = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+StateLabel = Annotated[str, Field(pattern=STATE_LABEL)]
+
+
+class Datum(WireModel):
+    """One sequence, as Tinker's Datum: position i of `tokens` (the model input) predicts
+    `loss_fn_inputs["target_tokens"][i]`; every input has one value per position (the loss table names them)."""
+
+    tokens: list[int] = Field(min_length=1)
+    loss_fn_inputs: dict[str, list[float | int]] = Field(default_factory=dict)
+
+
+class ForwardBackwardRequest(WireModel):
+    """`forward` and `forward_backward`: the datums, a loss of the table and its config (None: the defaults)."""
+
+    name: ExperimentName
+    data: list[Datum] = Field(min_length=1)
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+
+
+class ForwardBackwardOutput(WireModel):
+    # Per datum, in order: {"logprobs": the learner's logprob of each target, "elementwise_loss": each
+    # position's share of the loss}, one value per position.
+    loss_fn_outputs: list[dict[str, list[float]]]
+    metrics: dict[str, float]  # Tinker's "name:reduction" keys: loss:sum, ... (learner/steps.py)
+
+
+class AdamParams(WireModel):
+    """Tinker's AdamParams (its defaults), applied to the experiment's AdamW for one optim_step."""
+
+    learning_rate: float = Field(1e-4, ge=0, le=1.0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, ge=0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    grad_clip_norm: float = Field(0.0, ge=0, le=1e6)  # the global norm to clip to; 0 = no clipping
+
+
+class OptimStepRequest(WireModel):
+    name: ExperimentName
+    adam_params: AdamParams = Field(default_factory=AdamParams)
+
+
+class OptimStepResponse(WireModel):
+    step: int  # the experiment's optimizer steps after this one
+    metrics: dict[str, float]  # grad_norm:mean (before clipping), learning_rate:mean
+
+
+class SaveStateRequest(WireModel):
+    name: ExperimentName
+    label: StateLabel
+    with_optimizer: bool = True  # also the AdamW state (what load_state's with_optimizer restores)
+    overwrite: bool = False  # replace a state of that label (else a 409 state_exists), as Tinker's save_weights
+
+
+class LoadStateRequest(WireModel):
+    """Into the live experiment `name`: the state `label` saved by `source` (None: `name` itself), which must have
+    the same LoRA shape (r, alpha, target_modules)."""
+
+    name: ExperimentName
+    label: StateLabel
+    source: ExperimentName | None = None
+    with_optimizer: bool = False
+
+
+class StatesRequest(WireModel):
+    name: ExperimentName
+
+
+class DeleteStateRequest(WireModel):
+    name: ExperimentName
+    label: StateLabel
+
+
+class SavedState(WireModel):
+    name: str  # the experiment that saved it
+    label: str
+    path: str  # its folder on the learner (under the experiment's checkpoints: archived with it)
+    step: int
+    with_optimizer: bool
+    saved_at: float  # epoch seconds
+    lora: dict[str, Any]  # the saving experiment's LoraConfig: an experiment to load it into must have its shape
+
+
+class SavedStates(WireModel):
+    states: list[SavedState]  # oldest first
 
 
 class LearnerStatus(WireModel):

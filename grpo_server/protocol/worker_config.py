@@ -14,13 +14,18 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpo_server.protocol.loss_table import LOSSES, NATIVE_LOSSES
+
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-# Each loss's PPO clip (clip_low, clip_high) when the config gives none: grpo symmetric 0.2 (DeepSeekMath);
-# dapo clip-higher 0.2/0.28 (DAPO); gspo clips a sequence-level ratio, so the GSPO paper's 3e-4/4e-4 (TRL's
-# GSPO: epsilon=3e-4, epsilon_high=4e-4); dr_grpo as grpo (Dr. GRPO keeps GRPO's clip).
+# Each native loss's PPO clip (clip_low, clip_high) when the config gives none, from the loss table
+# (protocol/loss_table.py): grpo symmetric 0.2 (DeepSeekMath); dapo clip-higher 0.2/0.28 (DAPO); gspo clips a
+# sequence-level ratio, so the GSPO paper's 3e-4/4e-4 (TRL's GSPO: epsilon=3e-4, epsilon_high=4e-4); dr_grpo as
+# grpo (Dr. GRPO keeps GRPO's clip).
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
-    "grpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+    name: (LOSSES[name].config["clip_low"].default, LOSSES[name].config["clip_high"].default) for name in NATIVE_LOSSES}
+# The names AlgorithmConfig.loss takes: the table's GRPO family (a Literal, so the JSON schema lists them).
+NativeLoss = Literal[NATIVE_LOSSES]  # type: ignore[valid-type]
 
 
 # Every int and float field below (and in grpo_server/config.py) has a lower and an upper bound, and floats
@@ -47,12 +52,8 @@ class LoraConfig(StrictModel):
 
 
 class AlgorithmConfig(StrictModel):
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
-        "grpo",
-        description="grpo: sequence-mean then batch-mean, advantages divided by the group std; "
-        "dr_grpo: no std division, constant normaliser; dapo: token-level mean over the batch; "
-        "gspo: sequence-level importance ratio.",
-    )
+    loss: NativeLoss = Field(
+        "grpo", description=" ".join(f"{name}: {LOSSES[name].doc}" for name in NATIVE_LOSSES))
     learning_rate: float = Field(5e-5, gt=0, le=1.0, description="AdamW learning rate of the adapter.")
     weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
     beta: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to the base model (0 = off).")

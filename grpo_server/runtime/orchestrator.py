@@ -52,6 +52,7 @@ class Orchestrator:
         self.episodes = EpisodeStore(ttl_s=config.episode_ttl_s)
         self.experiments: dict[str, Experiment] = {}
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
+        self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
         self.upkeep = OwnedTasks("orchestrator")
@@ -112,6 +113,7 @@ class Orchestrator:
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log)
             exp.start_training(trainer.run())
+            self.trainers[config.name] = trainer
             self.experiments[config.name] = exp
             log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train",
                      config.name, first.version, first.step, len(exp.queue))
@@ -124,6 +126,7 @@ class Orchestrator:
             await asyncio.to_thread(self.registry.remove, name)
             await exp.stop()
             self.metrics_logs.pop(name).close()  # the file stays
+            self.trainers.pop(name, None)
             self.groups.drop_experiment(name)
             self.episodes.drop_experiment(name)
             self.workers.turns.forget(name)

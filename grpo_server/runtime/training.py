@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 
-from grpo_server.protocol.errors import ApiError
+from grpo_server.protocol.errors import ApiError, Unavailable
 from grpo_server.protocol.wire import AdapterRef, Completion, TrainMetrics, TrainRequest, TrainSample
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
@@ -174,4 +174,16 @@ class ExperimentTrainer:
                 return False
             await asyncio.sleep(0.05)
         return True
+
+    async def push_now(self) -> int:
+        """A push a client asked for (the Tinker API's save_weights_for_sampler), as after a train step: in the
+        experiment's training turn, checked like every push. The version pushed; a 503 when it was not."""
+        slot = await self._version_slot()
+        before = self.exp.serving_version
+        async with self.workers.turns.training(self.exp.name):
+            await self.push(slot)
+        if self.exp.serving_version == before:
+            reason = self.exp.errors[-1] if self.exp.errors else "push failed"
+            raise Unavailable(f"{self.exp.name}: no new version was pushed ({reason})", code="push_failed")
+        return self.exp.serving_version
 

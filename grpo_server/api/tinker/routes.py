@@ -1,0 +1,376 @@
+"""The Tinker API under `/api/v1`, as the `tinker` SDK 0.38 calls it (docs/tinker-wire.md is the wire), and
+`ROUTES`, its table. The key rides in `X-API-Key` (`tml-` + a key of this server: api/edge.py strips the
+prefix); a Tinker model is an experiment, scoped like one (service.py).
+
+A call that runs on a model answers at once with a request id (`UntypedAPIFuture`); the work runs in the
+model's `seq_id` order (runtime/futures.py) and `retrieve_future` long-polls for it: 408 with a try-again body
+while it runs, the result (protobuf for forward/forward_backward/sample, JSON otherwise), a failed call as
+`{"error", "category"}` (`user` for the client's mistakes, `server` for ours), 410 once a result expired.
+Checks that need no model (the body's shape, the key) answer at once with the server's usual 4xx.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from grpo_server.api.app_keys import TINKER
+from grpo_server.api.edge import caller, parse_body
+from grpo_server.api.route_table import Endpoint
+from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker.sampling import sample
+from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
+from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, SampleResponse
+from grpo_server.api.tinker.wire_proto import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
+                                               encode_forward_backward_output, encode_sample_response)
+from grpo_server.protocol.errors import ApiError, BadRequest, NotFound
+from grpo_server.runtime.futures import Pending
+
+LONG_POLL_S = 30.0  # the SDK's read timeout is 45 s, and it polls again at once after a 408
+
+
+def _json(payload: BaseModel, status: int = 200) -> web.Response:
+    # The SDK validates its answers strictly: a null where it wants a value or nothing fails, so Nones are left out.
+    return web.Response(text=payload.model_dump_json(exclude_none=True), status=status,
+                        content_type="application/json")
+
+
+def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]],
+            model: TinkerModel | None = None, seq_id: int | None = None, **extra: Any) -> web.Response:
+    """Start `work` (after every lower seq_id of `model`) and answer its future. The same seq_id again is a
+    retry of the same call: the same future."""
+    futures = request.app[TINKER].futures
+    if model is None:
+        return _json(tw.UntypedAPIFuture(request_id=futures.submit(owner, work), **extra))
+    known = model.lane.known(seq_id)
+    if known is not None:
+        return _json(tw.UntypedAPIFuture(request_id=known, model_id=model.model_id, **extra))
+    try:
+        model.lane.claim(seq_id, "")
+    except ApiError as exc:
+        error = exc
+
+        async def refused() -> Any:
+            raise error
+        return _json(tw.UntypedAPIFuture(request_id=futures.submit(owner, refused), **extra))
+
+    async def in_order() -> Any:
+        async with model.lane.turn(seq_id):
+            return await work()
+    request_id = futures.submit(owner, in_order)
+    model.lane.claim(seq_id, request_id)
+    return _json(tw.UntypedAPIFuture(request_id=request_id, model_id=model.model_id, **extra))
+
+
+def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | None,
+                run: Callable[[TinkerModel], Awaitable[Any]]) -> web.Response:
+    """A call on a model: an unknown model is a failed future (category `user`), as the SDK expects."""
+    service = request.app[TINKER]
+    try:
+        model = service.model(owner, model_id)
+    except ApiError as exc:
+        error = exc
+
+        async def unknown() -> Any:
+            raise error
+        return _submit(request, owner, unknown)
+    return _submit(request, owner, lambda: run(model), model, seq_id)
+
+
+# --- set-up, sessions, service ------------------------------------------------------------------------------------
+
+async def client_config(request: web.Request) -> web.Response:
+    caller(request)
+    await parse_body(request, tw.ClientConfigRequest)
+    return _json(tw.ClientConfigResponse())
+
+
+async def dynamic_config(request: web.Request) -> web.Response:
+    caller(request)
+    return _json(tw.ClientDynamicConfigResponse())
+
+
+async def create_session(request: web.Request) -> web.Response:
+    owner = caller(request)
+    await parse_body(request, tw.CreateSessionRequest)
+    return _json(tw.CreateSessionResponse(session_id=request.app[TINKER].create_session(owner)))
+
+
+async def session_heartbeat(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.SessionHeartbeatRequest)
+    request.app[TINKER].session(owner, body.session_id)
+    return _json(tw.SessionHeartbeatResponse())
+
+
+async def finish_session(request: web.Request) -> web.Response:
+    owner = caller(request)
+    await parse_body(request, tw.SessionFinishRequest)
+    request.app[TINKER].session(owner, request.match_info["session_id"])
+    return web.json_response({})
+
+
+async def telemetry(request: web.Request) -> web.Response:
+    caller(request)
+    await parse_body(request, tw.TelemetrySendRequest)  # accepted, not kept: the server's own metrics tell more
+    return _json(tw.TelemetryResponse())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json(tw.HealthResponse())
+
+
+async def capabilities(request: web.Request) -> web.Response:
+    caller(request)
+    orchestrator = request.app[TINKER].orchestrator
+    return _json(tw.GetServerCapabilitiesResponse(supported_models=[tw.SupportedModel(
+        model_name=request.app[TINKER].base_model, max_context_length=orchestrator.config.max_model_len,
+        trainable=True, sampleable=True)]))
+
+
+# --- models and training ------------------------------------------------------------------------------------------
+
+async def create_model(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.CreateModelRequest)
+    service = request.app[TINKER]
+    lora = body.lora_config or tw.LoraConfig(rank=32)
+
+    async def run() -> tw.CreateModelResponse:
+        model = await service.create_model(owner, body.session_id, body.model_seq_id, body.base_model, lora)
+        return tw.CreateModelResponse(model_id=model.model_id)
+    return _submit(request, owner, run)
+
+
+async def get_info(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.GetInfoRequest)
+    service = request.app[TINKER]
+    return _json(service.info(service.model(owner, body.model_id)))
+
+
+async def forward_backward(request: web.Request) -> web.Response:
+    owner = caller(request)
+    try:
+        body = decode_forward_backward_request(await request.read())
+    except (ValueError, KeyError, IndexError) as exc:
+        raise BadRequest(f"body is not a protobuf tinker_public.ForwardBackwardRequest: {exc}",
+                         code="malformed_body") from exc
+    service = request.app[TINKER]
+    return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.forward_backward(m, body))
+
+
+async def optim_step(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.OptimStepRequest)
+    service = request.app[TINKER]
+    return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.optim_step(m, body))
+
+
+async def save_weights(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.SaveWeightsRequest)
+    service = request.app[TINKER]
+
+    async def run(model: TinkerModel) -> tw.SaveWeightsResponse:
+        return tw.SaveWeightsResponse(path=await service.save_weights(model, body.path))
+    return _model_call(request, owner, body.model_id, body.seq_id, run)
+
+
+async def save_weights_for_sampler(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.SaveWeightsForSamplerRequest)
+    service = request.app[TINKER]
+
+    async def run(model: TinkerModel) -> tw.SaveWeightsForSamplerResponse:
+        weights = await service.save_for_sampler(model, body.path)
+        if body.path is not None:
+            return tw.SaveWeightsForSamplerResponse(path=f"tinker://{model.model_id}/sampler_weights/{body.path}")
+        sampler = service.new_sampler(owner, model, weights, None)
+        return tw.SaveWeightsForSamplerResponse(sampling_session_id=sampler.sampler_id)
+    return _model_call(request, owner, body.model_id, body.seq_id, run)
+
+
+async def load_weights(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.LoadWeightsRequest)
+    service = request.app[TINKER]
+
+    async def run() -> tw.LoadWeightsResponse:
+        model = await service.load_weights(owner, body)
+        return tw.LoadWeightsResponse(path=body.path, model_id=model.model_id)
+    if body.model_id is not None:  # the legacy load into a live model: in its seq_id order
+        return _model_call(request, owner, body.model_id, body.seq_id, lambda _: run())
+    return _submit(request, owner, run)
+
+
+# --- sampling -----------------------------------------------------------------------------------------------------
+
+async def create_sampling_session(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.CreateSamplingSessionRequest)
+    service = request.app[TINKER]
+    service.session(owner, body.session_id)
+    if body.model_path is not None:
+        sampler = service.sampler_for_path(owner, body.model_path)
+    else:
+        service.check_base_model(body.base_model)
+        sampler = service.new_sampler(owner, None, None, None)
+    return _json(tw.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
+
+
+async def get_sampler(request: web.Request) -> web.Response:
+    owner = caller(request)
+    service = request.app[TINKER]
+    sampler = service.sampler(owner, request.match_info["sampler_id"])
+    return _json(tw.GetSamplerResponse(sampler_id=sampler.sampler_id, base_model=service.base_model,
+                                       model_path=sampler.model_path))
+
+
+async def asample(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.SampleRequest)
+    service = request.app[TINKER]
+    if body.sampling_session_id is not None:
+        sampler = service.sampler(owner, body.sampling_session_id)
+    elif body.model_path is not None:
+        sampler = service.sampler_for_path(owner, body.model_path)
+    else:
+        service.check_base_model(body.base_model or service.base_model)
+        sampler = service.new_sampler(owner, None, None, None)
+    ids = [f"{sampler.sampler_id}:{body.seq_id or 0}:{i}" for i in range(body.num_samples)]
+    if body.seq_id is not None and body.seq_id in sampler.seen:  # the SDK's resubmission after a 429
+        return _json(tw.UntypedAPIFuture(request_id=sampler.seen[body.seq_id], sample_sequence_ids=ids))
+    response = _submit(request, owner, lambda: sample(service, sampler, body), sample_sequence_ids=ids)
+    if body.seq_id is not None:
+        sampler.seen[body.seq_id] = tw.UntypedAPIFuture.model_validate_json(response.text).request_id
+    return response
+
+
+# --- futures ------------------------------------------------------------------------------------------------------
+
+async def retrieve_future(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.FutureRetrieveRequest)
+    futures = request.app[TINKER].futures
+    try:
+        outcome = await futures.retrieve(body.request_id, owner, LONG_POLL_S)
+    except Pending:
+        return _json(tw.TryAgainResponse(request_id=body.request_id), status=408)
+    except NotFound as exc:  # 410: the SDK's "expired" (a sample is resubmitted; a training call fails)
+        raise ApiError(exc.message, code=exc.code, status=410) from exc
+    if outcome.error is not None:
+        return _json(failure(outcome.error))
+    if isinstance(outcome.value, ForwardBackwardOutput):
+        return web.Response(body=encode_forward_backward_output(outcome.value), content_type=PROTO_CONTENT_TYPE)
+    if isinstance(outcome.value, SampleResponse):
+        return web.Response(body=encode_sample_response(outcome.value), content_type=PROTO_CONTENT_TYPE)
+    return _json(outcome.value)
+
+
+async def cancel_future(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.CancelFutureRequest)
+    request.app[TINKER].futures.cancel(body.request_id, owner)
+    return web.json_response({})
+
+
+# --- checkpoints and runs -----------------------------------------------------------------------------------------
+
+async def weights_info(request: web.Request) -> web.Response:
+    owner = caller(request)
+    body = await parse_body(request, tw.WeightsInfoRequest)
+    service = request.app[TINKER]
+    parts = body.tinker_path.removeprefix("tinker://").split("/")
+    model_id, _ = parse_path(body.tinker_path, parts[1] if len(parts) == 3 else "weights")
+    model = service.model(owner, model_id)
+    return _json(tw.WeightsInfoResponse(base_model=service.base_model, is_lora=True, lora_rank=model.lora.rank,
+                                        train_mlp=model.lora.train_mlp, train_attn=model.lora.train_attn,
+                                        train_unembed=False))
+
+
+async def training_run(request: web.Request) -> web.Response:
+    owner = caller(request)
+    service = request.app[TINKER]
+    model = service.model(owner, request.match_info["model_id"])
+    return _json(tw.TrainingRun(training_run_id=model.model_id, base_model=service.base_model, model_owner=owner,
+                                is_lora=True, lora_rank=model.lora.rank,
+                                last_request_time=datetime.fromtimestamp(model.last_request_at, timezone.utc)))
+
+
+async def list_checkpoints(request: web.Request) -> web.Response:
+    owner = caller(request)
+    service = request.app[TINKER]
+    model = service.model(owner, request.match_info["model_id"])
+    return _json(tw.CheckpointsListResponse(checkpoints=await service.checkpoints(model)))
+
+
+async def delete_checkpoint(request: web.Request) -> web.Response:
+    owner = caller(request)
+    service = request.app[TINKER]
+    model = service.model(owner, request.match_info["model_id"])
+    await service.delete_checkpoint(model, f"{request.match_info['kind']}/{request.match_info['checkpoint']}")
+    return web.Response(status=204)
+
+
+API = "/api/v1"
+RUN = API + "/training_runs/{model_id}"
+FUTURE = (404, 422)  # a call on a model: its body's shape is checked at once, the rest in its future
+
+
+def _row(method: str, path: str, handler, request_model, response_model, summary: str, status: int = 200,
+         errors: tuple[int, ...] = (), auth: str = "key", content_type: str = "application/json") -> Endpoint:
+    return Endpoint(method, API + path, handler, request_model, response_model, status, f"Tinker: {summary}", auth,
+                    errors, content_type)
+
+
+ROUTES: tuple[Endpoint, ...] = (
+    _row("POST", "/client/config", client_config, tw.ClientConfigRequest, tw.ClientConfigResponse,
+         "the SDK's feature flags"),
+    _row("POST", "/client/dynamic_config", dynamic_config, None, tw.ClientDynamicConfigResponse,
+         "the SDK's refreshed flags"),
+    _row("POST", "/create_session", create_session, tw.CreateSessionRequest, tw.CreateSessionResponse,
+         "a session for this key's models and samplers"),
+    _row("POST", "/session_heartbeat", session_heartbeat, tw.SessionHeartbeatRequest, tw.SessionHeartbeatResponse,
+         "a session is alive", errors=(404,)),
+    _row("POST", "/sessions/{session_id}/finish", finish_session, tw.SessionFinishRequest, None,
+         "a session ended", errors=(404,)),
+    _row("POST", "/telemetry", telemetry, tw.TelemetrySendRequest, tw.TelemetryResponse, "accepted, not kept"),
+    _row("GET", "/healthz", healthz, None, tw.HealthResponse, "alive", auth="public"),
+    _row("GET", "/get_server_capabilities", capabilities, None, tw.GetServerCapabilitiesResponse,
+         "the base model this server trains and samples"),
+    _row("POST", "/create_model", create_model, tw.CreateModelRequest, tw.UntypedAPIFuture,
+         "a LoRA training model (an experiment); future of CreateModelResponse"),
+    _row("POST", "/get_info", get_info, tw.GetInfoRequest, tw.GetInfoResponse, "a model's base model and LoRA rank",
+         errors=(404,)),
+    _row("POST", "/forward_backward", forward_backward, None, tw.UntypedAPIFuture,
+         "forward (forward_only) or forward and backward; the body is a protobuf ForwardBackwardRequest; future "
+         "of a protobuf ForwardBackwardOutput", errors=(400,)),
+    _row("POST", "/optim_step", optim_step, tw.OptimStepRequest, tw.UntypedAPIFuture,
+         "one AdamW step on the gradients summed since the last; future of OptimStepResponse"),
+    _row("POST", "/save_weights", save_weights, tw.SaveWeightsRequest, tw.UntypedAPIFuture,
+         "a training checkpoint (adapter and optimizer state); future of SaveWeightsResponse"),
+    _row("POST", "/save_weights_for_sampler", save_weights_for_sampler, tw.SaveWeightsForSamplerRequest,
+         tw.UntypedAPIFuture, "a version pushed to the samplers; future of SaveWeightsForSamplerResponse"),
+    _row("POST", "/load_weights", load_weights, tw.LoadWeightsRequest, tw.UntypedAPIFuture,
+         "a checkpoint into a new or live model; future of LoadWeightsResponse"),
+    _row("POST", "/create_sampling_session", create_sampling_session, tw.CreateSamplingSessionRequest,
+         tw.CreateSamplingSessionResponse, "a sampler on saved weights or the base model", errors=(404,)),
+    _row("GET", "/samplers/{sampler_id}", get_sampler, None, tw.GetSamplerResponse, "a sampler", errors=(404,)),
+    _row("POST", "/asample", asample, tw.SampleRequest, tw.UntypedAPIFuture,
+         "samples of a prompt; future of a protobuf SampleResponse", errors=(404,)),
+    _row("POST", "/retrieve_future", retrieve_future, tw.FutureRetrieveRequest, None,
+         "a call's result (long poll; 408 while it runs, 410 once expired)", errors=(408, 410)),
+    _row("POST", "/cancel_future", cancel_future, tw.CancelFutureRequest, None, "cancel a call"),
+    _row("POST", "/weights_info", weights_info, tw.WeightsInfoRequest, tw.WeightsInfoResponse,
+         "what a checkpoint holds", errors=(404,)),
+    _row("GET", "/training_runs/{model_id}", training_run, None, tw.TrainingRun, "a model as a training run",
+         errors=(404,)),
+    _row("GET", "/training_runs/{model_id}/checkpoints", list_checkpoints, None, tw.CheckpointsListResponse,
+         "a model's checkpoints", errors=(404,)),
+    _row("DELETE", "/training_runs/{model_id}/checkpoints/{kind}/{checkpoint}", delete_checkpoint, None, None,
+         "delete a checkpoint", status=204, errors=(404,)),
+)

@@ -1,0 +1,89 @@
+"""Tinker's `asample`: n samples of one prompt under a sampler's weights (a saved version of a model, or the
+base model), with the sampled tokens' logprobs, and the prompt's own logprobs when asked (what
+`SamplingClient.compute_logprobs` reads).
+
+The version is loaded on the samplers if they let it go (only the serving version and those in use stay
+loaded), kept loaded while the request runs, and sampled in a sampling turn of its experiment, as native
+completions are. Prompt logprobs are the sampler's `score` of the prompt's tokens after the first: the same
+engine and weights that sample, so a sample's logprobs and compute_logprobs agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker.service import Sampler, TinkerModels
+from grpo_server.api.tinker.wire_data import SampledSequence, SampleResponse
+from grpo_server.protocol.errors import BadRequest
+from grpo_server.protocol.wire import AdapterRef, GenerateRequest, ScoreRequest
+from grpo_server.runtime.experiment import Experiment
+
+DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
+
+
+def _check(request: tw.SampleRequest) -> None:
+    params = request.sampling_params
+    unsupported = [name for name, on in (
+        ("top_k", params.top_k not in (-1, 0)), ("topk_prompt_logprobs", request.topk_prompt_logprobs > 0),
+        ("topk_sample_logprobs", request.topk_sample_logprobs > 0),
+        ("target_prompt_logprobs", request.target_prompt_logprobs is not None),
+        ("prompt_alt_tokens_k", request.prompt_alt_tokens_k > 0),
+        ("prompt_logprobs_last_n", request.prompt_logprobs_last_n is not None),
+        ("record_stability_info", bool(request.record_stability_info))) if on]
+    if unsupported:
+        # top_k: the learner scores under temperature and top-p only; a top-k sample's logprobs would not match.
+        raise BadRequest(f"not served here: {', '.join(unsupported)}", code="unsupported_parameter")
+    if not 1 <= request.num_samples:
+        raise BadRequest("num_samples must be at least 1", code="bad_request")
+
+
+@contextlib.contextmanager
+def _pinned(experiment: Experiment, version: int) -> Iterator[None]:
+    """Keep `version` loaded while the block runs (as `Experiment.pinned_serving_version` does for its own)."""
+    experiment.inflight[version] += 1
+    try:
+        yield
+    finally:
+        experiment.inflight[version] -= 1
+        if version != experiment.serving_version:
+            experiment.retire_unused_versions()
+
+
+async def sample(models: TinkerModels, sampler: Sampler, request: tw.SampleRequest) -> SampleResponse:
+    _check(request)
+    prompt = request.prompt.tokens()
+    if not prompt:
+        raise BadRequest("the prompt has no tokens", code="bad_request")
+    params = request.sampling_params
+    orchestrator = models.orchestrator
+    workers = orchestrator.workers
+    adapter, experiment_name, pin = None, None, contextlib.nullcontext()
+    if sampler.model is not None and sampler.weights is not None:
+        experiment = orchestrator.get(sampler.model.experiment)
+        experiment_name, version = experiment.name, sampler.weights.version
+        adapter = AdapterRef(name=experiment.name, version=version)
+        if version not in experiment.adapter_paths:  # let go since: load it again
+            await workers.load_everywhere(adapter, sampler.weights.path)
+            experiment.adapter_paths[version] = sampler.weights.path
+        pin = _pinned(experiment, version)
+    max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+    orchestrator.prompts.check_fits(len(prompt), max_tokens)
+    with pin:
+        async with workers.sampler(experiment=experiment_name) as client:
+            result = await client.generate(GenerateRequest(
+                prompt_token_ids=prompt, n=request.num_samples, temperature=params.temperature, top_p=params.top_p,
+                max_tokens=max_tokens, stop=params.stop_strings() or None, seed=params.seed, adapter=adapter,
+                stop_token_ids=params.stop_token_ids() or None, ignore_eos=params.stop == []))
+            prompt_logprobs = None
+            if request.prompt_logprobs:
+                prompt_logprobs = [None]
+                if len(prompt) > 1:
+                    scored = await client.score(ScoreRequest(prompt_token_ids=prompt[:1],
+                                                             completions_token_ids=[prompt[1:]], adapter=adapter))
+                    prompt_logprobs += scored.logprobs[0]
+    return SampleResponse(
+        sequences=[SampledSequence(stop_reason="length" if c.finish_reason == "length" else "stop",
+                                   tokens=c.token_ids, logprobs=c.logprobs) for c in result.completions],
+        prompt_logprobs=prompt_logprobs)

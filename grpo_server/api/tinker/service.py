@@ -1,0 +1,261 @@
+"""The Tinker API's state and verbs, on this server's experiments (`routes.py` is the HTTP side).
+
+A Tinker training model is an experiment: its LoRA adapter, AdamW state, versions and checkpoints are the
+learner's as for any experiment, and its requests run through the same learner, samplers and turns. What
+Tinker adds is held here:
+  * sessions (`create_session`), the key that made each, and the models and samplers made in it;
+  * models: `{session_id}:train:{model_seq_id}` (the SDK computes that id itself when it loads a checkpoint
+    into a new model), the experiment behind each, and its calls run in `seq_id` order (runtime/futures.py);
+  * sampler weights: a name (or an unnamed save's sampler) -> the adapter version that save pushed. Any of
+    them can be sampled while newer ones exist: a version the samplers unloaded is loaded again.
+Who may use what: the admin key makes models on experiments of their own; an experiment's key makes the one
+model of its own experiment (its LoRA rank must match). A model, sampler or checkpoint of another key is
+unknown to a caller, as other experiments are on the native routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from grpo_server.api.edge import ADMIN
+from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, ForwardBackwardRequest
+from grpo_server.config import ExperimentConfig
+from grpo_server.protocol import wire
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
+from grpo_server.protocol.worker_config import LoraConfig
+from grpo_server.runtime.futures import FutureStore, SeqLane
+from grpo_server.runtime.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class SamplerWeights:
+    version: int
+    path: str  # the version's folder on the learner (what a sampler loads)
+    saved_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class TinkerModel:
+    model_id: str
+    experiment: str
+    owner: str
+    lora: tw.LoraConfig
+    lane: SeqLane = field(default_factory=SeqLane)
+    sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    last_request_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    owner: str
+    model: TinkerModel | None  # None: the base model
+    weights: SamplerWeights | None
+    model_path: str | None
+    seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id (a client's retry)
+
+
+def parse_path(path: str, kind: str) -> tuple[str, str]:
+    """`tinker://{model_id}/{kind}/{name}` -> (model_id, name); a 400 otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != kind or not parts[0] or not parts[2]:
+        raise BadRequest(f"{path!r} is not a tinker://<model_id>/{kind}/<name> path", code="bad_path")
+    return parts[0], parts[2]
+
+
+class TinkerModels:
+    def __init__(self, orchestrator: Orchestrator, base_model: str, futures: FutureStore):
+        self.orchestrator = orchestrator
+        self.base_model = base_model
+        self.futures = futures
+        self.sessions: dict[str, str] = {}  # session id -> owner
+        self.models: dict[str, TinkerModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+
+    # --- sessions and models -------------------------------------------------------------------------------
+
+    def create_session(self, owner: str) -> str:
+        session_id = f"sess-{secrets.token_hex(8)}"
+        self.sessions[session_id] = owner
+        return session_id
+
+    def session(self, owner: str, session_id: str) -> None:
+        """404 for an unknown session or another key's."""
+        if session_id not in self.sessions or (owner != ADMIN and self.sessions[session_id] != owner):
+            raise NotFound(f"no session {session_id!r}", code="session_not_found")
+
+    def model(self, owner: str, model_id: str) -> TinkerModel:
+        """The caller's model (404 for an unknown one, another key's, or one whose experiment was deleted)."""
+        model = self.models.get(model_id)
+        if model is None or (owner != ADMIN and owner != model.owner) \
+                or model.experiment not in self.orchestrator.experiments:
+            raise NotFound(f"no training model {model_id!r}", code="model_not_found")
+        model.last_request_at = time.time()
+        return model
+
+    def check_base_model(self, base_model: str | None) -> None:
+        if base_model is not None and base_model != self.base_model:
+            raise BadRequest(f"this server trains {self.base_model!r}, not {base_model!r}", code="unknown_base_model")
+
+    async def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
+                           lora: tw.LoraConfig) -> TinkerModel:
+        self.session(owner, session_id)
+        self.check_base_model(base_model)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            return self.models[model_id]  # the SDK's retry of the same create
+        if owner == ADMIN:
+            name = f"tinker-{session_id.removeprefix('sess-')}-{model_seq_id}"
+            targets = [*(_ATTN if lora.train_attn else ()), *(_MLP if lora.train_mlp else ())]
+            if not targets:
+                raise BadRequest("train_attn and train_mlp are both off: nothing to train", code="no_targets")
+            seed_note = "" if lora.seed is None else f" (seed {lora.seed} is the server's: learner.seed)"
+            config = ExperimentConfig(name=name, lora=LoraConfig(r=lora.rank, target_modules=targets))
+            await self.orchestrator.create(config, start="fresh")
+            log.info("tinker model %s: experiment %s, LoRA r=%d%s", model_id, name, lora.rank, seed_note)
+        else:  # an experiment's key: its own experiment is its model
+            name = owner
+            if any(m.experiment == name for m in self.models.values()):
+                raise Conflict(f"experiment {name!r} already has a training model; only the admin key makes more",
+                               code="model_exists")
+            rank = self.orchestrator.get(name).config.lora.r
+            if lora.rank != rank:
+                raise BadRequest(f"experiment {name!r} has LoRA rank {rank}, not {lora.rank}", code="rank_mismatch")
+        model = TinkerModel(model_id=model_id, experiment=name, owner=owner, lora=lora)
+        self.models[model_id] = model
+        return model
+
+    def info(self, model: TinkerModel) -> tw.GetInfoResponse:
+        return tw.GetInfoResponse(model_id=model.model_id, model_data=tw.ModelData(
+            arch=None, model_name=self.base_model, tokenizer_id=None), is_lora=True, lora_rank=model.lora.rank,
+            model_name=self.base_model)
+
+    # --- training ------------------------------------------------------------------------------------------
+
+    async def forward_backward(self, model: TinkerModel, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        given = request.forward_backward_input
+        try:
+            data = [wire.Datum(tokens=d.tokens(), loss_fn_inputs={k: v.flat() for k, v in d.loss_fn_inputs.items()})
+                    for d in given.data]
+        except ValueError as exc:
+            raise BadRequest(str(exc), code="unsupported_input") from exc
+        config = None
+        if given.loss_fn_config:
+            try:
+                config = {k: float(v) for k, v in given.loss_fn_config.items()}
+            except ValueError as exc:
+                raise BadRequest(f"loss_fn_config values must be numbers: {exc}", code="bad_loss_config") from exc
+        learner_request = wire.ForwardBackwardRequest(name=model.experiment, data=data, loss_fn=given.loss_fn,
+                                                      loss_fn_config=config)
+        workers = self.orchestrator.workers
+        async with workers.turns.training(model.experiment):
+            verb = workers.learner.forward if request.forward_only else workers.learner.forward_backward
+            out = await verb(learner_request, timeout_s=self.orchestrator.config.worker_timeout_s)
+        return ForwardBackwardOutput(
+            loss_fn_outputs=[{k: tw.TensorData.from_list(v, "float32") for k, v in row.items()}
+                             for row in out.loss_fn_outputs],
+            metrics=out.metrics)
+
+    async def optim_step(self, model: TinkerModel, request: tw.OptimStepRequest) -> tw.OptimStepResponse:
+        if request.adam_params is None:
+            kind = (request.optimizer_params or {}).get("type", "?")
+            raise BadRequest(f"only AdamW steps (adam_params) are served, not {kind!r}", code="unsupported_optimizer")
+        workers = self.orchestrator.workers
+        async with workers.turns.training(model.experiment):
+            out = await workers.learner.optim_step(model.experiment, wire.AdamParams(**request.adam_params.model_dump()))
+        self.orchestrator.get(model.experiment).step = out.step
+        return tw.OptimStepResponse(metrics=out.metrics)
+
+    async def save_weights(self, model: TinkerModel, name: str | None) -> str:
+        label = name or f"auto-{int(time.time() * 1000)}"
+        await self.orchestrator.workers.learner.save_state(model.experiment, label, with_optimizer=True)
+        return f"tinker://{model.model_id}/weights/{label}"
+
+    async def load_weights(self, owner: str, request: tw.LoadWeightsRequest) -> TinkerModel:
+        """Into a new model (create-via-load, the SDK's create_training_client_from_state*) or, legacy, into
+        `request.model_id`: the source model's checkpoint, with its optimizer state when asked."""
+        source_id, label = parse_path(request.path, "weights")
+        source = self.model(owner, source_id)
+        if request.model_id is not None:
+            target = self.model(owner, request.model_id)
+        else:
+            if request.session_id is None or request.model_seq_id is None:
+                raise BadRequest("load_weights needs model_id, or session_id and model_seq_id", code="bad_request")
+            target = await self.create_model(owner, request.session_id, request.model_seq_id, request.base_model,
+                                             source.lora)
+        workers = self.orchestrator.workers
+        async with workers.turns.training(target.experiment):
+            await workers.learner.load_state(target.experiment, label, source=source.experiment,
+                                             with_optimizer=request.optimizer)
+        return target
+
+    async def save_for_sampler(self, model: TinkerModel, name: str | None) -> SamplerWeights:
+        """A version push, as after a native train step (runtime/training.py: written, loaded on every sampler,
+        served, checked against the learner's logprobs)."""
+        trainer = self.orchestrator.trainers[model.experiment]
+        version = await trainer.push_now()
+        weights = SamplerWeights(version, self.orchestrator.get(model.experiment).adapter_paths[version])
+        model.sampler_weights[name or f"v{version}"] = weights
+        return weights
+
+    # --- samplers ------------------------------------------------------------------------------------------
+
+    def new_sampler(self, owner: str, model: TinkerModel | None, weights: SamplerWeights | None,
+                    model_path: str | None) -> Sampler:
+        sampler = Sampler(f"samp-{secrets.token_hex(8)}", owner, model, weights, model_path)
+        self.samplers[sampler.sampler_id] = sampler
+        return sampler
+
+    def sampler_for_path(self, owner: str, model_path: str) -> Sampler:
+        model_id, name = parse_path(model_path, "sampler_weights")
+        model = self.model(owner, model_id)
+        weights = model.sampler_weights.get(name)
+        if weights is None:
+            raise NotFound(f"no sampler weights {model_path!r}", code="weights_not_found")
+        return self.new_sampler(owner, model, weights, model_path)
+
+    def sampler(self, owner: str, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None or (owner != ADMIN and owner != sampler.owner):
+            raise NotFound(f"no sampler {sampler_id!r}", code="sampler_not_found")
+        if sampler.model is not None:
+            self.model(owner, sampler.model.model_id)  # its experiment still exists
+        return sampler
+
+    # --- checkpoints ---------------------------------------------------------------------------------------
+
+    async def checkpoints(self, model: TinkerModel) -> list[tw.Checkpoint]:
+        states = await self.orchestrator.workers.learner.list_states(model.experiment)
+        listed = [tw.Checkpoint(checkpoint_id=f"weights/{s.label}", checkpoint_type="training",
+                                time=datetime.fromtimestamp(s.saved_at, timezone.utc),
+                                tinker_path=f"tinker://{model.model_id}/weights/{s.label}") for s in states.states]
+        listed += [tw.Checkpoint(checkpoint_id=f"sampler_weights/{name}", checkpoint_type="sampler",
+                                 time=datetime.fromtimestamp(w.saved_at, timezone.utc), tinker_path=f"tinker://{model.model_id}/sampler_weights/{name}")
+                   for name, w in model.sampler_weights.items()]
+        return listed
+
+    async def delete_checkpoint(self, model: TinkerModel, checkpoint_id: str) -> None:
+        kind, _, name = checkpoint_id.partition("/")
+        if kind == "weights":
+            await self.orchestrator.workers.learner.delete_state(model.experiment, name)
+        elif kind == "sampler_weights" and name in model.sampler_weights:
+            del model.sampler_weights[name]
+        else:
+            raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
+
+
+def failure(error: ApiError) -> tw.RequestFailedResponse:
+    """A failed call as the SDK reads it: the client's fault (4xx) is category `user`, the rest `server`."""
+    category = tw.RequestErrorCategory.User if 400 <= error.status < 500 else tw.RequestErrorCategory.Server
+    return tw.RequestFailedResponse(error=f"{error.code}: {error.message}", category=category)

@@ -1,0 +1,179 @@
+"""Work answered later: the Tinker API's futures and the order each model's requests run in.
+
+A Tinker call (forward_backward, optim_step, save_weights, ...) answers at once with a request id; the client
+then long-polls `retrieve_future` for the result. `FutureStore` runs each call's work as a task it owns, keeps
+the outcome until `ttl_s` after it finished (then the id is `future_expired`), and bounds how many results any
+one owner may leave unread. `SeqLane` runs one model's calls in the client's `seq_id` order, whatever order the
+HTTP requests arrived in (the SDK sends them concurrently): a call waits for every lower id of its model, and a
+gap that stays open fails the waiting call rather than hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, TooManyRequests
+
+log = logging.getLogger(__name__)
+
+Work = Callable[[], Awaitable[Any]]
+
+
+@dataclass
+class Outcome:
+    """A finished call: its answer, or the error it ended with."""
+
+    value: Any = None
+    error: ApiError | None = None
+    finished_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Entry:
+    owner: str
+    task: asyncio.Task | None = None
+    outcome: Outcome | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Pending(Exception):
+    """The call has not finished within the poll's wait (the route answers 408: try again)."""
+
+
+class FutureStore:
+    def __init__(self, ttl_s: float = 3600.0, max_unread_per_owner: int = 4096):
+        self.ttl_s = ttl_s
+        self.max_unread_per_owner = max_unread_per_owner
+        self._entries: dict[str, _Entry] = {}
+
+    def submit(self, owner: str, work: Work, name: str = "tinker-call") -> str:
+        """Start `work`; its id for `retrieve`. 429 while `owner` has too many results it has not read."""
+        self._expire()
+        held = sum(1 for e in self._entries.values() if e.owner == owner)
+        if held >= self.max_unread_per_owner:
+            raise TooManyRequests(f"{held} results of this key are unread or unexpired (max "
+                                  f"{self.max_unread_per_owner}): retrieve them first", code="too_many_futures",
+                                  retry_after=5.0)
+        request_id = f"fut-{secrets.token_hex(12)}"
+        entry = _Entry(owner)
+        self._entries[request_id] = entry
+        entry.task = asyncio.get_running_loop().create_task(self._run(entry, work), name=f"{name}-{request_id}")
+        return request_id
+
+    async def retrieve(self, request_id: str, owner: str, wait_s: float) -> Outcome:
+        """The outcome, waiting up to `wait_s` (then `Pending`). Another owner's id is as unknown as an expired
+        one: ids do not leak across keys."""
+        self._expire()
+        entry = self._entries.get(request_id)
+        if entry is None or (owner != entry.owner and owner != "admin"):
+            raise NotFound(f"no result for request {request_id!r}: unknown, or expired (results are kept "
+                           f"{self.ttl_s:.0f} s after they finish)", code="future_expired")
+        if entry.outcome is None:
+            try:
+                await asyncio.wait_for(entry.done.wait(), wait_s)
+            except asyncio.TimeoutError:
+                raise Pending(request_id) from None
+        assert entry.outcome is not None
+        return entry.outcome
+
+    def cancel(self, request_id: str, owner: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.owner == owner and entry.task is not None:
+            entry.task.cancel()
+
+    async def close(self) -> None:
+        tasks = [e.task for e in self._entries.values() if e.task is not None and not e.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, entry: _Entry, work: Work) -> None:
+        try:
+            entry.outcome = Outcome(value=await work())
+        except ApiError as exc:
+            entry.outcome = Outcome(error=exc)
+        except asyncio.CancelledError:
+            entry.outcome = Outcome(error=ApiError("the call was cancelled", code="cancelled", status=499))
+            raise
+        except Exception:  # noqa: BLE001 - a bug in one call must reach its client, not kill the store
+            log.exception("a Tinker call failed")
+            entry.outcome = Outcome(error=ApiError("internal error (logged on the server)", code="internal",
+                                                   status=500))
+        finally:
+            entry.done.set()
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.ttl_s
+        for request_id in [r for r, e in self._entries.items() if e.outcome and e.outcome.finished_at < cutoff]:
+            del self._entries[request_id]
+
+
+class SeqLane:
+    """One model's calls, run one at a time in `seq_id` order. A call without a seq_id takes the next place."""
+
+    def __init__(self, gap_timeout_s: float = 120.0):
+        self.gap_timeout_s = gap_timeout_s
+        self._next: int | None = None  # the seq_id that runs next; None until the first call names one
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (seq_id, arrival, wake-up) heap
+        self._seen: dict[int, str] = {}  # seq_id -> request id, so an HTTP retry gets the same future
+        self._arrival = itertools.count()
+        self._running = asyncio.Lock()
+
+    def known(self, seq_id: int | None) -> str | None:
+        """The request id already given to this seq_id (a client's retry of the same call)."""
+        return None if seq_id is None else self._seen.get(seq_id)
+
+    def claim(self, seq_id: int | None, request_id: str) -> None:
+        if seq_id is None:
+            return
+        if self._next is not None and seq_id < self._next:
+            raise BadRequest(f"seq_id {seq_id} is out of order: this model's calls up to {self._next - 1} have "
+                             "run", code="seq_id_out_of_order")
+        self._seen[seq_id] = request_id
+        if len(self._seen) > 4096:  # only recent ids can be retried
+            for old in sorted(self._seen)[:1024]:
+                del self._seen[old]
+
+    @contextlib.asynccontextmanager
+    async def turn(self, seq_id: int | None):
+        """Wait for every lower seq_id of this model, then hold the lane while the call runs."""
+        if seq_id is not None:
+            if self._next is None:
+                self._next = seq_id
+            if seq_id != self._next:
+                wake = asyncio.get_running_loop().create_future()
+                heapq.heappush(self._waiting, (seq_id, next(self._arrival), wake))
+                try:
+                    await asyncio.wait_for(asyncio.shield(wake), self.gap_timeout_s)
+                except asyncio.TimeoutError:
+                    # The lane moves past the gap (this call counts as run): the calls after it need not
+                    # time out one by one.
+                    missing, self._next = self._next, seq_id + 1
+                    self._wake_next()
+                    raise BadRequest(f"seq_id {seq_id} waited {self.gap_timeout_s:.0f} s for seq_id {missing}, "
+                                     "which never came", code="seq_id_gap") from None
+        async with self._running:
+            try:
+                yield
+            finally:
+                if seq_id is not None:
+                    self._next = max(self._next or 0, seq_id + 1)
+                    self._wake_next()
+
+    def _wake_next(self) -> None:
+        while self._waiting and self._waiting[0][0] < (self._next or 0):  # ids the lane already passed
+            _, _, wake = heapq.heappop(self._waiting)
+            if not wake.done():
+                wake.set_result(None)
+        if self._waiting and self._waiting[0][0] == self._next:
+            _, _, wake = heapq.heappop(self._waiting)
+            if not wake.done():
+                wake.set_result(None)
