@@ -173,7 +173,9 @@ def test_stateful(http, fuzz_target, capsys):
     fresh = itertools.count()
     books = itertools.count()
 
-    class Workflow(schema.as_state_machine()):
+    # The links join the native and OpenAI operations; the Tinker API's (no links: its ids come from its own
+    # answers) would be drawn as fresh starts and crowd the scenarios out. test_api fuzzes them one by one.
+    class Workflow(schema.exclude(path_regex=r"^/api/").as_state_machine()):
         def setup(self) -> None:
             scenarios["started"] += 1
             self.created: list[str] = []  # deleted at the end

@@ -68,6 +68,15 @@ def test_supervised_steps_lower_the_loss_and_forward_matches(service):
     assert len(logprobs) == len(batch[0].loss_fn_inputs["target_tokens"].tolist())
     assert -sum(sum(o["logprobs"].tolist()) for o in forward.loss_fn_outputs) == pytest.approx(
         forward.metrics["loss:sum"], rel=1e-4)
+    # forward_backward_custom: the SDK's forward, the loss on the client, a weighted cross_entropy back
+    def custom(data, logprobs_list):
+        loss = -sum(lp.sum() for lp in logprobs_list)
+        return loss, {"custom:sum": float(loss.detach())}
+
+    custom_out = training.forward_backward_custom(batch, custom).result()
+    assert custom_out.metrics["custom:sum"] == pytest.approx(forward.metrics["loss:sum"], rel=1e-4)
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert training.forward(batch, "cross_entropy").result().metrics["loss:sum"] < forward.metrics["loss:sum"]
 
 
 def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(service):

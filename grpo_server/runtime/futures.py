@@ -131,12 +131,15 @@ class SeqLane:
         """The request id already given to this seq_id (a client's retry of the same call)."""
         return None if seq_id is None else self._seen.get(seq_id)
 
-    def claim(self, seq_id: int | None, request_id: str) -> None:
-        if seq_id is None:
-            return
-        if self._next is not None and seq_id < self._next:
+    def check(self, seq_id: int | None) -> None:
+        """A 400 for a seq_id this model's calls have passed (a retry of a recent one is `known` instead)."""
+        if seq_id is not None and self._next is not None and seq_id < self._next:
             raise BadRequest(f"seq_id {seq_id} is out of order: this model's calls up to {self._next - 1} have "
                              "run", code="seq_id_out_of_order")
+
+    def remember(self, seq_id: int | None, request_id: str) -> None:
+        if seq_id is None:
+            return
         self._seen[seq_id] = request_id
         if len(self._seen) > 4096:  # only recent ids can be retried
             for old in sorted(self._seen)[:1024]:

@@ -49,7 +49,7 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
     if known is not None:
         return _json(tw.UntypedAPIFuture(request_id=known, model_id=model.model_id, **extra))
     try:
-        model.lane.claim(seq_id, "")
+        model.lane.check(seq_id)
     except ApiError as exc:
         error = exc
 
@@ -61,7 +61,7 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
         async with model.lane.turn(seq_id):
             return await work()
     request_id = futures.submit(owner, in_order)
-    model.lane.claim(seq_id, request_id)
+    model.lane.remember(seq_id, request_id)
     return _json(tw.UntypedAPIFuture(request_id=request_id, model_id=model.model_id, **extra))
 
 
@@ -246,7 +246,7 @@ async def asample(request: web.Request) -> web.Response:
         return _json(tw.UntypedAPIFuture(request_id=sampler.seen[body.seq_id], sample_sequence_ids=ids))
     response = _submit(request, owner, lambda: sample(service, sampler, body), sample_sequence_ids=ids)
     if body.seq_id is not None:
-        sampler.seen[body.seq_id] = tw.UntypedAPIFuture.model_validate_json(response.text).request_id
+        sampler.remember(body.seq_id, tw.UntypedAPIFuture.model_validate_json(response.text).request_id)
     return response
 
 
@@ -318,7 +318,6 @@ async def delete_checkpoint(request: web.Request) -> web.Response:
 
 API = "/api/v1"
 RUN = API + "/training_runs/{model_id}"
-FUTURE = (404, 422)  # a call on a model: its body's shape is checked at once, the rest in its future
 
 
 def _row(method: str, path: str, handler, request_model, response_model, summary: str, status: int = 200,
@@ -348,7 +347,7 @@ ROUTES: tuple[Endpoint, ...] = (
          errors=(404,)),
     _row("POST", "/forward_backward", forward_backward, None, tw.UntypedAPIFuture,
          "forward (forward_only) or forward and backward; the body is a protobuf ForwardBackwardRequest; future "
-         "of a protobuf ForwardBackwardOutput", errors=(400,)),
+         "of a protobuf ForwardBackwardOutput", errors=(400, 413)),
     _row("POST", "/optim_step", optim_step, tw.OptimStepRequest, tw.UntypedAPIFuture,
          "one AdamW step on the gradients summed since the last; future of OptimStepResponse"),
     _row("POST", "/save_weights", save_weights, tw.SaveWeightsRequest, tw.UntypedAPIFuture,

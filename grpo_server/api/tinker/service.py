@@ -34,6 +34,11 @@ from grpo_server.runtime.orchestrator import Orchestrator
 log = logging.getLogger(__name__)
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MAX_REMEMBERED = 4096  # sample seq_ids a sampler remembers (for a resubmission's future)
+# What one key may hold in the front end's memory: beyond, its oldest sessions and samplers are forgotten
+# (a forgotten sampler answers not found; its weights stay, and a new sampler on their path serves them).
+MAX_SESSIONS_PER_KEY = 256
+MAX_SAMPLERS_PER_KEY = 1024
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -65,6 +70,12 @@ class Sampler:
     model_path: str | None
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id (a client's retry)
 
+    def remember(self, seq_id: int, request_id: str) -> None:
+        self.seen[seq_id] = request_id
+        if len(self.seen) > MAX_REMEMBERED:  # only recent samples are resubmitted
+            for old in sorted(self.seen)[:MAX_REMEMBERED // 4]:
+                del self.seen[old]
+
 
 def parse_path(path: str, kind: str) -> tuple[str, str]:
     """`tinker://{model_id}/{kind}/{name}` -> (model_id, name); a 400 otherwise."""
@@ -88,6 +99,7 @@ class TinkerModels:
     def create_session(self, owner: str) -> str:
         session_id = f"sess-{secrets.token_hex(8)}"
         self.sessions[session_id] = owner
+        _forget_oldest(self.sessions, lambda o: o == owner, MAX_SESSIONS_PER_KEY)
         return session_id
 
     def session(self, owner: str, session_id: str) -> None:
@@ -215,6 +227,7 @@ class TinkerModels:
                     model_path: str | None) -> Sampler:
         sampler = Sampler(f"samp-{secrets.token_hex(8)}", owner, model, weights, model_path)
         self.samplers[sampler.sampler_id] = sampler
+        _forget_oldest(self.samplers, lambda s: s.owner == owner, MAX_SAMPLERS_PER_KEY)
         return sampler
 
     def sampler_for_path(self, owner: str, model_path: str) -> Sampler:
@@ -253,6 +266,13 @@ class TinkerModels:
             del model.sampler_weights[name]
         else:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
+
+
+def _forget_oldest(table: dict, mine, keep: int) -> None:
+    """Drop the oldest entries (dicts keep insertion order) for which `mine(value)` holds, beyond `keep`."""
+    held = [key for key, value in table.items() if mine(value)]
+    for key in held[:max(0, len(held) - keep)]:
+        del table[key]
 
 
 def failure(error: ApiError) -> tw.RequestFailedResponse:

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_serializer, field_validator,
+                      model_validator)
 
 TensorDtype = Literal["int64", "float32"]
 
@@ -108,6 +109,10 @@ class EncodedTextChunk(_Wire):
     type: Literal["encoded_text"] = "encoded_text"
 
 
+# Bytes travel as base64 text in JSON: the schema says so (OpenAPI has no raw binary in a JSON body).
+Base64Field = Annotated[bytes, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+
+
 def _b64(value: bytes | str) -> bytes:
     return base64.b64decode(value) if isinstance(value, str) else value
 
@@ -115,7 +120,7 @@ def _b64(value: bytes | str) -> bytes:
 class ImageChunk(_Wire):
     """An inline image (base64 in JSON, raw bytes in protobuf); refused by this text-only server."""
 
-    data: bytes
+    data: Base64Field
     format: str  # "png" | "jpeg"
     expected_tokens: int | None = None
     type: Literal["image"] = "image"
@@ -142,7 +147,7 @@ class ImageAssetPointerChunk(_Wire):
 class DmelChunk(_Wire):
     """Audio tokens as serialized tensor bytes; refused by this server."""
 
-    dmel: bytes
+    dmel: Base64Field
     type: Literal["dmel"] = "dmel"
 
     @field_validator("dmel", mode="before")

@@ -1,0 +1,83 @@
+"""grpo_server/runtime/futures.py on its own: calls run in seq_id order whatever order they arrive in, a gap that
+stays open fails its waiter and lets the rest go on, results are owned, polled, and expire."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from grpo_server.protocol.errors import ApiError
+from grpo_server.runtime.futures import FutureStore, Pending, SeqLane
+
+
+async def test_calls_run_in_seq_id_order_whatever_order_they_arrive_in():
+    lane, ran = SeqLane(gap_timeout_s=5), []
+
+    async def call(seq_id: int) -> None:
+        async with lane.turn(seq_id):
+            ran.append(seq_id)
+            await asyncio.sleep(0)
+
+    await call(1)  # the first id names where the lane starts
+    await asyncio.gather(*(call(i) for i in (5, 3, 2, 4)))
+    assert ran == [1, 2, 3, 4, 5]
+    with pytest.raises(ApiError) as caught:
+        lane.check(3)
+    assert caught.value.code == "seq_id_out_of_order"
+
+
+async def test_a_gap_fails_its_waiter_and_the_lane_goes_on():
+    lane, ran = SeqLane(gap_timeout_s=0.2), []
+    async with lane.turn(1):
+        ran.append(1)
+    with pytest.raises(ApiError) as caught:
+        async with lane.turn(3):  # 2 never comes
+            ran.append(3)
+    assert caught.value.code == "seq_id_gap"
+    async with lane.turn(4):  # not another wait: the lane moved past the gap
+        ran.append(4)
+    assert ran == [1, 4]
+
+
+async def test_results_are_polled_owned_and_expire():
+    store = FutureStore(ttl_s=0.3)
+    release = asyncio.Event()
+
+    async def slow() -> str:
+        await release.wait()
+        return "done"
+
+    async def failing() -> str:
+        raise ApiError("no", code="bad", status=400)
+
+    request_id = store.submit("alice", slow)
+    with pytest.raises(Pending):
+        await store.retrieve(request_id, "alice", wait_s=0.05)
+    with pytest.raises(ApiError) as caught:  # another key's id is unknown to it
+        await store.retrieve(request_id, "bob", wait_s=0.05)
+    assert caught.value.code == "future_expired"
+    release.set()
+    assert (await store.retrieve(request_id, "alice", wait_s=1)).value == "done"
+    assert (await store.retrieve(request_id, "admin", wait_s=1)).value == "done"
+    failed = await store.retrieve(store.submit("alice", failing), "alice", wait_s=1)
+    assert failed.error is not None and failed.error.code == "bad"
+    await asyncio.sleep(0.4)
+    with pytest.raises(ApiError):
+        await store.retrieve(request_id, "alice", wait_s=0.05)
+    await store.close()
+
+
+async def test_one_owner_cannot_pile_up_results():
+    store = FutureStore(max_unread_per_owner=2)
+
+    async def quick() -> int:
+        return 1
+
+    store.submit("alice", quick)
+    store.submit("alice", quick)
+    with pytest.raises(ApiError) as caught:
+        store.submit("alice", quick)
+    assert caught.value.status == 429
+    store.submit("bob", quick)  # others are not held back
+    await store.close()
