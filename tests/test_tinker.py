@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -44,6 +45,19 @@ def _datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * n})
 
 
+def _status(server, experiment: str) -> dict:
+    request = urllib.request.Request(f"{server.url}/v1/experiments/{experiment}",
+                                     headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def _experiment_of(server, model_id: str) -> str:
+    """A model's experiment: tinker-<session hex>-<model_seq_id> (grpo_server/api/tinker/service.py)."""
+    session, _, seq = model_id.split(":")
+    return f"tinker-{session.removeprefix('sess-')}-{seq}"
+
+
 def _step(training, data, loss_fn="cross_entropy", lr=1e-2, config=None):
     out = training.forward_backward(data, loss_fn, loss_fn_config=config).result()
     training.optim_step(types.AdamParams(learning_rate=lr)).result()
@@ -79,7 +93,7 @@ def test_supervised_steps_lower_the_loss_and_forward_matches(service):
     assert training.forward(batch, "cross_entropy").result().metrics["loss:sum"] < forward.metrics["loss:sum"]
 
 
-def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(service):
+def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(server, service):
     client, base = service
     training = client.create_lora_training_client(base_model=base, rank=RANK).result()
     tokenizer = training.get_tokenizer()
@@ -113,6 +127,13 @@ def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(se
     assert lp_after > lp_before, (lp_before, lp_after)
     # the old sampling client still samples its version after a newer one is saved
     newer = training.save_weights_and_get_sampling_client().result()
+    # a push is checked as every push is: the samplers' logprobs of a trained sequence against the learner's
+    experiment = _experiment_of(server, training.model_id)
+    deadline = time.monotonic() + 120
+    while (checked := _status(server, experiment)["last_verification"]) is None:
+        assert time.monotonic() < deadline, "no check of a Tinker push within 120 s"
+        time.sleep(1)
+    assert checked["ok"] and checked["checked_on"] == "probe" and checked["tokens"] > 0, checked
     assert newer.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences
     assert sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences
 

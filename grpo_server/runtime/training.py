@@ -9,7 +9,8 @@ import logging
 import time
 
 from grpo_server.protocol.errors import ApiError, Unavailable
-from grpo_server.protocol.wire import AdapterRef, Completion, TrainMetrics, TrainRequest, TrainSample
+from grpo_server.protocol.wire import (AdapterRef, Completion, TrainMetrics, TrainRequest, TrainSample,
+                                       VersionProbe)
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
@@ -130,9 +131,10 @@ class ExperimentTrainer:
         log.info("%s: step %d loss %.4f reward %.3f kl %s clipped %.3f mismatch kl %.2e", exp.name, metrics.step,
                  metrics.loss, metrics.reward_mean, kl, metrics.clipped_fraction, metrics.mismatch_kl)
 
-    async def push(self, slot: bool) -> None:
+    async def push(self, slot: bool, probe: VersionProbe | None = None) -> None:
         """Write a new version (the learner scores the check's probe under it as it saves), load it on every
-        sampler under a new LoRA id, serve it. `slot`: whether a version slot was free (`_version_slot`)."""
+        sampler under a new LoRA id, serve it. `slot`: whether a version slot was free (`_version_slot`).
+        `probe`: what the check scores (default: the newest trained group's first completions)."""
         exp = self.exp
         started = time.monotonic()
         if not slot:
@@ -140,7 +142,7 @@ class ExperimentTrainer:
                              f"(max_loaded_versions {self.max_loaded_versions}) after {self.train_timeout_s:.0f} s")
             return
         try:
-            probe = probe_of(exp.probe)
+            probe = probe or probe_of(exp.probe)
             saved = await self.workers.learner.save_adapter(exp.name, probe)
             exp.learned(saved.version, saved.step)
             await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path,
@@ -175,13 +177,14 @@ class ExperimentTrainer:
             await asyncio.sleep(0.05)
         return True
 
-    async def push_now(self) -> int:
+    async def push_now(self, probe: VersionProbe | None = None) -> int:
         """A push a client asked for (the Tinker API's save_weights_for_sampler), as after a train step: in the
-        experiment's training turn, checked like every push. The version pushed; a 503 when it was not."""
+        experiment's training turn, checked like every push (on `probe`: a Tinker model has no sampled group).
+        The version pushed; a 503 when it was not."""
         slot = await self._version_slot()
         before = self.exp.serving_version
         async with self.workers.turns.training(self.exp.name):
-            await self.push(slot)
+            await self.push(slot, probe)
         if self.exp.serving_version == before:
             reason = self.exp.errors[-1] if self.exp.errors else "push failed"
             raise Unavailable(f"{self.exp.name}: no new version was pushed ({reason})", code="push_failed")

@@ -21,6 +21,7 @@ Run every module from the repository root (`.venv/bin/python -m scripts.benchmar
     load_mixed.py       the mixed round: plain, streaming, episode and tool-call clients; 5xx, RSS, event-loop lag
     load_kinds.py       the mixed round's client kinds
     fairness.py         a quiet experiment's latency alone vs beside a noisy experiment's flood (--only fairness)
+    tinker_steps.py     time per GRPO step on alphabetize through the Tinker API vs the native route
     table.py            the summary table written into BENCHMARKS.md
     gpu_check.py        scripts/gpu-check's driver: each phase in its own process and time limit, one JSON
     gpu_phases.py       scripts/gpu-check's phases: model, learner, sampler, server, the race's two sides

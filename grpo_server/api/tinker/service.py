@@ -34,6 +34,7 @@ from grpo_server.runtime.orchestrator import Orchestrator
 log = logging.getLogger(__name__)
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+PROBE_TOKENS = 64  # at most this many tokens scored by a push's check
 MAX_REMEMBERED = 4096  # sample seq_ids a sampler remembers (for a resubmission's future)
 # What one key may hold in the front end's memory: beyond, its oldest sessions and samplers are forgotten
 # (a forgotten sampler answers not found; its weights stay, and a new sampler on their path serves them).
@@ -57,6 +58,7 @@ class TinkerModel:
     lora: tw.LoraConfig
     lane: SeqLane = field(default_factory=SeqLane)
     sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
+    probe_tokens: list[int] | None = None  # a sequence it trained on: what its pushes' checks score
     created_at: float = field(default_factory=time.time)
     last_request_at: float = field(default_factory=time.time)
 
@@ -168,6 +170,10 @@ class TinkerModels:
                 config = {k: float(v) for k, v in given.loss_fn_config.items()}
             except ValueError as exc:
                 raise BadRequest(f"loss_fn_config values must be numbers: {exc}", code="bad_loss_config") from exc
+        first = data[0]
+        targets = first.loss_fn_inputs.get("target_tokens")
+        if len(first.tokens) > 1 or targets:
+            model.probe_tokens = first.tokens + [int(targets[-1])] if targets else list(first.tokens)
         learner_request = wire.ForwardBackwardRequest(name=model.experiment, data=data, loss_fn=given.loss_fn,
                                                       loss_fn_config=config)
         workers = self.orchestrator.workers
@@ -216,7 +222,7 @@ class TinkerModels:
         """A version push, as after a native train step (runtime/training.py: written, loaded on every sampler,
         served, checked against the learner's logprobs)."""
         trainer = self.orchestrator.trainers[model.experiment]
-        version = await trainer.push_now()
+        version = await trainer.push_now(probe_from(model.probe_tokens))
         weights = SamplerWeights(version, self.orchestrator.get(model.experiment).adapter_paths[version])
         model.sampler_weights[name or f"v{version}"] = weights
         return weights
@@ -266,6 +272,15 @@ class TinkerModels:
             del model.sampler_weights[name]
         else:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
+
+
+def probe_from(tokens: list[int] | None) -> wire.VersionProbe | None:
+    """A push's check for a Tinker model (runtime/verification.py): the learner and a sampler score the second
+    half of a sequence it trained on, given the first half, at temperature 1."""
+    if not tokens or len(tokens) < 2:
+        return None
+    cut = max(1, min(len(tokens) // 2, len(tokens) - PROBE_TOKENS))
+    return wire.VersionProbe(prompt_token_ids=tokens[:cut], completions_token_ids=[tokens[cut:]], temperature=1.0)
 
 
 def _forget_oldest(table: dict, mine, keep: int) -> None:
