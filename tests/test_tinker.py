@@ -138,7 +138,7 @@ def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(se
     assert sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences
 
 
-def test_state_round_trip_gives_the_same_next_step(service):
+def test_state_round_trip_gives_the_same_next_step(server, service):
     client, base = service
     training = client.create_lora_training_client(base_model=base, rank=RANK).result()
     tokenizer = training.get_tokenizer()
@@ -153,7 +153,7 @@ def test_state_round_trip_gives_the_same_next_step(service):
     after_direct = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]
     after_load = restored.forward(batch, "cross_entropy").result().metrics["loss:sum"]
     assert after_load == pytest.approx(after_direct, rel=1e-4)
-    rest = client.create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=f"tml-{ADMIN_KEY}")
     listed = rest.list_checkpoints(training.model_id).result()
     assert "weights/rt1" in {c.checkpoint_id for c in listed.checkpoints}
 

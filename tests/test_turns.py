@@ -50,8 +50,10 @@ async def test_a_train_step_waits_for_sampling_and_holds_new_sampling_back():
 
 async def test_a_train_step_holds_back_its_own_experiments_sampling_not_anothers():
     """Turns by experiment: while `a` trains, `a`'s new sampling waits and `b`'s starts; `b`'s train step waits
-    only for `b`'s sampling, not for `a`'s, and holds back only `b`'s new calls."""
+    only for `b`'s sampling, not for `a`'s, and holds back only `b`'s new calls. Here the others are owed their
+    share of the time, so no step takes a solo turn (tests/test_fairness_learning.py has those)."""
     t = ComputeTurns(alternate=True)
+    t._solo_free_at = float("inf")  # noqa: SLF001 - the state after a solo turn, without running one
     log: list[str] = []
     train_a, a1, b1, train_b, b2, a2 = (asyncio.Event() for _ in range(6))
     tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", train_a))]

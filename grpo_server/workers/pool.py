@@ -21,10 +21,12 @@ comes back from a restart is re-synced with the live versions before it serves a
 device, and sampling while the learner trains is pure gain. On a CPU host they share the cores: vLLM's
 CPU worker computes on one core and its scheduler process busy-polls another, the learner's threads want
 every core, and running both at once made each train step 2-3x slower here than the same step alone
-(BENCHMARKS.md, "End to end"). There they take turns instead: a train step waits until no sampler call
-runs, and sampler calls that arrive while a train step waits or runs wait for it to end. Training goes
-first, so a busy sampler cannot starve it; sampling cannot be starved either, because only rated groups
-(which sampling makes) give the learner something to train.
+(BENCHMARKS.md, "End to end"), 7x for SmolLM2 beside another tenant's back-to-back requests. There they take
+turns instead: a train step waits until its experiment's sampler calls end, and that experiment's calls that
+arrive while the step waits or runs wait for it to end. Training goes first, so a busy sampler cannot starve
+it; sampling cannot be starved either, because only rated groups (which sampling makes) give the learner
+something to train. Other experiments' sampling is held back only by a solo turn, bounded in length and in
+share of the time (grpo_server/workers/turns.py).
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ from pydantic import BaseModel
 from grpo_server.api_models import ReplicaHealth
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
 from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed, public_message
-from grpo_server.protocol.gate import Gate
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient, Verb
 from grpo_server.protocol.wire import AdapterRef
+from grpo_server.workers.turns import ComputeTurns
 
 Ans = TypeVar("Ans", bound=BaseModel)
 log = logging.getLogger(__name__)
@@ -153,54 +155,6 @@ def resolve_schedule(schedule: Schedule, remote_workers: bool) -> Literal["overl
         return schedule
     has_gpu = NVIDIA_GPUS.is_dir() and any(NVIDIA_GPUS.iterdir())
     return "overlap" if remote_workers or has_gpu else "alternate"
-
-
-class ComputeTurns:
-    """Sampler calls share their turn; a train step has it alone and goes first (protocol/gate.py).
-    With `alternate` False nothing waits; sampler calls are counted either way.
-
-    Turns are by experiment (one gate each) unless `by_experiment` is False (schedule `alternate_all`, one gate
-    for all): a train step waits for its own experiment's sampler calls and holds its new ones back (what that
-    samples next comes from the step's version), while other experiments' calls neither wait for it nor delay
-    it. On one CPU they then share the cores for a while, and the step is slower; one gate for all instead makes
-    every tenant's completion wait out another tenant's whole train step and push, and the sampler calls that
-    step waits for (seconds): 4.9x a tenant's latency alone beside a flooding one (tests/test_budgets.py)."""
-
-    def __init__(self, alternate: bool, by_experiment: bool = True):
-        self.alternate = alternate
-        self.by_experiment = by_experiment
-        self._gates: dict[str | None, Gate] = {}
-        self._sampling = 0  # sampler calls running
-
-    def _gate(self, experiment: str | None) -> Gate:
-        key = experiment if self.by_experiment else None
-        if key not in self._gates:
-            self._gates[key] = Gate()
-        return self._gates[key]
-
-    def forget(self, experiment: str) -> None:
-        """A deleted experiment's gate (none of its calls is left)."""
-        if self.by_experiment:
-            self._gates.pop(experiment, None)
-
-    @property
-    def sampling_calls(self) -> int:
-        """Sampler calls running now (counted in both modes)."""
-        return self._sampling
-
-    @contextlib.asynccontextmanager
-    async def sampling(self, experiment: str | None = None) -> AsyncIterator[None]:
-        async with (self._gate(experiment).shared() if self.alternate else contextlib.nullcontext()):
-            self._sampling += 1
-            try:
-                yield
-            finally:
-                self._sampling -= 1
-
-    @contextlib.asynccontextmanager
-    async def training(self, experiment: str | None = None) -> AsyncIterator[None]:
-        async with (self._gate(experiment).exclusive() if self.alternate else contextlib.nullcontext()):
-            yield
 
 
 # --- the pool --------------------------------------------------------------------------------------------
