@@ -21,6 +21,9 @@ PER_EXPERIMENT = 60_000  # tokens: about 4.4 MB held, reached by ~100 groups of 
 TOTAL = 90_000
 LOOP_BOUND_S = 0.25  # the event loop's longest stall while tokenizing (each of the 4 requests takes ~0.5 s here)
 QUIET_REQUESTS = 24
+# A completion of some length: at 8 tokens a tiny-model request (~90 ms) is all scheduling, and waiting out one of
+# noisy's steps (a solo turn, grpo_server/workers/turns.py) alone doubles it (2.01x and 2.05x in two full runs).
+QUIET_MAX_TOKENS = 32
 PROMPT_IDS = [(7 * i) % 20_000 + 300 for i in range(480)]  # a long prompt: the budget fills in a few seconds
 
 
@@ -137,7 +140,7 @@ async def latencies(client: AsyncClient, name: str, count: int) -> list[float]:
     out = []
     for i in range(count):
         asked = time.perf_counter()
-        await client.complete(name, prompt=f"Say a word about {i}", n=4, max_tokens=8)
+        await client.complete(name, prompt=f"Say a word about {i}", n=4, max_tokens=QUIET_MAX_TOKENS)
         out.append(time.perf_counter() - asked)
     return out
 
