@@ -173,8 +173,7 @@ def test_stateful(http, fuzz_target, capsys):
     fresh = itertools.count()
     books = itertools.count()
 
-    # The links join the native and OpenAI operations; the Tinker API's (no links: its ids come from its own
-    # answers) would be drawn as fresh starts and crowd the scenarios out. test_api fuzzes them one by one.
+    # Linked operations only: the unlinked Tinker routes would crowd the scenarios out (test_api fuzzes them).
     class Workflow(schema.exclude(path_regex=r"^/api/").as_state_machine()):
         def setup(self) -> None:
             scenarios["started"] += 1

@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
+from grpo_server.api.route_table import ADMIN
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol.codec import MSGPACK
 from grpo_server.protocol.errors import (ApiError, BadRequest, Forbidden, PayloadTooLarge, Unauthorized, Unprocessable,
@@ -135,7 +136,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 # --- keys ---------------------------------------------------------------------------------------------------
 
-ADMIN = "admin"
 TINKER_KEY_HEADER = "X-API-Key"
 TINKER_KEY_PREFIX = "tml-"
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 Auth = Literal["public", "key", "experiment", "admin"]
+ADMIN = "admin"  # the caller the admin key names (edge.caller); any other caller is an experiment's name
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JSON = "application/json"
 EVENT_STREAM = "text/event-stream"

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from grpo_server.api.edge import ADMIN
+from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import wire as tw
 from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, ForwardBackwardRequest
 from grpo_server.config import ExperimentConfig
