@@ -1,15 +1,23 @@
 """Crashes lose nothing: kill -9 the learner mid-training, then the whole server, and start it again on the
-same run directory (real processes, tiny model)."""
+same run directory (real processes, tiny model). Feedback accepted before the crash is trained exactly once,
+and a Tinker model's saved state and sampler weights are still reachable by their tinker:// paths (the
+official SDK, as a cookbook run resuming from its checkpoint would use them)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
+import pytest
+import tinker
+from tinker import types
+
 from grpo_server.client import AsyncClient
-from tests.serving import complete_when_admitted, start_server, stop_server, wait_for
+from tests.serving import ADMIN_KEY, complete_when_admitted, start_server, stop_server, wait_for
 
 NAME = "durable"
+os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
 def kill_everything(server) -> None:
@@ -29,11 +37,43 @@ async def rate_one(client) -> bool:
     return answer.skipped is None  # accepted for training (a 202 that must end up in the weights)
 
 
-async def test_accepted_feedback_survives_crashes_and_is_trained_exactly_once(tiny_model_dir, tmp_path):
+def _datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def tinker_before_crash(url: str, base_model: str) -> dict:
+    """A Tinker model trains a step, saves its state and sampler weights; what it scores then is what the same
+    paths must give after the crash."""
+    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}")
+    training = client.create_lora_training_client(base_model=base_model, rank=8).result()
+    batch = [_datum(training.get_tokenizer().encode("one two three four five six"))]
+    training.forward_backward(batch, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    state = training.save_state("before-crash").result().path
+    sampler = training.save_weights_for_sampler("served").result().path
+    loss = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    return {"model_id": training.model_id, "state": state, "sampler": sampler, "batch": batch, "loss": loss}
+
+
+def tinker_after_restart(url: str, saved: dict) -> None:
+    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}")
+    restored = client.create_training_client_from_state_with_optimizer(saved["state"]).result()
+    assert restored.forward(saved["batch"], "cross_entropy").result().metrics["loss:sum"] == \
+        pytest.approx(saved["loss"], rel=1e-4)
+    sampled = client.create_sampling_client(model_path=saved["sampler"]).result().sample(
+        saved["batch"][0].model_input, 2, types.SamplingParams(max_tokens=3, seed=1)).result()
+    assert len(sampled.sequences) == 2 and all(s.tokens for s in sampled.sequences)
+    listed = tinker.RestClient(base_url=url, api_key=f"tml-{ADMIN_KEY}").list_checkpoints(saved["model_id"]).result()
+    assert {"weights/before-crash", "sampler_weights/served"} <= {c.checkpoint_id for c in listed.checkpoints}
+
+
+async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     server = start_server(run_dir, tiny_model_dir)
     accepted = 0
     try:
+        tinker_saved = await asyncio.to_thread(tinker_before_crash, server.url, str(tiny_model_dir))
         async with AsyncClient(server.url, server.api_key) as client:
             await client.create_experiment({
                 "name": NAME, "api_key": "durable-key-8b1f04c3",
@@ -75,6 +115,7 @@ async def test_accepted_feedback_survives_crashes_and_is_trained_exactly_once(ti
                 accepted += await rate_one(client)
             status = await wait_for(drained, timeout_s=300)
             assert status.counters.groups_trained == accepted == status.step
+        await asyncio.to_thread(tinker_after_restart, server.url, tinker_saved)
     finally:
         if server.process.poll() is None:
             stop_server(server)

@@ -79,6 +79,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             names = {e.name for e in resumed}
             for experiment in resumed + [e for e in config.experiments if e.name not in names]:
                 await orchestrator.create(experiment)
+            app[TINKER].restore()
             orchestrator.start_upkeep()
             log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)
             yield

@@ -96,7 +96,7 @@ async def dynamic_config(request: web.Request) -> web.Response:
 async def create_session(request: web.Request) -> web.Response:
     owner = caller(request)
     await parse_body(request, tw.CreateSessionRequest)
-    return _json(tw.CreateSessionResponse(session_id=request.app[TINKER].create_session(owner)))
+    return _json(tw.CreateSessionResponse(session_id=await request.app[TINKER].create_session(owner)))
 
 
 async def session_heartbeat(request: web.Request) -> web.Response:

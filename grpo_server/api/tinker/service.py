@@ -10,7 +10,8 @@ Tinker adds is held here:
     them can be sampled while newer ones exist: a version the samplers unloaded is loaded again.
 Who may use what: the admin key makes models on experiments of their own; an experiment's key makes the one
 model of its own experiment (its LoRA rank must match). A model, sampler or checkpoint of another key is
-unknown to a caller, as other experiments are on the native routes.
+unknown to a caller, as other experiments are on the native routes. Sessions and models outlive a restart
+(registry.py); samplers and futures do not.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from datetime import datetime, timezone
 
 from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, ForwardBackwardRequest
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
@@ -92,16 +94,27 @@ class TinkerModels:
         self.orchestrator = orchestrator
         self.base_model = base_model
         self.futures = futures
+        self.registry = TinkerRegistry(orchestrator.config.run_dir)
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.models: dict[str, TinkerModel] = {}
         self.samplers: dict[str, Sampler] = {}
 
+    def restore(self) -> None:
+        """The sessions and models an earlier run in this run directory saved, once its experiments have
+        resumed (a model whose experiment did not is dropped)."""
+        self.sessions, self.models = self.registry.load(TinkerModel, SamplerWeights,
+                                                        lambda name: name in self.orchestrator.experiments)
+
+    async def _saved(self) -> None:
+        await self.registry.save(self.sessions, self.models)
+
     # --- sessions and models -------------------------------------------------------------------------------
 
-    def create_session(self, owner: str) -> str:
+    async def create_session(self, owner: str) -> str:
         session_id = f"sess-{secrets.token_hex(8)}"
         self.sessions[session_id] = owner
         _forget_oldest(self.sessions, lambda o: o == owner, MAX_SESSIONS_PER_KEY)
+        await self._saved()
         return session_id
 
     def session(self, owner: str, session_id: str) -> None:
@@ -148,6 +161,7 @@ class TinkerModels:
                 raise BadRequest(f"experiment {name!r} has LoRA rank {rank}, not {lora.rank}", code="rank_mismatch")
         model = TinkerModel(model_id=model_id, experiment=name, owner=owner, lora=lora)
         self.models[model_id] = model
+        await self._saved()
         return model
 
     def info(self, model: TinkerModel) -> tw.GetInfoResponse:
@@ -225,6 +239,7 @@ class TinkerModels:
         version = await trainer.push_now(probe_from(model.probe_tokens))
         weights = SamplerWeights(version, self.orchestrator.get(model.experiment).adapter_paths[version])
         model.sampler_weights[name or f"v{version}"] = weights
+        await self._saved()
         return weights
 
     # --- samplers ------------------------------------------------------------------------------------------
@@ -270,6 +285,7 @@ class TinkerModels:
             await self.orchestrator.workers.learner.delete_state(model.experiment, name)
         elif kind == "sampler_weights" and name in model.sampler_weights:
             del model.sampler_weights[name]
+            await self._saved()
         else:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
 
