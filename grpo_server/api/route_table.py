@@ -57,9 +57,14 @@ class Endpoint:
     events: type[BaseModel] | None = None  # with `stream: true`: server-sent events of these chunks
     # (status, description) where this route's cause of an error status is not the one openapi.py gives all
     error_text: tuple[tuple[int, str], ...] = ()
+    # The operationId, where the one made from the path would be another route's (vLLM's `/tokenize` beside
+    # our `/v1/tokenize`: both `post_tokenize`)
+    operation: str = ""
 
     @property
     def operation_id(self) -> str:
+        if self.operation:
+            return self.operation
         words = [w for w in self.path.replace("{", "").replace("}", "").replace(".", "_").split("/") if w]
         return "_".join([self.method.lower()] + [w for w in words if w not in ("v1", "api")])
 

@@ -27,6 +27,8 @@ Parameters:
   without `tool_call_id` (`missing_tool_call_id`) or answering no earlier call (`unknown_tool_call_id`),
   call `arguments` that are not a JSON object (`bad_tool_arguments`), `parameters` that are not a JSON
   schema of an object (`bad_tool_schema`), two tools of one name (`duplicate_tool`).
+- vLLM's extensions (`return_token_ids`, `top_k`, `chat_template`, ...): `vllm_fields.py` says which are
+  honoured, which rejected unless neutral, and which ignored.
 - accepted and ignored: every other field, known (`user`, `metadata`, `store`, `stream_options`,
   `service_tier`, `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `verbosity`,
   `prediction`, a message's `name`, ...) or not (frameworks add their own).
@@ -42,6 +44,8 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo_server.api.openai.convert import chat_messages
+from grpo_server.api.openai.vllm_fields import (CHAT_NEUTRAL, SAMPLING_NEUTRAL, VllmChatFields, VllmFields,
+                                                reject_unless_neutral)
 from grpo_server.api_models import CompletionOut, CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 
@@ -60,7 +64,7 @@ class StreamOptions(OpenAIBody):
     include_usage: bool | None = Field(None, description="A last chunk with `usage` and no choices.")
 
 
-class OpenAIRequest(OpenAIBody):
+class OpenAIRequest(VllmFields, OpenAIBody):
     model: str = Field(min_length=1, description="The experiment's name.")
     n: int | None = None
     temperature: float | None = None
@@ -86,7 +90,7 @@ class OpenAIChatMessage(OpenAIBody):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatCompletionRequest(OpenAIRequest, VllmChatFields):
     messages: list[OpenAIChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -204,6 +208,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str
     logprobs: CompletionLogprobs | None
     token_ids: list[int]
+    # With vLLM's `return_token_ids`: where vLLM puts the prompt's ids on a legacy completion (the top-level
+    # `prompt_token_ids` is ours, always there).
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent)
 
 
 class TextCompletionResponse(BaseModel):
@@ -232,6 +239,7 @@ def _reject_common(body: OpenAIRequest) -> None:
                              code="unsupported_parameter")
     if body.logit_bias:
         raise BadRequest("logit_bias is not supported (only an empty one)", code="unsupported_parameter")
+    reject_unless_neutral(body, SAMPLING_NEUTRAL)
 
 
 def _reject_chat(body: ChatCompletionRequest) -> None:
@@ -245,6 +253,7 @@ def _reject_chat(body: ChatCompletionRequest) -> None:
         raise BadRequest("only the text modality is supported", code="unsupported_parameter")
     if body.audio is not None:
         raise BadRequest("audio output is not supported", code="unsupported_parameter")
+    reject_unless_neutral(body, CHAT_NEUTRAL)
     if body.top_logprobs:
         raise BadRequest("top_logprobs must be 0 or absent: only the sampled token's logprob is available "
                          "(set logprobs: true)", code="unsupported_parameter")
@@ -353,11 +362,14 @@ def _completion_logprobs(completion: CompletionOut, token_text: Mapping[int, str
 
 
 def completion_response(model: str, result: CompletionsResponse, created: int,
-                        token_text: Mapping[int, str] | None = None) -> TextCompletionResponse:
+                        token_text: Mapping[int, str] | None = None,
+                        return_token_ids: bool = False) -> TextCompletionResponse:
+    prompt_ids = result.prompt_token_ids if return_token_ids else None
     return TextCompletionResponse(
         id=f"cmpl-{_response_id(result)}", created=created, model=model, usage=_usage(result),
         group_id=result.group_id, episode_id=result.episode_id, policy_version=result.policy_version,
         prompt_token_ids=result.prompt_token_ids,
         choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids,
-                                  logprobs=None if token_text is None else _completion_logprobs(c, token_text))
+                                  logprobs=None if token_text is None else _completion_logprobs(c, token_text),
+                                  prompt_token_ids=prompt_ids)
                  for i, c in enumerate(result.completions)])

@@ -2,7 +2,8 @@
 experiment's own key; the experiment is the `model` field), convert, sample one group, convert back; with
 `stream: true`, the same answer as server-sent events (`streaming.py`). And `GET /v1/models` (the experiments
 the key may use) and `GET /v1/models/{name}`, which agent frameworks ask first. The bodies and conversions
-live in `models.py`.
+live in `models.py`, vLLM's extensions in `vllm_fields.py`, and vLLM's `/tokenize` and `/detokenize` in
+`vllm_tokenize.py`.
 
 Every sampling answer names what feedback needs in a header as well: `X-Group-Id`, or `X-Episode-Id` for an
 episode's turn. A request's `X-Episode-Id` header makes the call a turn of that episode, as `episode_id` in
@@ -10,6 +11,7 @@ the body does (for clients that cannot add body fields); both, and different, is
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
@@ -22,6 +24,7 @@ from grpo_server.api.openai.models import (ChatCompletionRequest, ChatCompletion
                                            ModelList, OpenAIRequest, TextCompletionResponse, chat_response,
                                            chat_to_request, completion_response, completion_to_request)
 from grpo_server.api.openai.streaming import ChatCompletionChunk, TextCompletionChunk, id_header, stream_group
+from grpo_server.api.openai.vllm_tokenize import VLLM_TOKEN_ROUTES
 from grpo_server.api.route_table import Endpoint
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
@@ -51,10 +54,13 @@ def _episode_from_header(request: web.Request, sample: CompletionsRequest) -> Co
                             code="invalid_request") from exc
 
 
-def _token_text(request: web.Request, result: CompletionsResponse) -> dict[int, str]:
-    """Each sampled token id's own decoded string (for logprobs)."""
-    tokenizer = request.app[ORCHESTRATOR].prompts.tokenizer
+def _token_text(request: web.Request, result: CompletionsResponse, as_ids: bool) -> dict[int, str]:
+    """Each sampled token id's own decoded string (for logprobs), or with vLLM's `return_tokens_as_token_ids`
+    its id as `token_id:<id>` (a token that is half a character decodes to U+FFFD, as its neighbours may)."""
     ids = {t for c in result.completions for t in c.token_ids}
+    if as_ids:
+        return {t: f"token_id:{t}" for t in ids}
+    tokenizer = request.app[ORCHESTRATOR].prompts.tokenizer
     return {t: tokenizer.decode([t], skip_special_tokens=False) for t in ids}
 
 
@@ -62,10 +68,13 @@ async def _answer(request: web.Request, body: ChatCompletionRequest | Completion
                   experiment: Experiment, sample: CompletionsRequest, chat: bool,
                   logprobs: bool) -> web.StreamResponse:
     created = int(time.time())
-    convert = chat_response if chat else completion_response
+    # Chat answers always carry vLLM's token fields; a legacy one adds its per-choice prompt ids when asked.
+    convert = chat_response if chat else functools.partial(completion_response,
+                                                           return_token_ids=bool(body.return_token_ids))
 
     def answer(result: CompletionsResponse):
-        return convert(body.model, result, created, _token_text(request, result) if logprobs else None)
+        token_text = _token_text(request, result, bool(body.return_tokens_as_token_ids)) if logprobs else None
+        return convert(body.model, result, created, token_text)
 
     if body.stream:
         tokenizer = request.app[ORCHESTRATOR].prompts.tokenizer
@@ -122,4 +131,4 @@ ROUTES: tuple[Endpoint, ...] = (
              "OpenAI-compatible: the experiments this key may sample, as models", "key"),
     Endpoint("GET", "/v1/models/{name}", get_model, None, Model, 200, "OpenAI-compatible: one experiment as a model",
              "experiment"),
-)
+) + VLLM_TOKEN_ROUTES  # vLLM's /tokenize and /detokenize (api/openai/vllm_tokenize.py)

@@ -103,6 +103,8 @@ class TextChunkChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] = Field(default_factory=list)
+    # With vLLM's `return_token_ids`: on each choice's first chunk after sampling, as vLLM streams them
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent)
 
 
 class ChunkFields(BaseModel):
@@ -221,7 +223,8 @@ class Framing:
                 tokens=lp.tokens[at:end], token_logprobs=lp.token_logprobs[at:end],
                 top_logprobs=lp.top_logprobs[at:end], text_offset=lp.text_offset[at:end])
             yield TextChunkChoice(index=choice.index, text=text, logprobs=logprobs, token_ids=ids,
-                                  finish_reason=choice.finish_reason if k == len(cut) - 1 else None)
+                                  finish_reason=choice.finish_reason if k == len(cut) - 1 else None,
+                                  prompt_token_ids=choice.prompt_token_ids if k == 0 else None)
             at = end
 
 
