@@ -216,6 +216,17 @@ def check_stream(raw: bytes, chunk_ref: str | None, cut_short: bool = False) -> 
     assert chunk_ref is not None, "a stream where the document declares none"
     events = stream_events(raw)
     assert events, f"an empty stream: {raw[:300]!r}"
+    if chunk_ref.endswith("/ResponseStreamEvent"):  # POST /v1/responses: no [DONE], a terminal event instead
+        chunks = [strict_json(event) for event in events]
+        errors = [c for c in chunks if isinstance(c, dict) and c.get("type") in ("error", "response.failed")]
+        assert not errors, f"an error after the headers (a 5xx inside a 200 stream): {errors}"
+        assert cut_short or chunks[-1].get("type") in ("response.completed", "response.incomplete"), \
+            f"a Responses stream that does not end with its terminal event: {events[-1][:300]!r}"
+        numbers = [c.get("sequence_number") for c in chunks]
+        assert numbers == list(range(len(chunks))), f"sequence numbers out of order: {numbers[:50]}"
+        for chunk in chunks:
+            _chunk_validator(chunk_ref).validate(chunk)
+        return chunks
     chunks = [strict_json(event) for event in events[:-1]]
     errors = [chunk["error"] for chunk in chunks + ([strict_json(events[-1])] if events[-1] != "[DONE]" else [])
               if isinstance(chunk, dict) and "error" in chunk]

@@ -44,7 +44,8 @@ def cheapen(case: schemathesis.Case) -> None:
 
 
 # The largest value of each count that the schemas allow (where they bound it): only those are lowered.
-COUNT_MAXIMA = {"n": 256, "best_of": 256, "max_tokens": 2 ** 20, "max_completion_tokens": 2 ** 20}
+COUNT_MAXIMA = {"n": 256, "best_of": 256, "max_tokens": 2 ** 20, "max_completion_tokens": 2 ** 20,
+                "max_output_tokens": 2 ** 20}  # POST /v1/responses's
 
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")

@@ -161,6 +161,8 @@ async def _request(api: Api, endpoint: Endpoint, target: str) -> tuple[str, Any]
         return path, {"model": target, "prompt": "Hello"}
     if op == "post_detokenize":
         return path, {"model": target, "tokens": [1, 2]}
+    if op == "post_responses":
+        return path, {"model": target, "input": "Hi", "max_output_tokens": 1}
     if endpoint.request is not None:
         raise AssertionError(f"{op}: give the auth matrix a cheap valid request for this new endpoint")
     return path + ("?version=0" if op == "get_experiments_name_adapter" else ""), None

@@ -13,10 +13,11 @@ from aiohttp import web
 
 from grpo_server.api import prometheus, status_page
 from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON,
-                                      ORCHESTRATOR, TINKER)
+                                      ORCHESTRATOR, RESPONSES, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.edge import count_middleware, error_middleware
 from grpo_server.api.native.routes import ROUTES as NATIVE_ROUTES
+from grpo_server.api.openai.responses import response_store
 from grpo_server.api.openai.routes import ROUTES as OPENAI_ROUTES
 from grpo_server.api.openapi import openapi_json
 from grpo_server.api.route_table import Endpoint, aiohttp_routes
@@ -58,6 +59,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     # The public health answer names the model, never a server path: a local folder by its own name.
     app[MODEL_NAME] = Path(config.model).name
     app[OPENAPI_JSON] = openapi_json(ENDPOINTS)
+    app[RESPONSES] = response_store(config)
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
         workers = WorkerSet(config)

@@ -101,7 +101,7 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
         content = {JSON: {"schema": {"type": "object"}}}
     success: dict[str, Any] = {"description": endpoint.summary}
     if endpoint.events is not None:
-        content[EVENT_STREAM] = _event_stream(refs[endpoint.events])
+        content[EVENT_STREAM] = _event_stream(refs[endpoint.events], endpoint.events_text)
         success["headers"] = ID_HEADERS
     if content is not None:
         success["content"] = content
@@ -127,10 +127,11 @@ ID_HEADERS = {
 }
 
 
-def _event_stream(chunk: dict[str, Any]) -> dict[str, Any]:
+def _event_stream(chunk: dict[str, Any], text: str | None = None) -> dict[str, Any]:
     """The answer to `stream: true`. OpenAPI 3.1 cannot type the events themselves (3.2's `itemSchema`
-    can), so `x-event-data` points at the chunk's schema."""
-    return {"schema": {"type": "string", "description": (
+    can), so `x-event-data` points at the chunk's schema. `text`: how the stream goes (the chat streams' by
+    default)."""
+    return {"schema": {"type": "string", "description": text or (
         "Server-sent events, as OpenAI streams: `data: <chunk JSON>` and a blank line each, `data: [DONE]` "
         "last; comments (`: ping`) keep the connection alive. The first chunk of each choice goes out as "
         "soon as sampling starts and carries `group_id` (or `episode_id`); the text follows in pieces of a "

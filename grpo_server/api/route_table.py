@@ -55,6 +55,7 @@ class Endpoint:
     content_type: str = JSON  # of the success answer
     query: tuple[QueryParameter, ...] = ()  # all optional; a bad value is a 400 (declare it in `errors`)
     events: type[BaseModel] | None = None  # with `stream: true`: server-sent events of these chunks
+    events_text: str | None = None  # how the stream goes, where it is not as the chat streams go
     # (status, description) where this route's cause of an error status is not the one openapi.py gives all
     error_text: tuple[tuple[int, str], ...] = ()
     # The operationId, where the one made from the path would be another route's (vLLM's `/tokenize` beside

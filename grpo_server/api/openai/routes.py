@@ -23,6 +23,7 @@ from grpo_server.api.edge import ADMIN, caller, parse_body, require, respond
 from grpo_server.api.openai.models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
                                            ModelList, OpenAIRequest, TextCompletionResponse, chat_response,
                                            chat_to_request, completion_response, completion_to_request)
+from grpo_server.api.openai.responses import ROUTES as RESPONSES_ROUTES
 from grpo_server.api.openai.streaming import ChatCompletionChunk, TextCompletionChunk, id_header, stream_group
 from grpo_server.api.openai.vllm_tokenize import VLLM_TOKEN_ROUTES
 from grpo_server.api.route_table import Endpoint
@@ -131,4 +132,5 @@ ROUTES: tuple[Endpoint, ...] = (
              "OpenAI-compatible: the experiments this key may sample, as models", "key"),
     Endpoint("GET", "/v1/models/{name}", get_model, None, Model, 200, "OpenAI-compatible: one experiment as a model",
              "experiment"),
-) + VLLM_TOKEN_ROUTES  # vLLM's /tokenize and /detokenize (api/openai/vllm_tokenize.py)
+) + RESPONSES_ROUTES + VLLM_TOKEN_ROUTES  # POST /v1/responses (responses.py); vLLM's /tokenize and /detokenize
+# (vllm_tokenize.py)
