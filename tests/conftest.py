@@ -108,3 +108,26 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_sep("-", f"numeric gaps against their bounds (tests/tolerances.py; {path})")
         for row in summary(path):
             terminalreporter.write_line(row)
+
+
+# --- scripts/test --quick: the units and fakes alone -----------------------------------------------------
+# A model is what makes a test slow here: every fixture that starts a sampler, a learner or a server rests on
+# `tiny_model_dir`, and the tests on the embedded SmolLM2 are marked `slow`. `--quick` leaves those out.
+MODEL_FIXTURES = ("tiny_model_dir", "sampler")  # `sampler` reaches its engine through getfixturevalue
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true",
+                     help="only the tests that need no model (no tiny model, no SmolLM2): an edit-test loop")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    kept, left_out = [], []
+    for item in items:
+        needs_model = any(name in MODEL_FIXTURES for name in getattr(item, "fixturenames", ())) \
+            or item.get_closest_marker("slow") is not None
+        (left_out if needs_model else kept).append(item)
+    items[:] = kept
+    config.hook.pytest_deselected(items=left_out)
