@@ -22,7 +22,8 @@ ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 # Log-ratios beyond this are a broken batch, not a signal; clamping keeps exp() finite so one bad
 # token cannot turn the whole step into inf/NaN (exp(20) ~ 5e8 is far outside any clip range).
 _MAX_LOG_RATIO = 20.0
-# Vocabulary entries sorted at once when finding top-p nuclei (~17 bytes each: value, index, mask).
+# Vocabulary entries taken at once when finding top-p nuclei (a sort: ~17 bytes each: value, index, mask) and
+# in _SelectedLogprob's logsumexp and softmax (an exp() temporary: 4 bytes each).
 _NUCLEUS_CHUNK_ENTRIES = 1 << 24
 
 
@@ -39,13 +40,54 @@ def token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: flo
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
     logits = logits_B_T_V.float()
+    if top_p >= 1.0:
+        return _SelectedLogprob.apply(logits, token_ids_B_T.long(), float(temperature))
     if temperature != 1.0:
         logits = logits / temperature
     logp_B_T_V = torch.log_softmax(logits, dim=-1)
     logp_B_T = logp_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
-    if top_p < 1.0:
-        logp_B_T = logp_B_T - nucleus_log_mass(logp_B_T_V, token_ids_B_T, top_p)
-    return logp_B_T
+    return logp_B_T - nucleus_log_mass(logp_B_T_V, token_ids_B_T, top_p)
+
+
+class _SelectedLogprob(torch.autograd.Function):
+    """log softmax(logits / T)[token] with no [B, T, V] tensor kept beyond the logits themselves.
+
+    Through autograd, `log_softmax(logits / T).gather(...)` keeps a tempered copy or the log-softmax output for
+    the backward: one more float32 tensor the size of the logits (B x T x 49,152 x 4 bytes on SmolLM2), plus a
+    softmax-sized gradient for each. TRL computes only the sampled tokens' logprobs for the same reason
+    (selective_log_softmax). Here the forward keeps the logits and one normaliser per row, and the backward
+    recomputes softmax(logits / T) chunk by chunk into the logits' gradient: (onehot(token) - softmax) / T.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: float) -> Tensor:
+        flat_N_V = logits_B_T_V.reshape(-1, logits_B_T_V.shape[-1])
+        norm_N = flat_N_V.new_empty(flat_N_V.shape[0])
+        for rows in _row_chunks(flat_N_V):
+            norm_N[rows] = torch.logsumexp(flat_N_V[rows] / temperature, dim=-1)
+        picked_B_T = logits_B_T_V.gather(-1, token_ids_B_T.unsqueeze(-1)).squeeze(-1) / temperature
+        ctx.save_for_backward(logits_B_T_V, token_ids_B_T, norm_N)
+        ctx.temperature = temperature
+        return picked_B_T - norm_N.view_as(picked_B_T)
+
+    @staticmethod
+    def backward(ctx, grad_B_T: Tensor):
+        logits_B_T_V, token_ids_B_T, norm_N = ctx.saved_tensors
+        flat_N_V = logits_B_T_V.reshape(-1, logits_B_T_V.shape[-1])
+        scale_N = grad_B_T.reshape(-1) / ctx.temperature
+        grad_N_V = torch.empty_like(flat_N_V)
+        for rows in _row_chunks(flat_N_V):
+            probs = torch.exp(flat_N_V[rows] / ctx.temperature - norm_N[rows, None])
+            grad_N_V[rows] = probs.mul_(-scale_N[rows, None])
+        grad_N_V.scatter_add_(-1, token_ids_B_T.reshape(-1, 1), scale_N[:, None])
+        return grad_N_V.view_as(logits_B_T_V), None, None
+
+
+def _row_chunks(flat_N_V: Tensor):
+    """Row slices of at most _NUCLEUS_CHUNK_ENTRIES entries: an exp() temporary of 64 MiB at most."""
+    rows = max(1, _NUCLEUS_CHUNK_ENTRIES // flat_N_V.shape[-1])
+    for start in range(0, flat_N_V.shape[0], rows):
+        yield slice(start, start + rows)
 
 
 def nucleus_log_mass(logp_B_T_V: Tensor, token_ids_B_T: Tensor, top_p: float) -> Tensor:

@@ -346,6 +346,28 @@ def test_token_logprobs_matches_manual_log_softmax() -> None:
         token_logprobs(logits, ids, temperature=0.0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_token_logprobs_gradient_equals_log_softmax_autograd(temperature: float, monkeypatch) -> None:
+    """The selective path (no [B, T, V] log-softmax kept) has log_softmax's values and gradient, also when its
+    rows go in several chunks (the chunk shrunk to 2 rows of 11 entries here), with padding-like repeats."""
+    import learner.loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_NUCLEUS_CHUNK_ENTRIES", 22)
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3).float()
+    ids = torch.randint(0, 11, (3, 5), generator=gen)
+    weights = torch.randn(3, 5, generator=gen)
+    ours, reference = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = token_logprobs(ours, ids, temperature)
+    want = torch.log_softmax(reference / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-6)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert torch.allclose(ours.grad, reference.grad, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda x: loss_module._SelectedLogprob.apply(x, ids, temperature),
+                                    (logits.double().requires_grad_(),))
+
+
 def test_settings_validation() -> None:
     with pytest.raises(ValueError):
         LossSettings(loss_type="ppo", clip_low=0.2, clip_high=0.2)
