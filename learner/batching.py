@@ -39,6 +39,9 @@ class Sequence:
     # placeholder). None: every completion token is the model's.
     loss_mask: list[int] | None = None
     top_p: float = 1.0  # the nucleus old_logp is renormalised over; the learner's logprobs must use it too
+    # Sampled by the version whose weights the learner holds now (checked or not): its sampler/learner KL is
+    # numeric mismatch alone; a stale sequence's also holds the policy's change since (TrainMetrics).
+    fresh: bool = False
 
     @property
     def decoding(self) -> tuple[float, float]:
@@ -66,6 +69,7 @@ class MicroBatch:
     temperature: float  # shared by every sequence of the micro-batch, as top_p is
     top_p: float
     checked_B: Tensor  # Sequence.checked
+    fresh_B: Tensor  # Sequence.fresh
 
     @property
     def num_tokens(self) -> int:
@@ -141,8 +145,9 @@ def _collate(seqs: list[Sequence], indices: list[int], pad_id: int) -> MicroBatc
     targets_B_K[:, : K - 1] = input_ids_B_L[:, first + 1 :]
     advantages_B = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
     checked_B = torch.tensor([s.checked for s in seqs], dtype=torch.bool)
+    fresh_B = torch.tensor([s.fresh for s in seqs], dtype=torch.bool)
     return MicroBatch(indices, input_ids_B_L, attention_mask_B_L, K, targets_B_K, gather_B_C, mask_B_C,
-                      old_logp_B_C, advantages_B, seqs[0].temperature, seqs[0].top_p, checked_B)
+                      old_logp_B_C, advantages_B, seqs[0].temperature, seqs[0].top_p, checked_B, fresh_B)
 
 
 def make_micro_batches(seqs: list[Sequence], micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:

@@ -231,6 +231,20 @@ def mismatch_kl_sum(learner_logp_B_T: Tensor, sampler_logp_B_T: Tensor, mask_B_T
     return (log_rho_B_T.exp() - 1.0 - log_rho_B_T).sum()  # 0 on padding (log_rho = 0 there)
 
 
+def mismatch_kl_split(learner_logp_B_T: Tensor, sampler_logp_B_T: Tensor, mask_B_T: Tensor,
+                      fresh_B: Tensor) -> dict[str, Tensor]:
+    """`mismatch_kl_sum` apart for fresh sequences (sampled by the version whose weights the learner holds: their
+    KL is numeric mismatch alone) and stale ones (sampled by an older version: their KL is mostly the policy's
+    change since), with each side's token count. The two sums add up to `mismatch_kl_sum`'s."""
+    valid_B_T = mask_B_T.bool()
+    fresh_B_T = valid_B_T & fresh_B.bool()[:, None]
+    stale_B_T = valid_B_T & ~fresh_B.bool()[:, None]
+    return {"mismatch_fresh_sum": mismatch_kl_sum(learner_logp_B_T, sampler_logp_B_T, fresh_B_T),
+            "fresh_tokens": fresh_B_T.sum(),
+            "offpolicy_stale_sum": mismatch_kl_sum(learner_logp_B_T, sampler_logp_B_T, stale_B_T),
+            "stale_tokens": stale_B_T.sum()}
+
+
 def policy_loss(
     logp_B_T: Tensor,
     old_logp_B_T: Tensor,

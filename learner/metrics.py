@@ -13,7 +13,8 @@ import torch
 from grpo_server.protocol.wire import TrainMetrics
 
 _SUM_KEYS = ("token_count", "seq_count", "clipped_count", "ratio_sum", "ratio_sq_sum", "kl_sum", "gap_sum",
-             "gap_tokens", "mismatch_kl_sum", "corrected_count")
+             "gap_tokens", "mismatch_kl_sum", "corrected_count", "mismatch_fresh_sum", "fresh_tokens",
+             "offpolicy_stale_sum", "stale_tokens")
 
 
 class StepStats:
@@ -77,4 +78,13 @@ class StepStats:
             sampler_gap_max=self.gap_max,
             mismatch_kl=self.sums["mismatch_kl_sum"] / n,
             rollout_corrected_fraction=self.sums["corrected_count"] / n,
+            mismatch_kl_fresh=_mean_or_none(self.sums["mismatch_fresh_sum"], self.sums["fresh_tokens"]),
+            mismatch_fresh_tokens=int(self.sums["fresh_tokens"]),
+            offpolicy_kl_stale=_mean_or_none(self.sums["offpolicy_stale_sum"], self.sums["stale_tokens"]),
+            offpolicy_stale_tokens=int(self.sums["stale_tokens"]),
         )
+
+
+def _mean_or_none(total: float, count: float) -> float | None:
+    """None when no token was of the kind: a 0 would read as a measured perfect match."""
+    return total / count if count else None

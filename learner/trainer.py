@@ -39,7 +39,8 @@ from learner import adapter_io, checkpoint, rank_transfer, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
-from learner.loss import BatchNormalizer, LossSettings, RolloutCorrection, policy_loss, token_logprobs
+from learner.loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
+                          token_logprobs)
 from learner.metrics import StepStats
 from learner.sharding import RankShare, rank_share
 from learner.steps import TinkerSteps
@@ -171,7 +172,7 @@ class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_ba
         checked = exp.weights_version if exact else None
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature,
                          checked=s.policy_version == checked and not s.constrained, loss_mask=s.loss_mask,
-                         top_p=s.top_p)
+                         top_p=s.top_p, fresh=s.policy_version == exp.weights_version)
                 for s in request.samples]
         for i, seq in enumerate(seqs):
             _check_decoding(seq.temperature, seq.top_p)
@@ -340,7 +341,8 @@ class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_ba
             # times the world size, the average is that sum. A padding pass adds nothing (learner/sharding.py).
             exp.engine.backward(loss * (self.world_size if counts else 0.0), scale_wrt_gas=False)
             if counts:
-                stats.add(loss, {**micro_stats, **sampler_gap(logp_B_C, batch)})
+                stats.add(loss, {**micro_stats, **sampler_gap(logp_B_C, batch),
+                                 **mismatch_kl_split(logp_B_C, batch.old_logp_B_C, batch.mask_B_C, batch.fresh_B)})
         if self.world_size > 1:
             stats.merge_across_ranks(self.device)
         return stats, optimizer_step(exp.engine, exp.params)

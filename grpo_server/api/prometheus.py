@@ -13,8 +13,8 @@ What a scrape reads, and nothing else: the orchestrator's `experiments` (name ->
 `counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`,
 `groups_zero_variance`, `groups_expired`, `episodes_*`, `episode_turns`, `completions_sampled`,
 `completions_external`, `tokens_sampled`),
-`queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `rollout_corrected_fraction`,
-`clipped_fraction`, `seconds`),
+`queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `mismatch_kl_fresh`,
+`offpolicy_kl_stale`, `rollout_corrected_fraction`, `clipped_fraction`, `seconds`),
 `last_push_seconds` and `staleness` (versions behind -> trained groups). Server-wide: the event loop's lag
 (`loop_lag`) and the tokens held against the token budget (`budget.in_use`).
 """
@@ -36,6 +36,10 @@ STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
 GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired")
 LAST_STEP = (("kl", "grpo_kl", "KL to the base model, last step (absent when beta = 0)"),
              ("mismatch_kl", "grpo_mismatch_kl", "KL(sampler || learner) per trained token, last step"),
+             ("mismatch_kl_fresh", "grpo_mismatch_kl_fresh", "KL(sampler || learner) per token the learner's "
+              "current version sampled (numeric mismatch), last step (absent when none)"),
+             ("offpolicy_kl_stale", "grpo_offpolicy_kl_stale", "KL(sampler || learner) per token older versions "
+              "sampled (mostly policy change), last step (absent when none)"),
              ("rollout_corrected_fraction", "grpo_rollout_corrected_fraction",
               "Tokens capped or masked by the rollout correction, last step"),
              ("clipped_fraction", "grpo_clipped_fraction", "Tokens clipped, last step"),

@@ -239,6 +239,13 @@ class TrainMetrics(WireModel):
     # trained tokens the rollout correction capped (token_tis) or masked (token_mask, sequence_mask).
     mismatch_kl: float = 0.0
     rollout_corrected_fraction: float = 0.0
+    # mismatch_kl apart: over tokens sampled by the version whose weights the learner held at the step's start
+    # (numeric mismatch alone: float32 ~1e-9, a bf16 sampler ~0.05), and over stale tokens (older versions: the
+    # policy's change since). None when the step had no such token; the counts are trained tokens.
+    mismatch_kl_fresh: float | None = None
+    mismatch_fresh_tokens: int = 0
+    offpolicy_kl_stale: float | None = None
+    offpolicy_stale_tokens: int = 0
 
 
 class VersionProbe(WireModel):

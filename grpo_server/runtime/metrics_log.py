@@ -8,7 +8,9 @@ Every line has `time` (wall clock, seconds since the epoch) and `kind`:
   `ratio_std`, `ratio_min`, `ratio_max`,
   `grad_norm`, `tokens`, `step_seconds`, and the step's free check of the samplers (grpo_server/
   verification.py): `checked_version`, `sampler_gap_tokens`, `sampler_gap_mean`, `sampler_gap_max`, and the
-  sampler/learner `mismatch_kl` and `rollout_corrected_fraction` (grpo_server/protocol/wire.py TrainMetrics).
+  sampler/learner `mismatch_kl` (and apart: `mismatch_kl_fresh` over the current version's tokens, numerics
+  alone, `offpolicy_kl_stale` over older versions', with `mismatch_fresh_tokens` / `offpolicy_stale_tokens`) and
+  `rollout_corrected_fraction` (grpo_server/protocol/wire.py TrainMetrics).
 - `push`: a new version served: `version`, `step`, `push_seconds`, and its check against the learner:
   `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`, `checked_on`
   (`trained_batch` or `probe`: grpo_server/runtime/verification.py). Written when the check is done.

@@ -128,8 +128,12 @@ class ExperimentTrainer:
         self.metrics_log.train(metrics, policy_version=exp.serving_version, groups=len(groups))
         self.checks.trained(metrics)
         kl = "off" if metrics.kl is None else f"{metrics.kl:.4f}"  # None: beta = 0, no reference forward
-        log.info("%s: step %d loss %.4f reward %.3f kl %s clipped %.3f mismatch kl %.2e", exp.name, metrics.step,
-                 metrics.loss, metrics.reward_mean, kl, metrics.clipped_fraction, metrics.mismatch_kl)
+        # The mismatch over the current version's tokens (numerics) apart from stale tokens' KL (policy change).
+        fresh, stale = ("-" if kl_part is None else f"{kl_part:.2e}"
+                        for kl_part in (metrics.mismatch_kl_fresh, metrics.offpolicy_kl_stale))
+        log.info("%s: step %d loss %.4f reward %.3f kl %s clipped %.3f mismatch kl %s (%d fresh tokens), "
+                 "off-policy kl %s (%d stale)", exp.name, metrics.step, metrics.loss, metrics.reward_mean, kl,
+                 metrics.clipped_fraction, fresh, metrics.mismatch_fresh_tokens, stale, metrics.offpolicy_stale_tokens)
 
     async def push(self, slot: bool, probe: VersionProbe | None = None) -> None:
         """Write a new version (the learner scores the check's probe under it as it saves), load it on every
