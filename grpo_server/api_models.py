@@ -275,10 +275,20 @@ class VerificationResult(ApiModel):
     mean_abs_diff: float
     max_abs_diff: float
     tokens: int
-    ok: bool
+    ok: bool | None  # None: inconclusive (nearest_version: the version and the one before too close to tell)
     # trained_batch: the sampler's logprobs of completions the learner then trained on, against the
     # learner's own; probe: two stored completions scored by both (grpo_server/runtime/verification.py).
     checked_on: Literal["trained_batch", "probe"] = "probe"
+    # tolerance: mean_abs_diff within verify_tolerance. nearest_version (grpo_server/runtime/version_distance.py):
+    # the sampler nearer the learner's `version` than its `previous_version` (step_fraction ~1, not ~0, +- its
+    # standard error), mean_abs_diff within NOISE_BAND x noise_floor; `reason` says what decided.
+    method: Literal["tolerance", "nearest_version"] = "tolerance"
+    previous_version: int | None = None
+    previous_mean_abs_diff: float | None = None
+    step_fraction: float | None = None
+    step_fraction_se: float | None = None
+    noise_floor: float | None = None
+    reason: str | None = None
 
 
 class ExperimentStatus(ApiModel):

@@ -275,6 +275,12 @@ class ServerConfig(BaseSettings):
     verify_tolerance: float = Field(
         0.05, gt=0, le=100, description="Largest mean |sampler - learner| logprob gap accepted after a push (nats)."
     )
+    verify_method: Literal["auto", "tolerance", "nearest_version"] = Field("auto", description=(
+        "How a push is checked. tolerance: the sampler's logprobs under the new version within verify_tolerance "
+        "of the learner's. nearest_version: nearer the learner's new version than its previous one, and within "
+        "a band of the noise floor the first step measures (grpo_server/runtime/version_distance.py), for "
+        "samplers whose numerics differ from the learner's. auto: nearest_version when sampler.dtype differs "
+        "from dtype, tolerance otherwise."))
     auth_failure_limit: int = Field(10, ge=0, le=10_000, description=(
         "Unknown keys one client address may send within auth_failure_window_s; past that, every call that "
         "needs a key gets 429 (with Retry-After) until the oldest of them leaves the window. 0 = no limit. An "
@@ -303,6 +309,13 @@ class ServerConfig(BaseSettings):
     def remote_workers(self) -> bool:
         """True when the workers run elsewhere (their URLs are configured) and the front end only connects."""
         return bool(self.sampler.urls)
+
+    @property
+    def checks_nearest_version(self) -> bool:
+        """Whether pushes get the nearest_version check (`verify_method`; auto: the samplers' dtype differs)."""
+        if self.verify_method == "auto":
+            return self.sampler.dtype is not None and self.sampler.dtype != self.dtype
+        return self.verify_method == "nearest_version"
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "ServerConfig":

@@ -64,6 +64,11 @@ class LearnerHandler:
             # front end waits for this answer before sending one.
             saved.probe_logprobs = await self._run(self.trainer.logprobs,
                                                    LogprobsRequest(name=req.name, **req.probe.model_dump()))
+            if req.score_previous:  # in the same way: no step of this experiment can come in between
+                previous = await self._run(self.trainer.previous_logprobs,
+                                           LogprobsRequest(name=req.name, **req.probe.model_dump()))
+                if previous is not None:
+                    saved.previous_version, saved.probe_previous_logprobs = previous
         return saved
 
     async def logprobs(self, req: LogprobsRequest) -> LogprobsResponse:

@@ -202,6 +202,10 @@ class LockstepTrainer:
     def logprobs(self, request: Any) -> Any:
         return self.trainer.logprobs(request)
 
+    def previous_logprobs(self, request: Any) -> Any:
+        """Rank 0 alone: it moves its own weights to the previous version and back within the call."""
+        return self.trainer.previous_logprobs(request)
+
     def status(self) -> Any:
         return self.trainer.status()
 

@@ -42,6 +42,7 @@ from learner.engine import make_engine, optimizer_step, release_engine, uses_aut
 from learner.loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
                           token_logprobs)
 from learner.metrics import StepStats
+from learner.previous_version import PreviousVersionScoring, SavedWeights
 from learner.sharding import RankShare, rank_share
 from learner.steps import TinkerSteps
 
@@ -77,7 +78,7 @@ def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_backward, optim_step, states
+class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's verbs; the previous version's logprobs
     def __init__(self, config: LearnerConfig):
         import deepspeed
 
@@ -107,6 +108,7 @@ class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_ba
         self.model: Any = None  # the PeftModel, once the first adapter exists
         self.experiments: dict[str, AdapterUnderTraining] = {}
         self._lora_configs: dict[str, LoraConfig] = {}
+        self._saved: dict[str, SavedWeights] = {}  # each experiment's last two saved versions' weights
         log.info("base model %s on %s in %s%s, vocabulary %d, ZeRO stage %d, rank %d of %d", config.model_path,
                  self.device, self.dtype, " (train steps in bf16 autocast)" if self.autocast else "",
                  self.vocab_size, config.zero_stage, self.rank, self.world_size)
@@ -157,6 +159,7 @@ class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_ba
             exp.checkpointed_step = start.step
         self.experiments[name] = exp
         self._lora_configs[name] = lora
+        self._remember_saved(name)
         log.info("experiment %s: adapter r=%d on %s, from %s at v%d (step %d, journal %d)", name, lora.r,
                  lora.target_modules, found.source, start.version, start.step, exp.journal_seq)
         return self._version_ref(name, start.version)
@@ -237,6 +240,7 @@ class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_ba
         self._write_version(exp.adapter, name, exp.version + 1, exp.step)
         exp.version += 1
         exp.weights_version = exp.version
+        self._remember_saved(name)
         return self._version_ref(name, exp.version)
 
     def logprobs(self, request: LogprobsRequest) -> list[list[float]]:
@@ -262,6 +266,7 @@ class MultiAdapterTrainer(TinkerSteps):  # + Tinker's verbs: forward, forward_ba
         exp = self._get(name)
         del self.experiments[name]
         self._lora_configs.pop(name, None)
+        self._forget_saved(name)
         release_engine(exp.engine)
         with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")

@@ -36,7 +36,7 @@ class FakeLearner:
     async def prune_versions(self, name, in_use):
         self.pruned.append(in_use)
 
-    async def save_adapter(self, name, probe=None):
+    async def save_adapter(self, name, probe=None, score_previous=False):
         return await self.call("save_adapter", SaveAdapterRequest(name=name, probe=probe))
 
     async def call(self, verb, request):

@@ -155,9 +155,12 @@ class LearnerClient(_Client):
     async def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainMetrics:
         return await self.transport.request(LearnerVerbs.train, request, timeout_s=timeout_s)
 
-    async def save_adapter(self, name: str, probe: VersionProbe | None = None) -> AdapterVersion:
-        """Write the next version; with `probe`, also its logprobs under exactly the saved weights."""
-        return await self.transport.request(LearnerVerbs.save_adapter, SaveAdapterRequest(name=name, probe=probe))
+    async def save_adapter(self, name: str, probe: VersionProbe | None = None,
+                           score_previous: bool = False) -> AdapterVersion:
+        """Write the next version; with `probe`, also its logprobs under exactly the saved weights (and, with
+        `score_previous`, under the version saved before)."""
+        return await self.transport.request(LearnerVerbs.save_adapter, SaveAdapterRequest(
+            name=name, probe=probe, score_previous=score_previous))
 
     async def logprobs(self, request: LogprobsRequest) -> LogprobsResponse:
         return await self.transport.request(LearnerVerbs.logprobs, request)

@@ -182,6 +182,10 @@ class AdapterVersion(WireModel):
     journal_seq: int = 0  # the newest feedback-journal entry the learner's weights include
     groups_trained: int = 0  # over the experiment's whole life (kept in its checkpoints)
     probe_logprobs: list[list[float]] | None = None  # SaveAdapterRequest.probe's, one list per completion
+    # With SaveAdapterRequest.score_previous: the probe's logprobs under the version saved before this one, and its
+    # number (None when this experiment saved no version before: its first since it started or resumed).
+    previous_version: int | None = None
+    probe_previous_logprobs: list[list[float]] | None = None
 
 
 class TrainSample(WireModel):
@@ -258,6 +262,7 @@ class VersionProbe(WireModel):
 class SaveAdapterRequest(WireModel):
     name: ExperimentName
     probe: VersionProbe | None = None  # also score these under the saved weights (AdapterVersion.probe_logprobs)
+    score_previous: bool = False  # and under the version saved before (the nearest_version check)
 
 
 class LogprobsRequest(WireModel):

@@ -12,8 +12,10 @@ Every line has `time` (wall clock, seconds since the epoch) and `kind`:
   alone, `offpolicy_kl_stale` over older versions', with `mismatch_fresh_tokens` / `offpolicy_stale_tokens`) and
   `rollout_corrected_fraction` (grpo_server/protocol/wire.py TrainMetrics).
 - `push`: a new version served: `version`, `step`, `push_seconds`, and its check against the learner:
-  `verified` (true / false; null when no check ran), `mean_abs_diff`, `max_abs_diff`, `checked_on`
-  (`trained_batch` or `probe`: grpo_server/runtime/verification.py). Written when the check is done.
+  `verified` (true / false; null when no check ran, or it was inconclusive), `verdict` (ok / failed /
+  inconclusive; null when no check ran), `mean_abs_diff`, `max_abs_diff`, `checked_on` (`trained_batch` or
+  `probe`: grpo_server/runtime/verification.py), `step_fraction` (the nearest_version check's). Written when
+  the check is done.
 - `sampling`: what was sampled since the previous sampling line, every `SAMPLING_INTERVAL_S` while the
   experiment samples (an idle interval writes nothing): `interval_s`, `groups`, `completions`,
   `completion_tokens`, `tokens_per_s`.
@@ -128,7 +130,9 @@ class MetricsLog:
                    verified=None if verification is None else verification.ok,
                    mean_abs_diff=None if verification is None else verification.mean_abs_diff,
                    max_abs_diff=None if verification is None else verification.max_abs_diff,
-                   checked_on=None if verification is None else verification.checked_on)
+                   checked_on=None if verification is None else verification.checked_on,
+                   verdict=None if verification is None else _verdict(verification.ok),
+                   step_fraction=None if verification is None else verification.step_fraction)
 
     def sampling(self, counters: ExperimentCounters) -> None:
         """A `sampling` line for what `counters` gained since the last call, if anything was sampled."""
@@ -178,3 +182,7 @@ def last_lines(file: BinaryIO, count: int, block: int = BLOCK_BYTES, most: int =
 
 def metrics_log_path(run_dir: Path, name: str) -> Path:
     return run_dir / "metrics" / f"{name}.jsonl"
+
+
+def _verdict(ok: bool | None) -> str:
+    return {True: "ok", False: "failed", None: "inconclusive"}[ok]

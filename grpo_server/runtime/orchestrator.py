@@ -111,7 +111,8 @@ class Orchestrator:
             metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name))
             self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
-                                        self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log)
+                                        self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
+                                        nearest_version=self.config.checks_nearest_version)
             exp.start_training(trainer.run())
             self.trainers[config.name] = trainer
             self.experiments[config.name] = exp

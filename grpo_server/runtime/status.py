@@ -10,7 +10,7 @@ from grpo_server.runtime.experiment import Experiment
 
 
 def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int) -> ExperimentStatus:
-    verification_failed = exp.last_verification is not None and not exp.last_verification.ok
+    verification_failed = exp.last_verification is not None and exp.last_verification.ok is False  # None: inconclusive
     training_stopped = exp.training_task is not None and exp.training_task.done() and not exp.training_task.cancelled()
     return ExperimentStatus(
         name=exp.name,

@@ -61,13 +61,14 @@ class ExperimentTrainer:
     """Runs as one task per experiment; the front end's other requests never wait on it."""
 
     def __init__(self, experiment: Experiment, workers: WorkerPool, verify_tolerance: float,
-                 train_timeout_s: float, max_loaded_versions: int, metrics_log: MetricsLog):
+                 train_timeout_s: float, max_loaded_versions: int, metrics_log: MetricsLog,
+                 nearest_version: bool = False):
         self.exp = experiment
         self.metrics_log = metrics_log
         self.workers = workers
         self.train_timeout_s = train_timeout_s
         self.max_loaded_versions = max_loaded_versions
-        self.checks = VersionChecks(experiment, workers, verify_tolerance, metrics_log)
+        self.checks = VersionChecks(experiment, workers, verify_tolerance, metrics_log, nearest_version)
 
     async def run(self) -> None:
         exp = self.exp
@@ -147,7 +148,8 @@ class ExperimentTrainer:
             return
         try:
             probe = probe or probe_of(exp.probe)
-            saved = await self.workers.learner.save_adapter(exp.name, probe)
+            saved = await self.workers.learner.save_adapter(exp.name, probe,
+                                                            score_previous=self.checks.nearest_version)
             exp.learned(saved.version, saved.step)
             await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path,
                                                saved.fingerprint)
@@ -157,7 +159,8 @@ class ExperimentTrainer:
             return
         exp.pushed(seconds=time.monotonic() - started, at=time.time())
         exp.serve(saved.version, saved.path)
-        self.checks.pushed(saved.version, exp.last_push_seconds, probe, saved.probe_logprobs)
+        self.checks.pushed(saved.version, exp.last_push_seconds, probe, saved.probe_logprobs,
+                           saved.probe_previous_logprobs, saved.previous_version)
 
     async def prune_versions(self) -> None:
         """Let the learner delete the versions nobody needs (learner.keep_versions, learner/retention.py). Only

@@ -17,7 +17,15 @@ Two ways to check version v, the cheaper first:
 
 Either way the result is the experiment's `last_verification`, a failed check is an error in its status,
 and the version's `push` line in the metrics log carries it (`verified` null: no check ran, because the
-next probe was still busy with an earlier version).
+next probe was still busy with an earlier version, or the check was inconclusive).
+
+Two verdicts (`verify_method`). tolerance: the mean gap within `verify_tolerance`, for samplers that compute
+what the learner does (float32 both: 1e-5). nearest_version (grpo_server/runtime/version_distance.py), for
+samplers whose numerics differ (bf16 beside a float32 learner: 0.07-0.13 nats of noise): the first free check
+(of the version the experiment started from) measures the noise floor; a later free check fails a version
+only when its gap is above the noise band, and otherwise leaves it to the probe, whose learner side then also
+holds the previous version's logprobs (`score_previous`), so the verdict can say which of the two the sampler
+is nearer, or that they are too close to tell (inconclusive: neither passed nor an error).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, Ve
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
+from grpo_server.runtime.version_distance import MAX_NOISE_FLOOR, NOISE_BAND, nearest_version
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -63,24 +72,35 @@ class Pushed:
     push_seconds: float
     probe: VersionProbe | None
     learner_logprobs: list[list[float]] | None
+    previous_logprobs: list[list[float]] | None = None  # under the version saved before (nearest_version)
+    previous_version: int | None = None
 
 
 class VersionChecks:
-    def __init__(self, exp: Experiment, workers: WorkerPool, tolerance: float, metrics_log: MetricsLog):
+    def __init__(self, exp: Experiment, workers: WorkerPool, tolerance: float, metrics_log: MetricsLog,
+                 nearest_version: bool = False):
         self.exp, self.workers, self.tolerance, self.metrics_log = exp, workers, tolerance, metrics_log
+        self.nearest_version = nearest_version
+        self.noise_floor: float | None = None  # nearest_version: the start version's free-check gap
         self.unchecked: Pushed | None = None
         self._probing: asyncio.Task | None = None  # the probe running on a sampler, if any
 
     def pushed(self, version: int, push_seconds: float, probe: VersionProbe | None,
-               learner_logprobs: list[list[float]] | None) -> None:
-        """`version` is served; `probe` was scored by the learner as it saved it (`learner_logprobs`)."""
+               learner_logprobs: list[list[float]] | None, previous_logprobs: list[list[float]] | None = None,
+               previous_version: int | None = None) -> None:
+        """`version` is served; `probe` was scored by the learner as it saved it (`learner_logprobs`), and under
+        the version before (`previous_logprobs`, nearest_version)."""
         self._give_up_unchecked()
-        self.unchecked = Pushed(version, self.exp.step, push_seconds, probe, learner_logprobs)
+        self.unchecked = Pushed(version, self.exp.step, push_seconds, probe, learner_logprobs, previous_logprobs,
+                                previous_version)
         self.exp.keep_for_check(version)  # stays loaded on the samplers until checked
 
     def trained(self, metrics: TrainMetrics) -> None:
         """A step's answer: its free check, and the probe of the unchecked version if that was not it."""
-        if metrics.checked_version is not None and metrics.sampler_gap_tokens > 0:
+        if metrics.checked_version is not None and metrics.sampler_gap_tokens > 0 and self.nearest_version:
+            if self._free_check_by_distance(metrics):
+                return
+        elif metrics.checked_version is not None and metrics.sampler_gap_tokens > 0:
             result = VerificationResult(version=metrics.checked_version, mean_abs_diff=metrics.sampler_gap_mean,
                                         max_abs_diff=metrics.sampler_gap_max, tokens=metrics.sampler_gap_tokens,
                                         ok=metrics.sampler_gap_mean <= self.tolerance, checked_on="trained_batch")
@@ -116,11 +136,15 @@ class VersionChecks:
             async with self.workers.sampler(take_turn=False) as sampler:
                 scored = await sampler.score(ScoreRequest(
                     **probe.model_dump(), adapter=AdapterRef(name=exp.name, version=pushed.version)))
-            diffs = [abs(a - b) for s_row, l_row in zip(scored.logprobs, pushed.learner_logprobs)
-                     for a, b in zip(s_row, l_row)]
-            mean = sum(diffs) / max(len(diffs), 1)
-            result = VerificationResult(version=pushed.version, mean_abs_diff=mean, max_abs_diff=max(diffs, default=0.0),
-                                        tokens=len(diffs), ok=mean <= self.tolerance, checked_on="probe")
+            if self.nearest_version:
+                result = self._by_distance(pushed, scored.logprobs)
+            else:
+                diffs = [abs(a - b) for s_row, l_row in zip(scored.logprobs, pushed.learner_logprobs)
+                         for a, b in zip(s_row, l_row)]
+                mean = sum(diffs) / max(len(diffs), 1)
+                result = VerificationResult(version=pushed.version, mean_abs_diff=mean,
+                                            max_abs_diff=max(diffs, default=0.0), tokens=len(diffs),
+                                            ok=mean <= self.tolerance, checked_on="probe")
             self._record(result)
         except ApiError as exc:
             exp.record_error(f"verification of v{pushed.version} could not run: {exc.message}")
@@ -138,11 +162,61 @@ class VersionChecks:
     def _record(self, result: VerificationResult) -> None:
         exp = self.exp
         exp.verified(result)
-        if not result.ok:
+        if result.ok is False and result.method == "nearest_version":
+            message = f"v{result.version}: not the version the learner saved: {result.reason}"
+            exp.record_error(message)
+            log.error("%s: verification failed: %s", exp.name, message)
+        elif result.ok is None:
+            log.warning("%s: verification of v%d inconclusive: %s", exp.name, result.version, result.reason)
+        elif not result.ok:
             message = (f"v{result.version}: sampler and learner logprobs differ by {result.mean_abs_diff:.4f} nats "
                        f"on average over {result.tokens} tokens (tolerance {self.tolerance})")
             exp.record_error(message)
             log.error("%s: verification failed: %s", exp.name, message)
+
+    def _free_check_by_distance(self, metrics: TrainMetrics) -> bool:
+        """nearest_version's use of a free check: the start version's sets the noise floor; a pushed version's
+        fails it when above the noise band, else leaves it to the probe. Whether the unchecked version is done."""
+        gap, version = metrics.sampler_gap_mean, metrics.checked_version
+        pushed = self.unchecked if self.unchecked is not None and self.unchecked.version == version else None
+        if pushed is None:
+            if self.noise_floor is None:  # the version served since before training began: nothing to compare
+                if gap > MAX_NOISE_FLOOR:
+                    self._record(VerificationResult(
+                        version=version, mean_abs_diff=gap, max_abs_diff=metrics.sampler_gap_max,
+                        tokens=metrics.sampler_gap_tokens, ok=False, checked_on="trained_batch",
+                        method="nearest_version", reason=f"the start version's mean gap {gap:.4f} nats is above "
+                        f"any dtype's noise ({MAX_NOISE_FLOOR}): other weights"))
+                else:
+                    self.noise_floor = gap
+                    log.info("%s: noise floor %.4f nats a token (v%d, %d tokens)", self.exp.name, gap, version,
+                             metrics.sampler_gap_tokens)
+            return False
+        band = max(NOISE_BAND * self.noise_floor, self.tolerance) if self.noise_floor is not None else None
+        if band is None or gap <= band:
+            return False  # within the noise: only the probe, with the previous version's side, can tell
+        result = VerificationResult(version=version, mean_abs_diff=gap, max_abs_diff=metrics.sampler_gap_max,
+                                    tokens=metrics.sampler_gap_tokens, ok=False, checked_on="trained_batch",
+                                    method="nearest_version", noise_floor=self.noise_floor,
+                                    reason=f"mean gap {gap:.4f} nats above the noise band {band:.4f}")
+        self._record(result)
+        self.unchecked = None
+        self._done(pushed, result)
+        return True
+
+    def _by_distance(self, pushed: Pushed, sampler_logprobs: list[list[float]]) -> VerificationResult:
+        if pushed.previous_logprobs is None:  # the learner had no version before this one in memory
+            return VerificationResult(version=pushed.version, mean_abs_diff=0.0, max_abs_diff=0.0, tokens=0,
+                                      ok=None, method="nearest_version", noise_floor=self.noise_floor,
+                                      reason="the learner sent no previous version's logprobs")
+        found = nearest_version(sampler_logprobs, pushed.learner_logprobs, pushed.previous_logprobs, self.noise_floor,
+                                self.tolerance)
+        return VerificationResult(
+            version=pushed.version, mean_abs_diff=found.mean_abs_diff, max_abs_diff=found.max_abs_diff,
+            tokens=found.tokens, ok=found.ok, checked_on="probe", method="nearest_version",
+            previous_version=pushed.previous_version, previous_mean_abs_diff=found.previous_mean_abs_diff,
+            step_fraction=found.step_fraction, step_fraction_se=found.step_fraction_se, noise_floor=self.noise_floor,
+            reason=found.reason)
 
     def _done(self, pushed: Pushed, result: VerificationResult | None) -> None:
         self.exp.checked(pushed.version)

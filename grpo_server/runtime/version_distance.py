@@ -1,0 +1,97 @@
+"""Which version does a sampler serve? The push check for a sampler whose numerics differ from the learner's.
+
+A bf16 sampler beside a float32 learner scores every token 0.07-0.13 nats away from the learner (bf16 rounding),
+more than a fixed tolerance meant for float32 round-off (0.05; float32 gaps are ~1e-5), so that check fails
+right pushes; a tolerance wide enough for bf16 passes a sampler that still serves the previous version. This
+check asks the question the push needs answered instead: is the sampler's scoring nearer the learner's version
+N than the learner's N-1?
+
+On the probe's tokens, with s the sampler's logprobs under N and l_N, l_prev the learner's under N and N-1:
+
+- the step d = l_N - l_prev, exact (the learner scores both in float32) and r = s - l_prev. A sampler serving N
+  gives r = d + e, one still serving N-1 gives r = e, e being its numeric noise;
+- `step_fraction` a = <r, d> / <d, d>, the least-squares fit of r = a d + noise: ~1 when it serves N, ~0 when it
+  serves N-1, and its standard error rms(r - a d) / |d|. The fit is first order in d: comparing the mean gaps
+  |s - l_N| and |s - l_prev| instead would separate the two only at second order when d is small against e.
+
+The verdict, in this order:
+
+1. failed when the mean gap to N is above the band, `NOISE_BAND` times the noise floor (the start version's
+   gap, measured for free by the first train step: runtime/verification.py), and never below the tolerance:
+   other weights altogether (a wrong adapter gives ~1 nat a token, 8-20x a bf16 floor). With float32's floor
+   (1e-5) the band is the tolerance, so this alone fails whatever the tolerance check fails.
+2. inconclusive when no noise floor is known yet, or the step is too small against the noise for the fit to
+   tell N from N-1 (standard error above `MAX_STEP_FRACTION_SE`: a tiny learning rate, a probe of few tokens):
+   neither passed nor an error.
+3. failed when a is further than `STEP_FRACTION_MARGIN` from 1 (nearer N-1, or past N), ok otherwise. At the
+   largest standard error allowed, a right push fails and a missing one passes each at 3.3 standard errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# A start version's free-check gap above this is no dtype's noise (bf16 on SmolLM2: 0.05-0.13; a wrong adapter ~1):
+# it fails that version rather than setting the floor.
+MAX_NOISE_FLOOR = 0.5
+NOISE_BAND = 4.0  # a probe of two completions is noisy: SmolLM2's bf16 push gaps reached 2.6x the free check's mean
+MAX_STEP_FRACTION_SE = 0.15
+STEP_FRACTION_MARGIN = 0.5  # halfway between N-1 (0) and N (1)
+
+
+@dataclass(frozen=True)
+class VersionDistance:
+    ok: bool | None  # None: inconclusive
+    mean_abs_diff: float  # |s - l_N|, mean over tokens
+    max_abs_diff: float
+    previous_mean_abs_diff: float  # |s - l_prev|
+    step_fraction: float | None  # None when the step is exactly 0
+    step_fraction_se: float | None
+    band: float | None  # None without a noise floor
+    tokens: int
+    reason: str  # what decided the verdict, in words
+
+
+def nearest_version(sampler: list[list[float]], learner: list[list[float]], previous: list[list[float]],
+                    noise_floor: float | None, tolerance: float) -> VersionDistance:
+    """The verdict above; the three arguments are the probe's per-token logprobs, one list per completion."""
+    s, now, before = _flat(sampler), _flat(learner), _flat(previous)
+    if not (len(s) == len(now) == len(before)) or not s:
+        raise ValueError(f"the three scorings differ in shape or are empty: {len(s)}, {len(now)}, {len(before)} tokens")
+    gaps = [abs(a - b) for a, b in zip(s, now)]
+    mean_gap, max_gap = sum(gaps) / len(gaps), max(gaps)
+    previous_gap = sum(abs(a - b) for a, b in zip(s, before)) / len(s)
+    step = [a - b for a, b in zip(now, before)]
+    residual = [a - b for a, b in zip(s, before)]
+    step_sq = sum(x * x for x in step)
+    fraction = se = None
+    if step_sq > 0:
+        fraction = sum(r * d for r, d in zip(residual, step)) / step_sq
+        misfit = [r - fraction * d for r, d in zip(residual, step)]
+        se = math.sqrt(sum(x * x for x in misfit) / len(misfit)) / math.sqrt(step_sq)
+    band = None if noise_floor is None else max(NOISE_BAND * noise_floor, tolerance)
+
+    def verdict(ok: bool | None, reason: str) -> VersionDistance:
+        return VersionDistance(ok, mean_gap, max_gap, previous_gap, fraction, se, band, len(s), reason)
+
+    if band is not None and mean_gap > band:
+        return verdict(False, f"mean gap to the pushed version {mean_gap:.4f} nats is above the noise band {band:.4f} "
+                              f"({NOISE_BAND:g}x the noise floor {noise_floor:.4f}, at least the tolerance)")
+    if band is None:
+        return verdict(None, "no noise floor measured yet (the start version's free check)")
+    if fraction is None or se is None or se > MAX_STEP_FRACTION_SE:
+        return verdict(None, f"the versions are too close to tell apart: step fraction {_fmt(fraction)} +- {_fmt(se)} "
+                             f"(at most +- {MAX_STEP_FRACTION_SE} decides)")
+    if abs(fraction - 1.0) > STEP_FRACTION_MARGIN:
+        return verdict(False, f"the sampler sits at {fraction:.2f} of the step from the previous version to the "
+                              f"pushed one (+- {se:.2f}; 1 = the pushed version, 0 = the previous one)")
+    return verdict(True, f"step fraction {fraction:.2f} +- {se:.2f}")
+
+
+def _flat(rows: list[list[float]]) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+def _fmt(x: float | None) -> str:
+    return "undefined" if x is None else f"{x:.2f}"

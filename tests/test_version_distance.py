@@ -1,0 +1,164 @@
+"""The nearest_version push check (grpo_server/runtime/version_distance.py) on synthetic logprobs with bf16-sized
+noise, and its plumbing in VersionChecks (grpo_server/runtime/verification.py) with the recording workers of
+tests/test_training.py. The real bf16 sampler and learner run it in tests/test_version_check_bf16.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from grpo_server.protocol.wire import AdapterVersion, ScoreResponse
+from grpo_server.runtime.experiment import Experiment
+from grpo_server.runtime.metrics_log import MetricsLog
+from grpo_server.runtime.status import experiment_status
+from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.runtime.version_distance import MAX_STEP_FRACTION_SE, nearest_version
+from tests.test_training import LOGPROBS, FakeWorkers, queue, rated_group, trainer_for, wait_until
+
+NOISE = 0.12  # a bf16 sampler's gap to a float32 learner, nats a token (0.07-0.13 measured)
+TOLERANCE = 0.05
+
+
+def _scorings(step_size: float, tokens: int = 60, seed: int = 3) -> tuple[list[list[float]], ...]:
+    """(previous, learner, noise): the learner's N-1 and N logprobs, 2 completions, and a sampler's bf16 noise."""
+    rng = random.Random(seed)
+    previous = [[-rng.uniform(0.1, 6.0) for _ in range(tokens // 2)] for _ in range(2)]
+    learner = [[x + rng.choice((-1, 1)) * step_size * rng.uniform(0.5, 1.5) for x in row] for row in previous]
+    noise = [[rng.gauss(0.0, NOISE) for _ in row] for row in previous]
+    return previous, learner, noise
+
+
+def _plus(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    return [[x + y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
+
+
+def test_a_sampler_serving_the_pushed_version_passes_though_its_gap_is_above_the_tolerance():
+    previous, learner, noise = _scorings(step_size=0.3)
+    found = nearest_version(_plus(learner, noise), learner, previous, noise_floor=0.1, tolerance=TOLERANCE)
+    assert found.mean_abs_diff > TOLERANCE  # the tolerance check would fail this right push
+    assert found.ok is True and abs(found.step_fraction - 1.0) < 0.2, found
+    assert found.previous_mean_abs_diff > found.mean_abs_diff
+
+
+def test_a_sampler_still_serving_the_previous_version_fails():
+    previous, learner, noise = _scorings(step_size=0.3)
+    found = nearest_version(_plus(previous, noise), learner, previous, noise_floor=0.1, tolerance=TOLERANCE)
+    # Within the noise band (a tolerance wide enough for bf16 would pass it): only the step fraction tells.
+    assert found.mean_abs_diff < found.band
+    assert found.ok is False and abs(found.step_fraction) < 0.2, found
+
+
+def test_other_weights_altogether_fail_on_the_noise_band():
+    previous, learner, noise = _scorings(step_size=0.3)
+    rng = random.Random(11)
+    other = [[x + rng.gauss(0.0, 1.2) for x in row] for row in learner]  # a random adapter: ~1 nat a token
+    found = nearest_version(other, learner, previous, noise_floor=0.1, tolerance=TOLERANCE)
+    assert found.ok is False and found.mean_abs_diff > found.band and "noise band" in found.reason
+
+
+def test_versions_too_close_for_the_noise_are_inconclusive_and_a_tiny_lr_shows_it():
+    previous, learner, noise = _scorings(step_size=0.002)  # a tiny learning rate: 500x under the noise
+    for sampler in (_plus(learner, noise), _plus(previous, noise)):  # right or missing: it cannot say
+        found = nearest_version(sampler, learner, previous, noise_floor=0.1, tolerance=TOLERANCE)
+        assert found.ok is None and found.step_fraction_se > MAX_STEP_FRACTION_SE, found
+    identical = nearest_version(_plus(learner, noise), learner, learner, noise_floor=0.1, tolerance=TOLERANCE)
+    assert identical.ok is None and identical.step_fraction is None  # no step at all
+    no_floor = nearest_version(_plus(learner, noise), _scorings(0.3)[1], previous, None, TOLERANCE)
+    assert no_floor.ok is None and "noise floor" in no_floor.reason
+
+
+def test_with_float32_noise_the_band_is_the_tolerance_so_it_fails_what_the_tolerance_fails():
+    previous, learner, _ = _scorings(step_size=0.3)
+    off = [[x + 0.06 for x in row] for row in learner]  # 0.06 off: the tolerance check fails it
+    found = nearest_version(off, learner, previous, noise_floor=1e-5, tolerance=TOLERANCE)
+    assert found.band == TOLERANCE and found.ok is False
+
+
+def test_mismatched_shapes_are_refused():
+    with pytest.raises(ValueError):
+        nearest_version([[-1.0]], [[-1.0, -2.0]], [[-1.0]], 0.1, TOLERANCE)
+
+
+class DistanceWorkers(FakeWorkers):
+    """The learner answers with the previous version's logprobs too (one nat of step per token: clear), and the
+    sampler scores as `serves` says: the pushed version plus bf16-sized noise, or the previous one."""
+
+    def __init__(self, serves: str):
+        super().__init__()
+        self.previous = [[x - 1.0 for x in row] for row in LOGPROBS]
+        sampler_rows = LOGPROBS if serves == "pushed" else self.previous
+        noisy = [[x + (0.1 if i % 2 else -0.1) for i, x in enumerate(row)] for row in sampler_rows]
+        self.the_sampler.score = self._score(noisy)
+        save = self.learner.save_adapter
+
+        async def save_with_previous(name, probe=None, score_previous=False):
+            saved: AdapterVersion = await save(name, probe)
+            assert score_previous  # the nearest_version check asks for it
+            saved.previous_version, saved.probe_previous_logprobs = saved.version - 1, self.previous
+            return saved
+        self.learner.save_adapter = save_with_previous
+
+    def _score(self, rows):
+        async def score(request):
+            self.calls.append(f"score v{request.adapter.version}")
+            return ScoreResponse(logprobs=rows)
+        return score
+
+
+def _nearest_trainer(tmp_path, workers) -> tuple[Experiment, ExperimentTrainer]:
+    exp, trainer = trainer_for(tmp_path, workers)
+    return exp, ExperimentTrainer(exp, workers, verify_tolerance=TOLERANCE, train_timeout_s=5.0, max_loaded_versions=8,
+                                  metrics_log=MetricsLog(tmp_path / "metrics-nearest.jsonl"), nearest_version=True)
+
+
+@pytest.mark.parametrize("serves,ok", [("pushed", True), ("previous", False)])
+async def test_version_checks_take_the_floor_from_the_first_step_and_probe_each_push(tmp_path, serves, ok):
+    workers = DistanceWorkers(serves)
+    workers.learner.call = _with_gap(workers.learner.call, gap=0.1)  # every free check: bf16-sized, within the band
+    exp, trainer = _nearest_trainer(tmp_path, workers)
+    task = asyncio.create_task(trainer.run())
+    try:
+        queue(exp, rated_group(1))  # v0's batch: its free check is the noise floor
+        await wait_until(lambda: exp.serving_version == 1)
+        assert trainer.checks.noise_floor == pytest.approx(0.1) and exp.last_verification is None
+        queue(exp, rated_group(2, policy_version=1))  # v1's own batch: within the band, so the probe decides
+        await wait_until(lambda: exp.last_verification is not None and exp.last_verification.version == 1)
+        result = exp.last_verification
+        assert "score v1" in workers.calls and result.checked_on == "probe" and result.method == "nearest_version"
+        assert result.ok is ok and result.previous_version == 0 and result.noise_floor == pytest.approx(0.1)
+        assert result.mean_abs_diff > TOLERANCE  # 0.1 or more: the tolerance check would have failed both
+        assert (experiment_status(exp, 0, 0).state == "active") is ok
+        push = [r for r in trainer.metrics_log.records("push") if r["version"] == 1]
+        assert push[0]["verdict"] == ("ok" if ok else "failed")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_free_check_above_the_noise_band_fails_without_a_probe(tmp_path):
+    workers = DistanceWorkers("pushed")
+    gaps = iter([0.1, 2.0])  # v0's floor, then v1's batch a wrong adapter's distance away
+    workers.learner.call = _with_gap(workers.learner.call, gap=lambda: next(gaps))
+    exp, trainer = _nearest_trainer(tmp_path, workers)
+    task = asyncio.create_task(trainer.run())
+    try:
+        queue(exp, rated_group(1))
+        await wait_until(lambda: exp.serving_version == 1)
+        queue(exp, rated_group(2, policy_version=1))
+        await wait_until(lambda: exp.last_verification is not None)
+        assert exp.last_verification.ok is False and exp.last_verification.checked_on == "trained_batch"
+        assert "noise band" in exp.errors[-1] and "score v1" not in workers.calls
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _with_gap(call, gap):
+    async def wrapped(verb, request):
+        answer = await call(verb, request)
+        if verb == "train" and answer.sampler_gap_tokens:
+            answer.sampler_gap_mean = answer.sampler_gap_max = gap() if callable(gap) else gap
+        return answer
+    return wrapped
