@@ -46,9 +46,9 @@ class PreviousVersionScoring:
     def previous_logprobs(self, request: LogprobsRequest) -> tuple[int, list[list[float]]] | None:
         """(the previous saved version, the request's logprobs under it); None when the experiment has saved only
         the version it started from. Right after a save: the weights must still be that version's."""
-        exp = self.experiments[request.name] if request.name in self.experiments else None
+        exp = self._get(request.name)  # type: ignore[attr-defined]  # MultiAdapterTrainer's: NotFound if absent
         saved = self._saved.get(request.name)
-        if exp is None or saved is None or saved.previous is None:
+        if saved is None or saved.previous is None:
             return None
         if exp.weights_version != saved.version:
             raise Conflict(f"experiment {request.name!r} has trained past v{saved.version}: its previous version is "
