@@ -1,7 +1,8 @@
 """A tool-using agent on the OpenAI Agents SDK (`openai-agents`), trained through grpo_server's episodes.
 
-    GRPO_SERVER_API_KEY=... python examples/tool_agent.py --steps 20
-    STEPS=20 TASKS=tool_agent scripts/demo
+    STEPS=2 TASKS=tool_agent scripts/demo                        # a server of its own, then this
+    GRPO_SERVER_API_KEY=... python examples/tool_agent.py --steps 2  # against a running server
+    TOOL_CHOICE=required python examples/tool_agent.py --steps 8     # the forced variant
 
 The agent has one function tool, `add(a, b)`, and is asked "What is 17 + 25?". The SDK drives it as it
 would drive any model: turn 1 should call `add` (the server renders the tool in the Hermes format for
@@ -12,20 +13,31 @@ so the server keeps the episode's turns. A group is G runs of the same question,
 run at once; `rate_episodes` then rates them together: every token the model sampled in an episode trains
 with that episode's advantage (the prompts and the tool's output are masked).
 
-The first turn's `tool_choice` is "required" (env `TOOL_CHOICE=auto` leaves the call to the model): left
-free, the untrained SmolLM2-135M-Instruct never calls the tool (0 parsed calls in 192 chat completions
-and 32 SDK runs at T=1 with this and five other prompts, one-shot examples included; reward 0.025 on
-average, most groups all zero: nothing to learn from). Forced, the server's grammar makes the call
-well formed and the model still chooses the arguments and the answer: 23 of 32 runs passed both
-numbers, 11 of 32 answered with the sum (reward 0.69 on average, every group with a spread).
+The first turn's `tool_choice` is "auto" by default: the model decides whether to call. Left free, the
+untrained SmolLM2-135M-Instruct never calls the tool (0 parsed calls in 192 chat completions and 32 SDK
+runs at T=1 with this and five other prompts, one-shot examples included; most groups all zero: nothing
+to compare). So a warm start comes first (examples/tool_agent_warmstart.py): WARM_START waves (default 4),
+each one question whose two groups (the model's own tries at the call, then at the answer after a
+demonstrated call) get DEMOS demonstrations (default 4) added as external completions rated 1.0, in the
+exact tokens the server's Hermes parser reads; one learner step a wave. Then RL under "auto" with `score`,
+whose format part now matters. An evaluation pass (EVAL_RUNS unforced runs, default 32, the same
+questions each time, never rated) runs before training, after the warm start and after RL, and prints the
+share of runs that called `add`, the share that answered with the sum and the mean reward. Measured
+(BENCHMARKS.md, "The tool agent"; `STEPS=10 TASKS=tool_agent scripts/demo`, 797 s at load ~3): runs that
+called `add` 0/32 -> 22/32 after the 4 waves (3 versions) -> 32/32 after RL (version 13); answered with
+the sum 4/32 -> 19/32 -> 32/32; mean reward 0.05 -> 0.64 -> 1.00.
+
+`TOOL_CHOICE=required` forces the first call instead (no warm start): the server's grammar makes the call
+well formed and the model chooses the arguments and the answer (23 of 32 runs passed both numbers, 11 of
+32 answered with the sum before training), but a forced token barely trains (README, "What the constraint
+does to the importance ratio"), so this teaches the arguments and the answer, not the call.
 
 Reward (`score`, 0..1), shaped so that a 135M model finds some from the start and can climb:
 - the format (0.3): the first call is a parsed call to `add` (0.3); a parsed call to another function
   (0.15); no parsed call but a `<tool_call>` tag written as text, a call the parser could not read (0.1);
 - the arguments (0.3): 0.15 for each of the question's two numbers among the call's `a` and `b`;
 - the answer (0.4): the run's final message (a turn without calls) has the sum in it.
-Under "required" the format part is always earned; it scores runs with `TOOL_CHOICE=auto`. The curve:
-BENCHMARKS.md ("The tool agent").
+Under "required" the format part is always earned; under "auto" it rewards making the call at all.
 
 Nothing here calls api.openai.com: tracing is off, the model is an `OpenAIChatCompletionsModel` on the
 episode's client (no default client or provider is used).
@@ -40,6 +52,7 @@ import random
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,21 +64,31 @@ from agents import (Agent, AgentsException, ModelSettings, OpenAIChatCompletions
 from openai import APIStatusError  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from examples.task_runner import StepRow, experiment_config, parse_args, retrying, run_episodes  # noqa: E402
+from examples.task_runner import (StepRow, ensure_experiment, experiment_config, parse_args, retrying,  # noqa: E402
+                                  run_episodes)
 from grpo_server.client import AsyncClient, Episode  # noqa: E402
 
 set_tracing_disabled(True)  # the SDK would otherwise upload traces to OpenAI
 
+# The first turn's tool_choice (the SDK resets it to "auto" once a tool ran, so the answer is free).
+TOOL_CHOICE = os.environ.get("TOOL_CHOICE", "auto")
+# Under "auto": demonstration waves before RL (examples/tool_agent_warmstart.py), each one question, two
+# groups (the call, the answer) and one learner step; demonstrations per group. Under "required": none.
+WARM_START = int(os.environ.get("WARM_START", "4" if TOOL_CHOICE == "auto" else "0"))
+DEMOS = int(os.environ.get("DEMOS", "4"))
+EVAL_RUNS = int(os.environ.get("EVAL_RUNS", "32"))  # unforced runs at each evaluation point (0: none)
 CONFIG = {  # the experiment (as configs/*.yaml); `--config FILE` replaces it
     "name": "tool_agent",
-    "algorithm": {"learning_rate": 5.0e-4, "batch_groups": 2, "micro_batch_size": 4},  # ~300-token episodes
+    # 2e-3 under "auto": the warm start has a few steps to move the call from never sampled to likely (at
+    # 2e-3 its logprob went -22 -> -11 -> -4 nats in three waves; at 5e-4, after one wave of 2 demos, 0 of
+    # 8 evaluation runs called). The forced variant was measured at 5e-4.
+    "algorithm": {"learning_rate": 2.0e-3 if TOOL_CHOICE == "auto" else 5.0e-4, "batch_groups": 2,
+                  "micro_batch_size": 4},  # ~300-token episodes
     "sampling": {"n": 8, "temperature": 1.0, "max_tokens": 48},  # n: episodes per group
 }
 INSTRUCTIONS = ("You are a calculator assistant. To add two numbers, call the add function. "
                 "Then answer with the result.")
 MAX_TURNS = 2  # call, then answer
-# The first turn's tool_choice (the SDK resets it to "auto" once a tool ran, so the answer is free).
-TOOL_CHOICE = os.environ.get("TOOL_CHOICE", "required")
 NUMBER = re.compile(r"-?\d+")
 
 
@@ -215,6 +238,39 @@ def make_episode(config: dict):
     return one_group
 
 
+async def main(args: Any) -> dict:
+    """Evaluate, warm-start (under "auto"), evaluate, RL for `--steps` versions, evaluate."""
+    # The warm start imports this module's agent and reward (as `examples.tool_agent`, a second copy of it
+    # when this file runs as __main__: the same code, so the same agent).
+    from examples.tool_agent_warmstart import describe, evaluate, warm_start
+
+    config = experiment_config(args)
+    name, seed = config["name"], args.seed + 1  # the evaluation's questions: the same at every point
+    report: dict[str, Any] = {"tool_choice": TOOL_CHOICE}
+    started = time.monotonic()
+    async with AsyncClient(args.url, args.api_key) as client:
+        await ensure_experiment(client, config)
+        if EVAL_RUNS:
+            report["before"] = await evaluate(client, name, config, EVAL_RUNS, seed)
+            print(describe("before training", report["before"]))
+        if WARM_START:
+            report["warm_start"] = await warm_start(client, args.api_key, name, config, WARM_START, DEMOS, args.seed)
+            print(f"tool_agent warm start: {report['warm_start']}")
+            if EVAL_RUNS:
+                report["after_warm_start"] = await evaluate(client, name, config, EVAL_RUNS, seed)
+                print(describe("after the warm start", report["after_warm_start"]))
+    report["rl"] = await run_episodes(args, make_episode(config))
+    if EVAL_RUNS:
+        async with AsyncClient(args.url, args.api_key) as client:
+            report["after_rl"] = await evaluate(client, name, config, EVAL_RUNS, seed)
+        for point, key in (("before training", "before"), ("after the warm start", "after_warm_start"),
+                           ("after RL", "after_rl")):
+            if key in report:
+                print(describe(point, report[key]))
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    print(f"tool_agent: {TOOL_CHOICE}, warm start {WARM_START} waves x {DEMOS} demos, {report['wall_s']} s in all")
+    return report
+
+
 if __name__ == "__main__":
-    args = parse_args(__doc__, default_config=CONFIG)
-    asyncio.run(run_episodes(args, make_episode(experiment_config(args))))
+    asyncio.run(main(parse_args(__doc__, default_config=CONFIG)))

@@ -214,12 +214,13 @@ class AsyncClient:
 
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        add_generation_prompt: bool = True, continue_from: list[int] | None = None,
-                       experiment: str | None = None) -> TokenizeResponse:
+                       experiment: str | None = None, tools: list[dict] | None = None) -> TokenizeResponse:
         """Token ids exactly as the server builds a prompt. With `continue_from` (a conversation's token
         ids so far), `messages` are only the new turns and are appended after the model's turn ends.
-        `experiment`: the one the ids are for; an experiment's key must name its own."""
+        `experiment`: the one the ids are for; an experiment's key must name its own. `tools` (OpenAI
+        function tools, with `messages`): rendered as completions render them."""
         body = {"prompt": prompt, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "continue_from": continue_from, "experiment": experiment}
+                "continue_from": continue_from, "experiment": experiment, "tools": tools}
         return TokenizeResponse.model_validate(
             await self._request("POST", "/v1/tokenize", json={k: v for k, v in body.items() if v is not None}))
 
