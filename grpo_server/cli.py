@@ -11,10 +11,20 @@ import sys
 from pathlib import Path
 
 
+def _needs_extra(command: str, extra: str, exc: ModuleNotFoundError) -> int:
+    """`pip install grpo-server` is the client alone (pyproject.toml): a command that needs an extra says which."""
+    print(f"grpo-server {command}: {exc.name} is not installed; this command needs the `{extra}` extra "
+          f"(scripts/setup installs it, or: pip install 'grpo-server[{extra}]')", file=sys.stderr)
+    return 2
+
+
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
     from grpo_server.workers.model_prep import prepare_embedded_model
 
-    folder = prepare_embedded_model(force=args.force)
+    try:
+        folder = prepare_embedded_model(force=args.force)
+    except ModuleNotFoundError as exc:  # transformers and gguf convert the GGUF
+        return _needs_extra("model prepare", "cpu", exc)
     print(folder)
     return 0
 
@@ -32,6 +42,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return serve(config, role=args.role, replica=args.replica)
+    except ModuleNotFoundError as exc:  # the front end imports its packages as it starts, the workers theirs
+        return _needs_extra("serve", "cpu", exc)  # (or gpu; the front end alone needs `server`)
     except RoleError as exc:
         print(f"grpo-server serve --role {args.role}: {exc}", file=sys.stderr)
         return 2
@@ -42,6 +54,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     try:
         written = plot_run(args.run_dir, args.out)
+    except ModuleNotFoundError as exc:  # matplotlib is imported when drawing starts
+        return _needs_extra("plot", "plot", exc)
     except NoMetrics as exc:
         print(f"grpo-server plot: {exc}", file=sys.stderr)
         return 2

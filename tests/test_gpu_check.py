@@ -8,15 +8,14 @@ import json
 import re
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from scripts.benchmarks import gpu_carry, gpu_check
 from scripts.benchmarks.gpu_check import RESULT_PREFIX, race_limits, run_phase
+from tests.pins import pinned_versions
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def alive(pid: int) -> bool:
@@ -56,13 +55,8 @@ def test_the_race_gets_what_the_budget_leaves():
     assert race_limits(0, smoke=False) == 20.0 and race_limits(10_000, smoke=False) == 600.0
 
 
-def test_the_carried_wheels_are_pinned_as_pyproject_pins_them():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    specs = project["dependencies"] + [s for group in project["optional-dependencies"].values() for s in group]
-    pins: dict[str, set[str]] = {}  # a name may be pinned twice, by Python version (aiohttp-sse)
-    for spec in specs:
-        name, _, rest = spec.partition("==")
-        pins.setdefault(name.strip().lower().replace("_", "-"), set()).add(rest.split(";")[0].strip())
+def test_the_carried_wheels_are_pinned_as_constraints_pins_them():
+    pins = pinned_versions()
     carried = dict(spec.split("==") for spec in gpu_carry.pinned())
     assert {"deepspeed", "pydantic", "pydantic-settings", "trl", "datasets"} <= set(carried)
     wrong = {name: (version, pins[name]) for name, version in carried.items()

