@@ -1,7 +1,10 @@
 """`grpo-server plot RUN_DIR`: one PNG per experiment, `RUN_DIR/plots/<name>.png`, from its metrics log
 (`RUN_DIR/metrics/<name>.jsonl`, see `grpo_server/runtime/metrics_log.py`), with three panels: mean reward per
-learner step (with its spread across the batch), KL to the base model per step, and sampling throughput
-(completion tokens per second) over the run's wall-clock time. With `--describe`, each PNG's path is
+learner step (with its spread across the batch), KL per step, and sampling throughput (completion tokens per
+second) over the run's wall-clock time. The KL panel shows the KL to the base model (or says it is off: beta 0
+runs no reference forward), the sampler/learner mismatch over the current version's tokens and the off-policy KL
+of older versions' tokens, on a log scale, with each push as a vertical line coloured by its check (verified,
+failed, not checked or inconclusive). With `--describe`, each PNG's path is
 followed by its reward curve in one line of text (`describe`), for a terminal or a log with no image viewer.
 
 matplotlib draws on its Agg canvas: no display, no GUI toolkit. It is imported inside the functions, so
@@ -35,9 +38,12 @@ class Series:
     reward_mean: list[float] = field(default_factory=list)
     reward_std: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
+    mismatch_kl_fresh: list[float] = field(default_factory=list)  # numerics alone: the current version's tokens
+    offpolicy_kl_stale: list[float] = field(default_factory=list)  # policy change: older versions' tokens
     sampling_minutes: list[float] = field(default_factory=list)  # since the log's first record
     tokens_per_s: list[float] = field(default_factory=list)  # per sampling record
     push_steps: list[int] = field(default_factory=list)
+    push_verified: list[bool | None] = field(default_factory=list)  # per push: its check (None: none, inconclusive)
 
 
 def load_series(path: Path) -> Series:
@@ -59,11 +65,15 @@ def load_series(path: Path) -> Series:
             series.reward_mean.append(_number(record.get("reward_mean")))
             series.reward_std.append(_number(record.get("reward_std")))
             series.kl.append(_number(record.get("kl")))
+            series.mismatch_kl_fresh.append(_number(record.get("mismatch_kl_fresh")))
+            series.offpolicy_kl_stale.append(_number(record.get("offpolicy_kl_stale")))
         elif kind == "sampling" and isinstance(record.get("time"), (int, float)):
             series.sampling_minutes.append((record["time"] - start) / 60)
             series.tokens_per_s.append(_number(record.get("tokens_per_s")))
         elif kind == "push" and isinstance(record.get("step"), int):
             series.push_steps.append(record["step"])
+            verified = record.get("verified")
+            series.push_verified.append(verified if isinstance(verified, bool) else None)
     return series
 
 
@@ -82,8 +92,7 @@ def plot_series(series: Series, out: Path) -> Path:
     high = [m + s for m, s in zip(series.reward_mean, series.reward_std)]
     reward.fill_between(series.step, low, high, alpha=0.2, label="± std within the batch")
     reward.set(xlabel="learner step", ylabel="reward", title="Reward")
-    kl.plot(series.step, series.kl, marker=".", color="tab:red")
-    kl.set(xlabel="learner step", ylabel="KL", title="KL to the base model")
+    _kl_panel(kl, series)
     throughput.plot(series.sampling_minutes, series.tokens_per_s, marker=".", color="tab:green")
     throughput.set(xlabel="minutes since the log began", ylabel="completion tokens / s",
                    title="Sampling throughput")
@@ -95,9 +104,37 @@ def plot_series(series: Series, out: Path) -> Path:
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     if series.step:
         reward.legend(loc="best")
+        kl.legend(loc="best", fontsize="small")
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)
     return out
+
+
+PUSH_COLOURS = {True: "tab:green", False: "tab:red", None: "tab:gray"}
+
+
+def _kl_panel(axes: Any, series: Series) -> None:
+    """The KLs that say whether training is healthy. At beta 0 there is no KL to the base model (no reference
+    forward), so the panel says so instead of drawing an empty line; the mismatch is what a bf16 sampler or a
+    silent push failure would move, so it is drawn either way, with each push's check."""
+    lines = (("KL to the base model", series.kl, "tab:red"),
+             ("mismatch KL (current version's tokens)", series.mismatch_kl_fresh, "tab:purple"),
+             ("off-policy KL (older versions' tokens)", series.offpolicy_kl_stale, "tab:orange"))
+    positive = [v for _, values, _ in lines for v in values if v > 0]  # NaN > 0 is False
+    for label, values, colour in lines:
+        points = [(step, v) for step, v in zip(series.step, values) if not math.isnan(v)]
+        if points:  # joined across the steps without one (a step of fresh tokens alone has no off-policy KL)
+            axes.plot(*zip(*points), marker=".", color=colour, label=label)
+    if positive:
+        axes.set_yscale("log")  # the mismatch (~1e-9 in float32) and the KL to the base (~1e-2) differ by decades
+    for verified in (True, False, None):
+        steps = [s for s, v in zip(series.push_steps, series.push_verified) if v is verified]
+        label = {True: "push verified", False: "push check failed", None: "push not checked / inconclusive"}[verified]
+        for i, step in enumerate(steps):
+            axes.axvline(step, color=PUSH_COLOURS[verified], alpha=0.35, linewidth=1, label=None if i else label)
+    kl_off = bool(series.step) and all(math.isnan(v) for v in series.kl)
+    axes.set(xlabel="learner step", ylabel="KL (nats)",
+             title="KL" + (" (KL to the base model: off, beta 0)" if kl_off else ""))
 
 
 SPARK = "▁▂▃▄▅▆▇█"

@@ -110,6 +110,35 @@ def test_plot_writes_a_png_per_experiment(tmp_path, capsys):
     assert lines[3].startswith("  beta: 2 steps, mean reward 0.10 (first 1) -> 0.20 (last 1)")
 
 
+def test_the_kl_panel_at_beta_0_says_kl_is_off_and_draws_the_mismatch_and_each_push_check(tmp_path):
+    from matplotlib.figure import Figure
+
+    from grpo_server.plot import PUSH_COLOURS, _kl_panel
+
+    log = MetricsLog(metrics_log_path(tmp_path, "nokl"))
+    checks = [VerificationResult(version=1, mean_abs_diff=0.0, max_abs_diff=0.0, tokens=4, ok=True),
+              VerificationResult(version=2, mean_abs_diff=0.3, max_abs_diff=0.9, tokens=4, ok=False), None]
+    for step, check in enumerate(checks, start=1):
+        log.train(train_metrics(step, kl=None, mismatch_kl_fresh=1e-9 * step, offpolicy_kl_stale=0.02 * step),
+                  policy_version=step - 1, groups=2)
+        log.push(step, step, 0.1, check)
+    log.close()
+    series = load_series(metrics_log_path(tmp_path, "nokl"))
+    assert series.mismatch_kl_fresh == pytest.approx([1e-9, 2e-9, 3e-9])
+    assert series.offpolicy_kl_stale == pytest.approx([0.02, 0.04, 0.06])
+    assert series.push_verified == [True, False, None]
+
+    axes = Figure().subplots()
+    _kl_panel(axes, series)
+    assert "off, beta 0" in axes.get_title() and axes.get_yscale() == "log"
+    drawn = {line.get_label(): line for line in axes.get_lines()}
+    assert "KL to the base model" not in drawn  # nothing to draw: said in the title instead
+    assert {"mismatch KL (current version's tokens)", "off-policy KL (older versions' tokens)"} <= set(drawn)
+    pushes = [line for line in axes.get_lines() if line.get_xdata()[0] == line.get_xdata()[-1]]  # the verticals
+    assert [(line.get_xdata()[0], line.get_color()) for line in sorted(pushes, key=lambda l: l.get_xdata()[0])] == [
+        (1, PUSH_COLOURS[True]), (2, PUSH_COLOURS[False]), (3, PUSH_COLOURS[None])]
+
+
 def test_sparkline_keeps_the_shape_of_a_long_curve():
     from grpo_server.plot import SPARK_WIDTH, sparkline
 
