@@ -31,6 +31,7 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from grpo_server.config import load_server_config
+    from grpo_server.protocol.log_context import configure_logging
     from grpo_server.serve import RoleError, serve
 
     try:
@@ -40,6 +41,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError: it names the key
         print(f"grpo-server serve: invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
+    # The file may ask for JSON lines; the workers inherit the choice (GRPO_SERVER_LOG_FORMAT).
+    configure_logging(args.role if args.role in ("sampler", "learner") else "frontend", config.log_format,
+                      level=logging.DEBUG if args.verbose else logging.INFO)
     try:
         return serve(config, role=args.role, replica=args.replica)
     except ModuleNotFoundError as exc:  # the front end imports its packages as it starts, the workers theirs
@@ -100,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo_server.protocol.log_context import configure_logging
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging("frontend" if args.command == "serve" else "cli",
+                      level=logging.DEBUG if args.verbose else logging.INFO)
     return args.handler(args)
 
 

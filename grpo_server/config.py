@@ -291,6 +291,9 @@ class ServerConfig(BaseSettings):
         "Behind a reverse proxy every client has the proxy's address: exempt it only if it limits itself."))
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
+    log_format: Literal["plain", "json"] = Field("plain", description=(
+        "Every process's log lines: plain text, or one JSON object a line. Either way a line carries the "
+        "experiment, version and request id it is about, where known (grpo_server/protocol/log_context.py)."))
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     experiments: list[ExperimentConfig] = Field(

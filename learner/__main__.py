@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from grpo_server.protocol.log_context import configure_logging
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import LearnerConfig, load_yaml, write_resolved
 
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         if launched is None:
             die_with_parent(args.parent_pid)  # first: no window in which rank 0 could die unnoticed
         ignore_stop_signals()
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    configure_logging(f"learner-rank{rank}")  # the front end's format, inherited (GRPO_SERVER_LOG_FORMAT)
     try:
         config = LearnerConfig.model_validate(load_yaml(args.config))
     except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError; named for the reader

@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from grpo_server.protocol.cpu_features import limit_kernels
+from grpo_server.protocol.log_context import configure_logging
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import SamplerConfig, load_yaml, write_resolved
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sampler", description="grpo_server sampler replica")
     parser.add_argument("--config", type=Path, required=True, help="SamplerConfig YAML")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("sampler")  # the front end's format, inherited (GRPO_SERVER_LOG_FORMAT)
     try:
         config = SamplerConfig.model_validate(load_yaml(args.config))
     except (OSError, ValueError, ValidationError) as exc:

@@ -15,7 +15,7 @@ from grpo_server.api import prometheus, status_page
 from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON,
                                       ORCHESTRATOR, RESPONSES, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
-from grpo_server.api.edge import count_middleware, error_middleware
+from grpo_server.api.edge import context_middleware, count_middleware, echo_request_id, error_middleware
 from grpo_server.api.native.routes import ROUTES as NATIVE_ROUTES
 from grpo_server.api.openai.responses import response_store
 from grpo_server.api.openai.routes import ROUTES as OPENAI_ROUTES
@@ -49,7 +49,9 @@ def page_routes() -> list[web.RouteDef]:
 
 
 def create_app(config: ServerConfig, admin_key: str) -> web.Application:
-    app = web.Application(middlewares=[count_middleware, error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[context_middleware, count_middleware, error_middleware],
+                          client_max_size=config.max_body_bytes)
+    app.on_response_prepare.append(echo_request_id)
     app.add_routes(routes() + page_routes())
     app[HTTP_COUNTER] = prometheus.HttpCounter()
     app[METRICS_REGISTRY] = prometheus.registry(app[HTTP_COUNTER], lambda: app[ORCHESTRATOR])

@@ -20,7 +20,9 @@ from pydantic import BaseModel, ValidationError
 from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
 from grpo_server.api.route_table import ADMIN
 from grpo_server.config import ExperimentConfig
+from grpo_server.protocol import log_context
 from grpo_server.protocol.codec import MSGPACK
+from grpo_server.protocol.log_context import CLIENT_REQUEST_ID, REQUEST_ID_HEADER, bound, new_request_id
 from grpo_server.protocol.errors import (ApiError, BadRequest, Forbidden, PayloadTooLarge, Unauthorized, Unprocessable,
                                          describe_validation_error)
 
@@ -98,6 +100,27 @@ def error_response(error: ApiError) -> web.Response:
 
 
 # --- middlewares: around every route ------------------------------------------------------------------------
+
+
+@web.middleware
+async def context_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Binds the request's id (the client's X-Request-Id when it is short and plain, else a new one) and the
+    experiment in its path for every log line the request causes, here and in the workers it calls
+    (grpo_server/protocol/log_context.py); the id goes back in the answer's X-Request-Id (`echo_request_id`)."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = given if CLIENT_REQUEST_ID.fullmatch(given) else new_request_id()
+    with bound(request_id=request_id, experiment=request.match_info.get("name")):
+        response = await handler(request)
+    if not response.prepared:  # a stream sent its headers already, with the id (`echo_request_id`)
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: a stream's headers go out inside its handler, before its first event, in the request's
+    context; they carry the id too."""
+    if (request_id := log_context.current().get("request_id")) is not None:
+        response.headers[REQUEST_ID_HEADER] = str(request_id)
 
 
 @web.middleware

@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.log_context import bound, from_headers
 from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge, Unauthorized, describe_validation_error
 from grpo_server.protocol.verbs import Verb
 from grpo_server.protocol.worker_auth import HEADER, SECRET_ENV, check_secret, presented
@@ -37,6 +38,15 @@ def reply(payload: Any, status: int = 200) -> web.Response:
 
 def error_reply(error: ApiError) -> web.Response:
     return reply(error.body(), error.status)
+
+
+@web.middleware
+async def context_middleware(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The caller's log context (request id, experiment, version: protocol/log_context.py), bound while the verb
+    runs, so this worker's lines about a request carry the front end's id for it (outermost: errors too)."""
+    with bound(**from_headers(request.headers)):
+        return await handler(request)
 
 
 @web.middleware
@@ -116,7 +126,8 @@ def _route(verb: Verb, method: Callable[..., Awaitable[Any]]) -> web.RouteDef:
 def worker_app(verbs: Iterable[Verb], handler: object, max_body_bytes: int, *, secret: str) -> web.Application:
     """An app whose route /<verb> awaits `handler.<verb>(request model)` (no argument for a GET verb), for
     callers that send `secret` only (routes added later too)."""
-    # error_middleware outermost: the 401 gets the usual error body.
-    app = web.Application(middlewares=[error_middleware, auth_middleware(secret)], client_max_size=max_body_bytes)
+    # error_middleware outside auth: the 401 gets the usual error body.
+    app = web.Application(middlewares=[context_middleware, error_middleware, auth_middleware(secret)],
+                          client_max_size=max_body_bytes)
     app.add_routes([_route(verb, getattr(handler, verb.name)) for verb in verbs])
     return app

@@ -4,8 +4,7 @@ adapter versions, its groups (pending and queued for training), its counters and
 Requests come in through `complete` and `feedback`; its training task (`runtime/training.py`) takes
 batches, and reports trained steps and pushed versions back through the methods below, as its version
 checks (`runtime/verification.py`) do; `stop` cancels and awaits every task it started. Everything else
-(status, /metrics, the orchestrator's re-syncs) reads it and calls its methods, never writes its fields.
-"""
+(status, /metrics, the orchestrator's re-syncs) reads it and calls its methods, never writes its fields."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentCounters,
                                     FeedbackRequest, FeedbackResponse, VerificationResult)
 from grpo_server.config import ExperimentConfig, ServerConfig
+from grpo_server.protocol import log_context
 from grpo_server.protocol.errors import TooManyRequests, Unprocessable
 from grpo_server.protocol.wire import AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse, TrainMetrics
 from grpo_server.runtime.advantages import rate
@@ -174,7 +174,7 @@ class Experiment:
             if admitted is not None:
                 admitted.set()
             async with self.workers.sampler(experiment=self.name) as sampler:
-                with self.pinned_serving_version() as version:
+                with self.pinned_serving_version() as version, log_context.bound(version=version):
                     result = await sampler.generate(GenerateRequest(
                         prompt_token_ids=prompt_ids, n=n, temperature=decoding[0], top_p=decoding[1],
                         max_tokens=max_tokens,

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 
+from grpo_server.protocol import log_context
 from grpo_server.protocol.errors import ApiError, Unavailable
 from grpo_server.protocol.wire import (AdapterRef, Completion, TrainMetrics, TrainRequest, TrainSample,
                                        VersionProbe)
@@ -74,15 +75,23 @@ class ExperimentTrainer:
         exp = self.exp
         batch_groups = exp.config.algorithm.batch_groups
         try:
-            while True:
-                # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
-                while exp.drop_stale() < batch_groups:
-                    if not await exp.queue_grew(IDLE_CHECK_S):  # no step soon to check the newest version
-                        if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
-                            self.checks.probe_unchecked()
-                await self.train(*exp.take_batch(batch_groups))
+            with log_context.bound(experiment=exp.name):  # every line of this task, and the verbs it calls
+                await self._train_forever(batch_groups)
         finally:  # the experiment was deleted or the server stops
             self.checks.close()
+
+    async def _train_forever(self, batch_groups: int) -> None:
+        exp = self.exp
+        while True:
+            # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
+            while exp.drop_stale() < batch_groups:
+                if not await exp.queue_grew(IDLE_CHECK_S):  # no step soon to check the newest version
+                    if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
+                        self.checks.probe_unchecked()
+            # One id for the step, its push and its check: the same in the learner's and samplers' lines; the
+            # version the step trains from.
+            with log_context.bound(request_id=log_context.new_request_id("step"), version=exp.learner_version):
+                await self.train(*exp.take_batch(batch_groups))
 
     async def train(self, groups: list[Group], generation: int) -> None:
         exp = self.exp

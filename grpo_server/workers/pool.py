@@ -45,6 +45,7 @@ from pydantic import BaseModel
 
 from grpo_server.api_models import ReplicaHealth
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.log_context import context_headers
 from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed, public_message
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient, Verb
 from grpo_server.protocol.wire import AdapterRef
@@ -103,7 +104,8 @@ class WorkerConnection:
         try:
             async with self.session.request(
                 verb.method, f"{self.process.url}/{verb.name}", data=None if body is None else pack(body),
-                headers={"Content-Type": MSGPACK}, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                # The log context (request id, experiment, version) goes along: the worker's lines carry it too.
+                headers={"Content-Type": MSGPACK, **context_headers()}, timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 payload = unpack(await response.read())
                 status = response.status
