@@ -104,6 +104,7 @@ def test_merged_folder_is_a_whole_model(exported: Exported, tiny_model_dir: Path
     header = weights_header(exported.merged / "model.safetensors")
     assert {entry["dtype"] for key, entry in header.items() if key != "__metadata__"} == {"F32"}
     assert not list(exported.merged.parent.glob(".merged.export-*"))  # the temporary folder was renamed away
+    assert {p.stat().st_mode & 0o777 for p in exported.merged.iterdir()} == {0o644}  # safetensors' own is 0600
 
 
 def test_transformers_loads_merged_with_the_samplers_logprobs(exported: Exported, tiny_model_dir: Path):
