@@ -258,7 +258,8 @@ def _reward_at(client: Client, experiment: str, step: int | None) -> float | Non
         return None
     try:
         records = client.metrics(experiment, kind="train", limit=METRICS_LIMIT)
-    except (GrpoServerError, OSError, aiohttp.ClientError):  # a server without the route, or one that went away: the card says so
+    # A server without the route, or one that went away: the card says the reward is not known.
+    except (GrpoServerError, OSError, aiohttp.ClientError):
         return None
     rewards = [r.get("reward_mean") for r in records if r.get("step") == step]
     return float(rewards[-1]) if rewards and isinstance(rewards[-1], (int, float)) else None
