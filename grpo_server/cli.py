@@ -1,4 +1,4 @@
-"""`grpo-server`: serve, prepare the embedded model, plot a run's metrics.
+"""`grpo-server`: serve, prepare the embedded model, plot a run's metrics, export an experiment's adapter.
 
 Config is validated before anything heavy (torch, vLLM, DeepSpeed) is imported.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -70,6 +71,21 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from grpo_server.export import ExportError, export
+
+    if not args.api_key:
+        print("grpo-server export: give --api-key or set GRPO_SERVER_API_KEY", file=sys.stderr)
+        return 2
+    try:
+        export(args.url, args.api_key, args.experiment, version=args.version, adapter_out=args.adapter,
+               merged_out=args.merged, base_model=args.base_model, dtype=args.dtype)
+    except ExportError as exc:
+        print(f"grpo-server export: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-server", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -94,6 +110,24 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, help="folder for the PNGs (default RUN_DIR/plots)")
     plot.add_argument("--describe", action="store_true", help="also print each reward curve as a line of text")
     plot.set_defaults(handler=_cmd_plot)
+
+    export = commands.add_parser("export", help="an experiment's adapter version, from a running server: as a peft "
+                                 "folder (--adapter) and/or merged into the base model (--merged)")
+    export.add_argument("experiment", metavar="EXPERIMENT")
+    export.add_argument("--version", type=int, help="the adapter version (default: the one the server serves now)")
+    export.add_argument("--adapter", type=Path, metavar="OUT", help="write the peft adapter folder + model card here")
+    export.add_argument("--merged", type=Path, metavar="OUT",
+                        help="write a Hugging Face model folder here: the base with the adapter merged in")
+    export.add_argument("--base-model", metavar="PATH", help="the base model's local folder, for --merged (default: "
+                        "the server's model, if that folder is on this machine)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="--merged's weights (merged in float32, then cast; default: the base config's dtype, "
+                        "else float32)")
+    export.add_argument("--url", default=os.environ.get("GRPO_SERVER_URL", "http://127.0.0.1:8000"),
+                        help="the server (env GRPO_SERVER_URL; default http://127.0.0.1:8000)")
+    export.add_argument("--api-key", default=os.environ.get("GRPO_SERVER_API_KEY"),
+                        help="the admin key or the experiment's (env GRPO_SERVER_API_KEY)")
+    export.set_defaults(handler=_cmd_export)
 
     model = commands.add_parser("model", help="the embedded model")
     model_commands = model.add_subparsers(dest="model_command", required=True)

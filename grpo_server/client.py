@@ -245,6 +245,13 @@ class AsyncClient:
         dest.write_bytes(data)
         return dest
 
+    async def metrics(self, experiment: str, kind: str | None = None, limit: int | None = None) -> list[dict]:
+        """The newest records of the experiment's metrics log, oldest first (`kind`: train, push or sampling;
+        `limit`: 1-2000, default 500)."""
+        params = {k: str(v) for k, v in {"kind": kind, "limit": limit}.items() if v is not None}
+        answer = await self._request("GET", f"/v1/experiments/{experiment}/metrics", params=params or None)
+        return answer["records"]
+
 
 def _external(completion: ExternalCompletionLike) -> dict:
     """An external completion's wire form: text, token ids, or a dict as the API takes it."""
@@ -328,3 +335,6 @@ class Client:
 
     def download_adapter(self, experiment: str, dest: str | Path, version: int | None = None) -> Path:
         return self._run(self._async.download_adapter(experiment, dest, version))
+
+    def metrics(self, experiment: str, kind: str | None = None, limit: int | None = None) -> list[dict]:
+        return self._run(self._async.metrics(experiment, kind, limit))
