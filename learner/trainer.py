@@ -42,6 +42,7 @@ from learner.engine import make_engine, optimizer_step, release_engine, uses_aut
 from learner.loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
                           token_logprobs)
 from learner.metrics import StepStats
+from learner.op_build import build_shm_op
 from learner.previous_version import PreviousVersionScoring, SavedWeights
 from learner.sharding import RankShare, rank_share
 from learner.steps import TinkerSteps
@@ -91,7 +92,9 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
         self.autocast = uses_autocast(config.autocast, self.device, self.dtype)
         # Here, not at the first add_experiment: the first call JIT-builds DeepSpeed's shm comm op
         # (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
-        # (A no-op wrapper when learner/ranks.py set up the process group already.)
+        # (A no-op wrapper when learner/ranks.py set up the process group already.) Built first past a lock
+        # a killed build left (learner/op_build.py).
+        build_shm_op()
         deepspeed.init_distributed(dist_backend=None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # Barriers and the checkpoint's optimizer shards go over gloo whatever the training backend is:
