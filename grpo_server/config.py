@@ -60,6 +60,10 @@ class SamplingConfig(StrictModel):
         "episode (whose sequences hold several turns, and may be longer) brings."))
 
 
+# The experiment trackers (grpo_server/trackers/): each needs the `trackers` extra's libraries.
+TrackerName = Literal["trackio", "wandb", "mlflow", "tensorboard"]
+
+
 MIN_KEY_LENGTH = 16  # an experiment's key: 96 bits when random (secrets.token_urlsafe(12) is 16 characters)
 # Off only while the registry of an earlier run is read (`keys_as_saved`): a key saved before the rule
 # existed keeps its experiment reachable across a restart; every new experiment meets the rule.
@@ -91,6 +95,17 @@ class ExperimentConfig(StrictModel):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    trackers: list[TrackerName] | None = Field(None, max_length=4, description=(
+        "Experiment trackers that get its metrics besides its metrics log: trackio, wandb (offline unless the "
+        "server config says online), mlflow, tensorboard (needs the `trackers` extra). None: the server's "
+        "`trackers.default`; [] none."))
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_tracker_once(cls, trackers: list[str] | None) -> list[str] | None:
+        if trackers is not None and len(set(trackers)) != len(trackers):
+            raise ValueError("name each tracker once")
+        return trackers
 
     @field_validator("api_key")
     @classmethod
@@ -159,6 +174,27 @@ class LearnerSettings(LearnerOptions):
             raise ValueError(f"learner.ranks is {self.ranks} but learner.devices lists {len(listed)} device(s) "
                              f"({self.devices!r}): each rank needs its own GPU")
         return self
+
+
+class TrackersSettings(StrictModel):
+    """Experiment trackers (grpo_server/trackers/): where they write, and what an experiment gets by default."""
+
+    default: list[TrackerName] = Field(default_factory=list, max_length=4, description=(
+        "Trackers of every experiment whose config names none (its `trackers`). Empty: the metrics log alone."))
+    directory: Path | None = Field(None, description=(
+        "Where local trackers write (trackio/, wandb/, tensorboard/, mlflow.db). None: <run_dir>/trackers."))
+    project: str = Field("grpo_server", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$", description=(
+        "The trackio project, wandb project and MLflow experiment that hold every experiment's runs."))
+    wandb_mode: Literal["offline", "online"] = Field("offline", description=(
+        "offline: runs are written under the trackers folder for `wandb sync`, nothing leaves the host. The "
+        "environment's WANDB_MODE=offline (or disabled) wins over online."))
+    mlflow_tracking_uri: str | None = Field(None, max_length=4096, description=(
+        "MLflow's tracking store. None: sqlite:///<directory>/mlflow.db."))
+    buffer_records: int = Field(1000, ge=1, le=1_000_000, description=(
+        "Records each tracker may hold unwritten; past that a record is dropped and counted (a slow tracker never "
+        "holds up training)."))
+    close_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
+        "How long deleting an experiment or stopping the server waits for a tracker to write what it holds."))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +327,7 @@ class ServerConfig(BaseSettings):
         "Behind a reverse proxy every client has the proxy's address: exempt it only if it limits itself."))
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
+    trackers: TrackersSettings = Field(default_factory=TrackersSettings)
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     experiments: list[ExperimentConfig] = Field(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from grpo_server.api_models import ExperimentStatus
+from grpo_server.api_models import ExperimentStatus, TrackerStatus
 from grpo_server.protocol.errors import public_message
 from grpo_server.runtime.experiment import Experiment
 
@@ -33,4 +33,15 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         # tenant's: no server path, worker URL or traceback (the log has the full text).
         errors=[public_message(error) for error in exp.errors],
         config=exp.config.public_dict(),
+        trackers=tracker_status(exp),
     )
+
+
+def tracker_status(exp: Experiment) -> dict[str, TrackerStatus]:
+    if exp.trackers is None:
+        return {}
+    pending = exp.trackers.pending()
+    # A backend's error text may hold a path or a URL (a store's address): filtered as the errors are.
+    return {name: TrackerStatus(written=c.written, dropped=c.dropped, errors=c.errors, pending=pending[name],
+                                last_error=None if c.last_error is None else public_message(c.last_error))
+            for name, c in exp.trackers.counts().items()}
