@@ -73,7 +73,7 @@ def fake_experiment(name: str, **changes):
                                   completions_sampled=10, completions_external=2, tokens_sampled=123)
     fields = dict(name=name, counters=counters, serving_version=2, step=3, queue=[object(), object()],
                   recent_rewards=deque([0.5, 1.0]), last_metrics={"kl": 0.01, "clipped_fraction": 0.2, "seconds": 1.5},
-                  last_push_seconds=0.7, staleness=Counter({0: 2, 1: 1, 5: 3}), trackers=None)
+                  last_push_seconds=0.7, staleness=Counter({0: 2, 1: 1, 5: 3}))
     return SimpleNamespace(**{**fields, **changes})
 
 

@@ -15,8 +15,8 @@ What a scrape reads, and nothing else: the orchestrator's `experiments` (name ->
 `completions_external`, `tokens_sampled`),
 `queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `mismatch_kl_fresh`,
 `offpolicy_kl_stale`, `rollout_corrected_fraction`, `clipped_fraction`, `seconds`),
-`last_push_seconds`, `staleness` (versions behind -> trained groups) and `trackers` (each experiment tracker's
-written / dropped / failed records, grpo_server/trackers/). Server-wide: the event loop's lag
+`last_push_seconds` and `staleness` (versions behind -> trained groups); and the orchestrator's `trackers`
+(each experiment tracker's written / dropped / failed records, grpo_server/trackers/). Server-wide: the event loop's lag
 (`loop_lag`) and the tokens held against the token budget (`budget.in_use`).
 """
 
@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 if TYPE_CHECKING:
     from grpo_server.runtime.experiment import Experiment
     from grpo_server.runtime.orchestrator import Orchestrator
+    from grpo_server.trackers import TrackerSet
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
 GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired")
@@ -71,7 +72,7 @@ class FrontEndCollector(Collector):
         orchestrator = self.orchestrator()
         experiments = list(orchestrator.experiments.values())
         pending = {exp.name: orchestrator.groups.pending_count(exp.name) for exp in experiments}
-        families = families_of(experiments, pending, orchestrator.workers.states(), self.http)
+        families = families_of(experiments, pending, orchestrator.workers.states(), self.http, orchestrator.trackers)
         families += server_families(orchestrator)
         yield from (family for family in families if family.samples)  # as before: no family without samples
 
@@ -91,7 +92,7 @@ def server_families(orchestrator: "Orchestrator") -> list[Metric]:
 
 
 def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], worker_states: dict[str, str],
-                http: HttpCounter) -> list[Metric]:
+                http: HttpCounter, trackers: dict[str, "TrackerSet"] | None = None) -> list[Metric]:
     def gauge(name: str, help_text: str, *labels: str) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, help_text, labels=labels)
 
@@ -154,7 +155,7 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
                    for bound in STALENESS_BUCKETS]
         buckets.append(("+Inf", sum(exp.staleness.values())))
         staleness.add_metric([name], buckets, sum_value=sum(s * n for s, n in exp.staleness.items()))
-        for tracker, counts in (exp.trackers.counts() if exp.trackers is not None else {}).items():
+        for tracker, counts in (trackers[name].counts() if trackers and name in trackers else {}).items():
             for outcome in ("written", "dropped", "errors"):
                 tracker_records.add_metric([name, tracker, outcome], getattr(counts, outcome))
 

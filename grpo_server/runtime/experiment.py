@@ -34,7 +34,6 @@ from grpo_server.runtime.token_budget import TokenBudget
 
 if TYPE_CHECKING:
     from grpo_server.runtime.prompts import PromptBuilder
-    from grpo_server.trackers import TrackerSet
     from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,6 @@ class Experiment:
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
     created_at: float = field(default_factory=time.time)  # epoch seconds (OpenAI's model `created`)
-    trackers: "TrackerSet | None" = None  # its experiment trackers, fed by its metrics log (the orchestrator's)
     tasks: OwnedTasks = field(init=False)  # background work besides training: unloads, probes
 
     def __post_init__(self) -> None:

@@ -32,7 +32,7 @@ from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
-from grpo_server.trackers import missing_libraries, open_trackers
+from grpo_server.trackers import TrackerSet, missing_libraries, open_trackers
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class Orchestrator:
         self.episodes = EpisodeStore(ttl_s=config.episode_ttl_s)
         self.experiments: dict[str, Experiment] = {}
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
+        self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
         self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
@@ -79,7 +80,8 @@ class Orchestrator:
         return experiment
 
     def status(self, name: str) -> ExperimentStatus:
-        return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name))
+        return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
+                                 self.trackers.get(name))
 
     async def create(self, config: ExperimentConfig, start: Start = "restart") -> ExperimentStatus:
         async with self._lock:
@@ -115,9 +117,10 @@ class Orchestrator:
             exp.resume_from(first)
             exp.serve(first.version, first.path)
             await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
-            exp.trackers = open_trackers(trackers, config.name, config.public_dict(), self.config.trackers,
-                                         self.config.run_dir, step=first.step)
-            metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=exp.trackers.feed)
+            tracker_set = open_trackers(trackers, config.name, config.public_dict(), self.config.trackers,
+                                        self.config.run_dir, step=first.step)
+            self.trackers[config.name] = tracker_set
+            metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
             self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
@@ -136,8 +139,8 @@ class Orchestrator:
             await asyncio.to_thread(self.registry.remove, name)
             await exp.stop()
             self.metrics_logs.pop(name).close()  # the file stays
-            if exp.trackers is not None:  # their runs stay in their stores (not archived: shared by experiments)
-                await asyncio.to_thread(exp.trackers.close, self.config.trackers.close_timeout_s)
+            # Its tracker runs stay in their stores (not archived: a store holds every experiment's runs).
+            await asyncio.to_thread(self.trackers.pop(name).close, self.config.trackers.close_timeout_s)
             self.trainers.pop(name, None)
             self.groups.drop_experiment(name)
             self.episodes.drop_experiment(name)
@@ -302,8 +305,8 @@ class Orchestrator:
         await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))
         for metrics_log in self.metrics_logs.values():
             metrics_log.close()
-        await asyncio.gather(*(asyncio.to_thread(exp.trackers.close, self.config.trackers.close_timeout_s)
-                               for exp in self.experiments.values() if exp.trackers is not None))
+        await asyncio.gather(*(asyncio.to_thread(trackers.close, self.config.trackers.close_timeout_s)
+                               for trackers in self.trackers.values()))
         self.prompts.close()
 
 

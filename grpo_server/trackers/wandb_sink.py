@@ -34,8 +34,9 @@ class WandbTracker(Tracker):
         folder.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(console="off", silent=True, save_code=False, disable_git=True,
                                   x_disable_stats=True)  # no system metrics thread, no stdout capture
+        mode = wandb_mode(getattr(self.run.options, "wandb_mode", "offline"))
         self.wandb_run = wandb.init(project=self.run.project, name=self.run.experiment, config=self.run.config,
-                                    dir=str(folder), mode=wandb_mode(getattr(self.run.options, "wandb_mode", "offline")),
+                                    dir=str(folder), mode=mode,
                                     reinit="create_new",  # several experiments' runs open in one process
                                     settings=settings)
         self.wandb_run.define_metric(STEP_METRIC)
