@@ -291,6 +291,16 @@ class VerificationResult(ApiModel):
     reason: str | None = None
 
 
+class TrackerStatus(ApiModel):
+    """What became of the metrics records handed to one experiment tracker (grpo_server/trackers/)."""
+
+    written: int = Field(description="Records the tracker wrote")
+    dropped: int = Field(description="Records dropped: its buffer was full (a slow tracker) or it was closed first")
+    errors: int = Field(description="Records (and opens, closes) the tracker failed on")
+    pending: int = Field(description="Records in its buffer, not yet written")
+    last_error: str | None = Field(None, description="The newest failure's text (its start)")
+
+
 class ExperimentStatus(ApiModel):
     name: str
     state: Literal["active", "error"]
@@ -313,6 +323,8 @@ class ExperimentStatus(ApiModel):
         "LoRA adapter; None before any"))
     errors: list[str]
     config: dict[str, Any]
+    trackers: dict[str, TrackerStatus] = Field(default_factory=dict, description=(
+        "Its experiment trackers by name (config `trackers`), each with its counts; empty with none"))
 
 
 class ExperimentList(ApiModel):

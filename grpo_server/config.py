@@ -33,8 +33,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
-                               YamlConfigSettingsSource)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from grpo_server.protocol.wire import EXPERIMENT_NAME
 # LoraConfig and AlgorithmConfig are the learner's too, so they live with the workers' config.
@@ -60,6 +59,7 @@ class SamplingConfig(StrictModel):
         "episode (whose sequences hold several turns, and may be longer) brings."))
 
 
+TrackerName = Literal["trackio", "wandb", "mlflow", "tensorboard"]  # grpo_server/trackers/, the `trackers` extra
 MIN_KEY_LENGTH = 16  # an experiment's key: 96 bits when random (secrets.token_urlsafe(12) is 16 characters)
 # Off only while the registry of an earlier run is read (`keys_as_saved`): a key saved before the rule
 # existed keeps its experiment reachable across a restart; every new experiment meets the rule.
@@ -91,6 +91,15 @@ class ExperimentConfig(StrictModel):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    trackers: list[TrackerName] | None = Field(None, max_length=4, description=(
+        "Trackers fed its metrics log's records (the `trackers` extra), each once; None: `trackers.default`."))
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_tracker_once(cls, trackers: list[str] | None) -> list[str] | None:
+        if trackers is not None and len(set(trackers)) != len(trackers):
+            raise ValueError("name each tracker once")
+        return trackers
 
     @field_validator("api_key")
     @classmethod
@@ -159,6 +168,21 @@ class LearnerSettings(LearnerOptions):
             raise ValueError(f"learner.ranks is {self.ranks} but learner.devices lists {len(listed)} device(s) "
                              f"({self.devices!r}): each rank needs its own GPU")
         return self
+
+
+class TrackersSettings(StrictModel):
+    """Experiment trackers (grpo_server/trackers/): where they write, and what an experiment gets by default."""
+    default: list[TrackerName] = Field(default_factory=list, max_length=4, description=(
+        "Trackers of every experiment whose config names none (its `trackers`). Empty: the metrics log alone."))
+    directory: Path | None = Field(None, description="Where trackers write. None: <run_dir>/trackers.")
+    project: str = Field("grpo_server", pattern=r"^[A-Za-z0-9_.-]{1,128}$", description=(
+        "The trackio project, wandb project and MLflow experiment that hold every experiment's runs."))
+    wandb_mode: Literal["offline", "online"] = Field("offline", description=(
+        "offline: runs stay under `directory` (for `wandb sync`). WANDB_MODE=offline (or disabled) wins."))
+    mlflow_tracking_uri: str | None = Field(None, max_length=4096, description="None: sqlite:///<directory>/mlflow.db")
+    buffer_records: int = Field(1000, ge=1, le=1_000_000, description=(
+        "Records a tracker may hold unwritten; past that one is dropped and counted (training never waits)."))
+    close_timeout_s: float = Field(30.0, gt=0, le=3600, description="Longest wait for a tracker to finish, at close.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,8 +257,7 @@ class ServerConfig(BaseSettings):
         "being sampled or wait for the learner: sampling more would only make stale groups (and steal the "
         "learner's CPU).")
     worker_timeout_s: float = Field(600.0, gt=0, le=WEEK_S, description="Longest wait for one worker call.")
-    startup_timeout_s: float = Field(900.0, gt=0, le=WEEK_S,
-                                     description="Longest wait for a worker to become healthy.")
+    startup_timeout_s: float = Field(900.0, gt=0, le=WEEK_S, description="Longest wait for a worker to become healthy.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=2**32, description="Largest request body accepted.")
     max_experiments: int = Field(64, ge=1, le=4096, description=(
         "Most experiments at once (each holds an adapter and its optimizer in the learner)."))
@@ -291,9 +314,9 @@ class ServerConfig(BaseSettings):
         "Behind a reverse proxy every client has the proxy's address: exempt it only if it limits itself."))
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
-    log_format: Literal["plain", "json"] = Field("plain", description=(
-        "Every process's log lines: plain text, or one JSON object a line. Either way a line carries the "
-        "experiment, version and request id it is about, where known (grpo_server/protocol/log_context.py)."))
+    log_format: Literal["plain", "json"] = Field("plain", description="Every process's log lines: plain text, or a "
+                                                 "JSON object a line; both with experiment, version, request id.")
+    trackers: TrackersSettings = Field(default_factory=TrackersSettings)
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     experiments: list[ExperimentConfig] = Field(

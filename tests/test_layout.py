@@ -30,10 +30,12 @@ ALLOWED = {
     "grpo_server.api_models": ("grpo_server.api_models", "grpo_server.config", "grpo_server.protocol"),
     "grpo_server.workers": ("grpo_server.workers", "grpo_server.protocol", "grpo_server.config",
                             "grpo_server.api_models"),
+    # Experiment trackers: fed records by the runtime, they know nothing of it (their settings: config).
+    "grpo_server.trackers": ("grpo_server.trackers", "grpo_server.config"),
     "grpo_server.runtime": ("grpo_server.runtime", "grpo_server.workers", "grpo_server.protocol",
-                            "grpo_server.config", "grpo_server.api_models"),
+                            "grpo_server.config", "grpo_server.api_models", "grpo_server.trackers"),
     "grpo_server.api": ("grpo_server.api", "grpo_server.runtime", "grpo_server.workers", "grpo_server.protocol",
-                        "grpo_server.config", "grpo_server.api_models"),
+                        "grpo_server.config", "grpo_server.api_models", "grpo_server.trackers"),
     "sampler": ("sampler", "grpo_server.protocol"),
     "learner": ("learner", "grpo_server.protocol"),
 }

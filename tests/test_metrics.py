@@ -13,6 +13,7 @@ from grpo_server.api import prometheus
 from grpo_server.api_models import ExperimentCounters
 from grpo_server.runtime.loop_lag import LoopLag
 from grpo_server.runtime.token_budget import TokenBudget
+from grpo_server.trackers import TrackerSet
 from tests.serving import complete_when_admitted, headers, wait_for
 
 
@@ -54,9 +55,9 @@ async def test_metrics_follow_training(server, client):
     await client.delete_experiment(name)
 
 
-def fake_front_end(experiments, pending=None, workers=None):
+def fake_front_end(experiments, pending=None, workers=None, trackers=None):
     """An orchestrator as the renderer reads it: `experiments`, `groups.pending_count(name)`, `workers.states()`,
-    `loop_lag` and `budget` (a held-token count of 100 per experiment)."""
+    `loop_lag`, `budget` (a held-token count of 100 per experiment) and `trackers` (name -> TrackerSet)."""
     lag = LoopLag(interval_s=1.0, window_s=100.0)
     for lag_s in (0.001, 0.002, 0.003, 0.25):
         lag.add(lag_s)
@@ -64,7 +65,8 @@ def fake_front_end(experiments, pending=None, workers=None):
     return SimpleNamespace(experiments={e.name: e for e in experiments},
                            groups=SimpleNamespace(pending_count=lambda name: (pending or {}).get(name, 0)),
                            workers=SimpleNamespace(states=lambda: workers or {}), loop_lag=lag,
-                           budget=TokenBudget(1000, 1000, lambda name: 100 * (len(names) if name is None else 1)))
+                           budget=TokenBudget(1000, 1000, lambda name: 100 * (len(names) if name is None else 1)),
+                           trackers=trackers or {})
 
 
 def fake_experiment(name: str, **changes):
@@ -82,9 +84,12 @@ def test_render_without_a_server():
     http = prometheus.HttpCounter()
     http.add("POST", "/v1/experiments/{name}/feedback", 202)
     http.add("POST", "/v1/experiments/{name}/feedback", 202)
+    # A tracker's counts as its sink keeps them (grpo_server/trackers/base.py), without a backend behind them.
+    mlflow = SimpleNamespace(counts=SimpleNamespace(written=7, dropped=2, errors=1, last_error="write: boom"))
     orchestrator = fake_front_end([fake_experiment('odd"name\\'), fake_experiment(
         "bare", recent_rewards=deque(), last_metrics=None, last_push_seconds=None, staleness=Counter())],
-        pending={'odd"name\\': 3}, workers={"learner": "ready", "sampler-0": "starting"})
+        pending={'odd"name\\': 3}, workers={"learner": "ready", "sampler-0": "starting"},
+        trackers={'odd"name\\': TrackerSet(sinks={"mlflow": mlflow})})
     text = prometheus.render(prometheus.registry(http, lambda: orchestrator)).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     types = {name: f.type for name, f in families.items()}
@@ -95,7 +100,7 @@ def test_render_without_a_server():
         "grpo_sampled_tokens": "counter", "grpo_queued_groups": "gauge", "grpo_pending_groups": "gauge",
         "grpo_reward_mean": "gauge", "grpo_kl": "gauge", "grpo_clipped_fraction": "gauge",
         "grpo_learner_step_seconds": "gauge", "grpo_push_seconds": "gauge", "grpo_trained_staleness": "histogram",
-        "grpo_event_loop_lag_seconds": "gauge", "grpo_held_tokens": "gauge"}
+        "grpo_event_loop_lag_seconds": "gauge", "grpo_held_tokens": "gauge", "grpo_tracker_records": "counter"}
     assert "# TYPE grpo_groups_total counter" in text  # the exposition's names end in _total, as before
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     odd = (("experiment", 'odd"name\\'),)
@@ -114,6 +119,11 @@ def test_render_without_a_server():
     assert samples[("grpo_worker_up", (("state", "starting"), ("worker", "sampler-0")))] == 0
     route = (("method", "POST"), ("route", "/v1/experiments/{name}/feedback"), ("status", "202"))
     assert samples[("grpo_http_requests_total", route)] == 2
+    tracked = odd + (("tracker", "mlflow"),)
+    assert [samples[("grpo_tracker_records_total", tracked[:1] + (("outcome", outcome),) + tracked[1:])]
+            for outcome in ("written", "dropped", "errors")] == [7, 2, 1]
+    assert not any(name == "grpo_tracker_records_total" and dict(labels)["experiment"] == "bare"
+                   for name, labels in samples)
     assert not any(name.endswith("_created") for name, _ in samples)
 
 

@@ -15,7 +15,8 @@ What a scrape reads, and nothing else: the orchestrator's `experiments` (name ->
 `completions_external`, `tokens_sampled`),
 `queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `mismatch_kl_fresh`,
 `offpolicy_kl_stale`, `rollout_corrected_fraction`, `clipped_fraction`, `seconds`),
-`last_push_seconds` and `staleness` (versions behind -> trained groups). Server-wide: the event loop's lag
+`last_push_seconds` and `staleness` (versions behind -> trained groups); and the orchestrator's `trackers`
+(each experiment tracker's written / dropped / failed records, grpo_server/trackers/). Server-wide: the event loop's lag
 (`loop_lag`) and the tokens held against the token budget (`budget.in_use`).
 """
 
@@ -31,6 +32,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 if TYPE_CHECKING:
     from grpo_server.runtime.experiment import Experiment
     from grpo_server.runtime.orchestrator import Orchestrator
+    from grpo_server.trackers import TrackerSet
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
 GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired")
@@ -70,7 +72,7 @@ class FrontEndCollector(Collector):
         orchestrator = self.orchestrator()
         experiments = list(orchestrator.experiments.values())
         pending = {exp.name: orchestrator.groups.pending_count(exp.name) for exp in experiments}
-        families = families_of(experiments, pending, orchestrator.workers.states(), self.http)
+        families = families_of(experiments, pending, orchestrator.workers.states(), self.http, orchestrator.trackers)
         families += server_families(orchestrator)
         yield from (family for family in families if family.samples)  # as before: no family without samples
 
@@ -90,7 +92,7 @@ def server_families(orchestrator: "Orchestrator") -> list[Metric]:
 
 
 def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], worker_states: dict[str, str],
-                http: HttpCounter) -> list[Metric]:
+                http: HttpCounter, trackers: dict[str, "TrackerSet"] | None = None) -> list[Metric]:
     def gauge(name: str, help_text: str, *labels: str) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, help_text, labels=labels)
 
@@ -119,6 +121,9 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
     reward_mean = exp_gauge("grpo_reward_mean", "Mean reward of the recent groups")
     last_step = {key: exp_gauge(metric, help_text) for key, metric, help_text in LAST_STEP}
     push_seconds = exp_gauge("grpo_push_seconds", "Last push: save, load on every sampler, serve")
+    tracker_records = counter("grpo_tracker_records_total", "Metrics records handed to an experiment tracker, by "
+                              "outcome (written, dropped: its buffer was full, errors)", "experiment", "tracker",
+                              "outcome")
     staleness = HistogramMetricFamily("grpo_trained_staleness",
                                       "Optimizer steps between sampling a group and training on it",
                                       labels=["experiment"])
@@ -150,9 +155,12 @@ def families_of(experiments: Iterable["Experiment"], pending: dict[str, int], wo
                    for bound in STALENESS_BUCKETS]
         buckets.append(("+Inf", sum(exp.staleness.values())))
         staleness.add_metric([name], buckets, sum_value=sum(s * n for s, n in exp.staleness.items()))
+        for tracker, counts in (trackers[name].counts() if trackers and name in trackers else {}).items():
+            for outcome in ("written", "dropped", "errors"):
+                tracker_records.add_metric([name, tracker, outcome], getattr(counts, outcome))
 
     return [worker_up, requests, policy_version, learner_step, groups, episodes, completions, tokens, queued,
-            pending_groups, reward_mean, *last_step.values(), push_seconds, staleness]
+            pending_groups, reward_mean, *last_step.values(), push_seconds, staleness, tracker_records]
 
 
 def registry(http: HttpCounter, orchestrator: Callable[[], "Orchestrator"]) -> CollectorRegistry:

@@ -20,6 +20,9 @@ Every line has `time` (wall clock, seconds since the epoch) and `kind`:
   experiment samples (an idle interval writes nothing): `interval_s`, `groups`, `completions`,
   `completion_tokens`, `tokens_per_s`.
 
+Every record written is also handed to `feed` when one is given: the experiment's trackers (grpo_server/
+trackers/), which must not block or raise (their own buffers and threads see to it).
+
 Lines are appended and flushed one by one, not fsynced: a power cut may cost the last points of a plot,
 never training. The file grows with the run; at start only its newest lines are read back (`last_lines`:
 backwards from the end, in blocks), so creating or resuming an experiment costs the same after a long run.
@@ -38,7 +41,7 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Callable, Literal
 
 from pydantic import BaseModel, Field
 
@@ -73,8 +76,9 @@ def _finite(value: Any) -> Any:
 class MetricsLog:
     """The open log of one experiment (one file handle), with its newest records of each kind in memory."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, feed: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
+        self.feed = feed  # the experiment's trackers (TrackerSet.feed); None: the file alone
         self.recent: dict[Kind, deque[dict[str, Any]]] = {k: deque(maxlen=RECENT_PER_KIND) for k in KINDS}
         path.parent.mkdir(parents=True, exist_ok=True)
         self._load_history()
@@ -118,6 +122,8 @@ class MetricsLog:
             self._failing = True
         else:
             self._failing = False
+        if self.feed is not None:
+            self.feed(record)
         return record
 
     def train(self, metrics: TrainMetrics, policy_version: int, groups: int) -> None:

@@ -32,6 +32,7 @@ from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.trackers import TrackerSet, missing_libraries, open_trackers
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,16 @@ class Orchestrator:
         self.episodes = EpisodeStore(ttl_s=config.episode_ttl_s)
         self.experiments: dict[str, Experiment] = {}
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
+        self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
         self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
         self.upkeep = OwnedTasks("orchestrator")
         self.budget = TokenBudget(config.max_held_tokens_per_experiment, config.max_held_tokens, self.tokens_held)
         self.loop_lag = LoopLag()
+        # A server whose default trackers cannot run is misconfigured: said at start, not at the first experiment.
+        if missing := missing_libraries(list(config.trackers.default)):
+            raise ValueError(f"trackers.default: {_missing_text(missing)}")
 
     def tokens_held(self, experiment: str | None = None) -> int:
         """Tokens in one experiment's (None: every experiment's) pending groups and episodes and training queue."""
@@ -75,7 +80,8 @@ class Orchestrator:
         return experiment
 
     def status(self, name: str) -> ExperimentStatus:
-        return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name))
+        return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
+                                 self.trackers.get(name))
 
     async def create(self, config: ExperimentConfig, start: Start = "restart") -> ExperimentStatus:
         async with self._lock:
@@ -90,6 +96,9 @@ class Orchestrator:
             if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
                 raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
                                     f"max_tokens {self.config.max_tokens})", code="over_limit")
+            trackers = self.trackers_of(config)
+            if missing := missing_libraries(trackers):
+                raise Unprocessable(f"trackers: {_missing_text(missing)}", code="tracker_unavailable")
             if start == "fresh":  # leftovers: a delete whose learner was down, or one from before archiving
                 await self._archive(config.name, archive.new_label(config.name))
             elif start == "resume":
@@ -108,7 +117,10 @@ class Orchestrator:
             exp.resume_from(first)
             exp.serve(first.version, first.path)
             await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
-            metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name))
+            tracker_set = open_trackers(trackers, config.name, config.public_dict(), self.config.trackers,
+                                        self.config.run_dir, step=first.step)
+            self.trackers[config.name] = tracker_set
+            metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
             self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
@@ -127,6 +139,8 @@ class Orchestrator:
             await asyncio.to_thread(self.registry.remove, name)
             await exp.stop()
             self.metrics_logs.pop(name).close()  # the file stays
+            # Its tracker runs stay in their stores (not archived: a store holds every experiment's runs).
+            await asyncio.to_thread(self.trackers.pop(name).close, self.config.trackers.close_timeout_s)
             self.trainers.pop(name, None)
             self.groups.drop_experiment(name)
             self.episodes.drop_experiment(name)
@@ -145,6 +159,10 @@ class Orchestrator:
             # Renames and fsyncs: on a thread, as every disk write of a request.
             await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
             log.info("experiment %s deleted, its files archived as %s", name, label)
+
+    def trackers_of(self, config: ExperimentConfig) -> list[str]:
+        """The experiment's trackers: its own list, or the server's default."""
+        return list(config.trackers if config.trackers is not None else self.config.trackers.default)
 
     def saved_experiments(self) -> list[ExperimentConfig]:
         """The experiments an earlier run in this run directory left in its registry, keys as saved: one
@@ -287,4 +305,11 @@ class Orchestrator:
         await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))
         for metrics_log in self.metrics_logs.values():
             metrics_log.close()
+        await asyncio.gather(*(asyncio.to_thread(trackers.close, self.config.trackers.close_timeout_s)
+                               for trackers in self.trackers.values()))
         self.prompts.close()
+
+
+def _missing_text(missing: dict[str, list[str]]) -> str:
+    libraries = "; ".join(f"{name} needs {', '.join(libs)}" for name, libs in missing.items())
+    return f"{libraries}, not installed (pip extra `grpo-server[trackers]`)"

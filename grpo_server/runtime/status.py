@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
-from grpo_server.api_models import ExperimentStatus
+from grpo_server.api_models import ExperimentStatus, TrackerStatus
 from grpo_server.protocol.errors import public_message
 from grpo_server.runtime.experiment import Experiment
 
+if TYPE_CHECKING:
+    from grpo_server.trackers import TrackerSet
 
-def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int) -> ExperimentStatus:
+
+def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int,
+                      trackers: "TrackerSet | None" = None) -> ExperimentStatus:
     verification_failed = exp.last_verification is not None and exp.last_verification.ok is False  # None: inconclusive
     training_stopped = exp.training_task is not None and exp.training_task.done() and not exp.training_task.cancelled()
     return ExperimentStatus(
@@ -33,4 +38,15 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         # tenant's: no server path, worker URL or traceback (the log has the full text).
         errors=[public_message(error) for error in exp.errors],
         config=exp.config.public_dict(),
+        trackers=tracker_status(trackers),
     )
+
+
+def tracker_status(trackers: "TrackerSet | None") -> dict[str, TrackerStatus]:
+    if trackers is None:
+        return {}
+    pending = trackers.pending()
+    # A backend's error text may hold a path or a URL (a store's address): filtered as the errors are.
+    return {name: TrackerStatus(written=c.written, dropped=c.dropped, errors=c.errors, pending=pending[name],
+                                last_error=None if c.last_error is None else public_message(c.last_error))
+            for name, c in trackers.counts().items()}
