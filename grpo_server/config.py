@@ -172,8 +172,8 @@ class LearnerSettings(LearnerOptions):
 
 class TrackersSettings(StrictModel):
     """Experiment trackers (grpo_server/trackers/): where they write, and what an experiment gets by default."""
-    default: list[TrackerName] = Field(default_factory=list, max_length=4, description=(
-        "Trackers of every experiment whose config names none (its `trackers`). Empty: the metrics log alone."))
+    default: list[TrackerName] | None = Field(None, max_length=4, description=(
+        "Trackers of every experiment whose config names none. None: trackio, offline, where it is installed."))
     directory: Path | None = Field(None, description="Where trackers write. None: <run_dir>/trackers.")
     project: str = Field("grpo_server", pattern=r"^[A-Za-z0-9_.-]{1,128}$", description=(
         "The trackio project, wandb project and MLflow experiment that hold every experiment's runs."))

@@ -77,6 +77,8 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         # Tests send wrong keys on purpose, all from 127.0.0.1: that address is never slowed down, and
         # tests/test_tenancy.py checks the limit from 127.0.0.2.
         "auth_limit_exempt": ["127.0.0.1"],
+        # No tracker unless a test names one (the default would be trackio, in dev): tests/test_trackers.py does.
+        "trackers": {"default": []},
         **overrides,
     }
     run_dir.mkdir(parents=True, exist_ok=True)

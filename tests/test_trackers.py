@@ -208,6 +208,16 @@ def test_tracker_config():
         ServerConfig(trackers={"wandb_mode": "cloud"})
 
 
+def test_the_default_is_trackio_where_it_is_installed(monkeypatch):
+    from grpo_server.trackers import default_trackers
+
+    assert default_trackers(ServerConfig().trackers) == ["trackio"]  # in dev, so here
+    assert default_trackers(ServerConfig(trackers={"default": []}).trackers) == []  # said: none
+    assert default_trackers(ServerConfig(trackers={"default": ["mlflow"]}).trackers) == ["mlflow"]
+    monkeypatch.setitem(TRACKERS, "trackio", (*TRACKERS["trackio"][:2], ("trackio_library_not_installed",)))
+    assert default_trackers(ServerConfig().trackers) == []  # not installed: the metrics log alone
+
+
 async def test_a_tracker_without_its_library_is_refused(monkeypatch, tmp_path):
     from grpo_server.runtime.orchestrator import Orchestrator
 

@@ -32,7 +32,7 @@ from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
-from grpo_server.trackers import TrackerSet, missing_libraries, open_trackers
+from grpo_server.trackers import TrackerSet, default_trackers, missing_libraries, open_trackers
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Orchestrator:
         self.budget = TokenBudget(config.max_held_tokens_per_experiment, config.max_held_tokens, self.tokens_held)
         self.loop_lag = LoopLag()
         # A server whose default trackers cannot run is misconfigured: said at start, not at the first experiment.
-        if missing := missing_libraries(list(config.trackers.default)):
+        if missing := missing_libraries(list(config.trackers.default or [])):
             raise ValueError(f"trackers.default: {_missing_text(missing)}")
 
     def tokens_held(self, experiment: str | None = None) -> int:
@@ -161,8 +161,8 @@ class Orchestrator:
             log.info("experiment %s deleted, its files archived as %s", name, label)
 
     def trackers_of(self, config: ExperimentConfig) -> list[str]:
-        """The experiment's trackers: its own list, or the server's default."""
-        return list(config.trackers if config.trackers is not None else self.config.trackers.default)
+        """The experiment's trackers: its own list, or the server's default (unset: trackio where installed)."""
+        return list(config.trackers if config.trackers is not None else default_trackers(self.config.trackers))
 
     def saved_experiments(self) -> list[ExperimentConfig]:
         """The experiments an earlier run in this run directory left in its registry, keys as saved: one

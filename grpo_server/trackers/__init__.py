@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from grpo_server.config import TrackersSettings
 
 __all__ = ["BufferedSink", "Point", "SinkCounts", "Tracker", "TrackerRun", "TrackerSet", "TRACKERS",
-           "missing_libraries", "open_trackers"]
+           "default_trackers", "missing_libraries", "open_trackers"]
 
 # name -> (module of its Tracker, class, the libraries it imports): modules are imported when used.
 TRACKERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -40,6 +40,14 @@ def missing_libraries(names: list[str]) -> dict[str, list[str]]:
         if absent:
             missing[name] = absent
     return missing
+
+
+def default_trackers(settings: "TrackersSettings") -> list[str]:
+    """The server's `trackers.default`; unset, trackio (local, offline) where its library is installed, as TRL's
+    docs recommend it, and the metrics log alone elsewhere."""
+    if settings.default is not None:
+        return list(settings.default)
+    return [] if missing_libraries(["trackio"]) else ["trackio"]
 
 
 def tracker_class(name: str) -> type[Tracker]:
