@@ -70,8 +70,10 @@ class OneTurnChat(vf.Harness[vf.HarnessConfig]):
             m.model_dump(exclude_none=True) for m in prompt]
         if system:
             messages.insert(0, {"role": "system", "content": system})
-        # The model and sampling (with the episode's id) are imposed by the interception from ctx.
-        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as oai:
+        # The model and sampling (with the episode's id) are imposed by the interception from ctx. The
+        # interception hands the server's status on (verifiers' eval client itself never retries), so the SDK
+        # waits out back-pressure (429 while the learner steps) as an agent's would.
+        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=1000, timeout=600) as oai:
             completion = await oai.chat.completions.create(model=ctx.model, messages=messages)
         raw = completion.to_dict()
         choice = raw["choices"][0]

@@ -70,8 +70,9 @@ async def test_one_group_of_rollouts_is_recorded_and_rated(server, client, token
                                "weight": verifiers_env.WEIGHTS["right_word"]},
                 "one_word": {"score": verifiers_env.one_word(trace["reply"]),
                              "weight": verifiers_env.WEIGHTS["one_word"]}}
-            # what verifiers sent upstream: the experiment as the model, the rollout's sampling
-            (call,) = trace["calls"]
+            # what verifiers sent upstream: the experiment as the model, the rollout's sampling (a call the
+            # server pushed back, 429, is in `calls` with its error, and the harness's SDK asked again)
+            (call,) = [c for c in trace["calls"] if c["error"] is None]
             assert call["model"] == name and call["endpoint"] == "/chat/completions"
             assert call["sampling"]["max_tokens"] == 4 and call["sampling"]["n"] == 1
             # the server's vLLM token fields, through verifiers' relay to the harness

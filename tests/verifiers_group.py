@@ -28,7 +28,7 @@ async def main(url: str, name: str, size: int, max_tokens: int) -> dict:
             "answer": task.data.answer, "other": task.data.other, "rewards": rewards,
             "traces": [{"ok": t.ok, "reward": t.reward, "reply": t.last_reply, "turns": t.num_turns,
                         "rewards": {k: r.model_dump() for k, r in t.rewards.items()},
-                        "calls": [c.model_dump(mode="json", include={"model", "sampling", "endpoint"})
+                        "calls": [c.model_dump(mode="json", include={"model", "sampling", "endpoint", "error"})
                                   for c in t.calls],
                         "tokens": t.info["tokens"]} for t in traces]}
 
