@@ -76,3 +76,11 @@ def test_the_server_starts_beside_the_bench_extra(server):
             continue
         raise AssertionError(f"{cuda_build} is installed: it breaks `import vllm` beside the CPU torch")
     assert server.process.poll() is None
+
+
+def test_both_constraints_files_pin_the_client_alike():
+    """.venv-verifiers (constraints-verifiers.txt) holds the same client as .venv (constraints.txt)."""
+    main, verifiers = pinned_versions(), pinned_versions(ROOT / "constraints-verifiers.txt")
+    client = {"aiohttp", "pydantic", "pydantic-settings", "pyyaml"}
+    assert {name: main[name] for name in client} == {name: verifiers[name] for name in client}
+    assert verifiers["verifiers"] == {"0.4.0"}
