@@ -212,7 +212,7 @@ async def race_both(model_dir: Path, target: float, window: int, time_limit_s: f
     import importlib.util
 
     if "trl" in sides and importlib.util.find_spec("trl") is None:  # before the server side's minutes
-        raise RuntimeError("the TRL side needs the bench extra: pip install -e '.[cpu,bench]'")
+        raise RuntimeError("the TRL side needs the bench extra: GRPO_EXTRAS=bench scripts/setup (dev includes it)")
     config = yaml.safe_load(ALPHABETIZE_CONFIG.read_text())
     out: dict = {"target": target, "window": window, "time_limit_s": time_limit_s, "seed": seed,
                  "experiment": {k: config.get(k) for k in ("lora", "algorithm", "sampling")},

@@ -2,7 +2,7 @@
 
 The TRL side of scripts/bench's end_to_end figure: TRL's GRPOTrainer on the alphabetize task until the
 running mean reward reaches a target (or a time limit passes). Needs the `bench` extra
-(`pip install -e .[cpu,bench]`: trl, datasets).
+(the `bench` extra, in `dev`; `GRPO_EXTRAS=bench scripts/setup`: trl, datasets).
 
     .venv/bin/python -m scripts.benchmarks.trl_side --target 0.35 --window 16 --time-limit-s 1500
 
