@@ -210,7 +210,8 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
             resumed = await client.status(name)
             assert resumed.policy_version >= version
             group = await client.complete(name, prompt="Hello again")
-            assert group.policy_version == resumed.policy_version and len(group.completions) == 2
+            # >=: a step queued before the restart may push between the status and this completion.
+            assert group.policy_version >= resumed.policy_version and len(group.completions) == 2
 
             # The sampler dies: a clear 503 while it is gone, and the front end says which worker is down.
             end(sampler, signal.SIGKILL)
