@@ -127,9 +127,10 @@ def test_vllm_loads_merged_with_the_samplers_logprobs(exported: Exported):
     done = subprocess.run([sys.executable, "-m", "tests.export_vllm_score", str(exported.merged)],
                           input=json.dumps(exported.pairs), cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result, (done.stdout + done.stderr)[-4000:]
+    # The result line is what counts: vLLM's own teardown after it aborted once (SIGABRT, "terminate called without
+    # an active exception") in a clean-clone run. Without the line, the exit status and output say why.
+    assert result, (done.returncode, (done.stdout + done.stderr)[-4000:])
     scores = json.loads(result[-1].removeprefix("RESULT "))
     print(f"\nvLLM on the merged folder ({time.monotonic() - started:.1f} s) vs the sampler: max gap "
           f"{gap(scores, exported.logprobs):.2e}")
