@@ -19,13 +19,14 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, TypeVar
 
 from grpo_server.api.tinker import wire as tw
 from grpo_server.protocol.durable import write_atomic
 
-if TYPE_CHECKING:
-    from grpo_server.api.tinker.service import TinkerModel
+# service.py's TinkerModel, which this module reads and makes through `make_model` without importing service.py
+# (which imports this one): no circle, even for the type checker.
+TinkerModel = TypeVar("TinkerModel")
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ class TinkerRegistry:
         self.path = Path(run_dir) / "tinker" / "models.json"
         self._writing = asyncio.Lock()
 
-    def load(self, make_model: Callable[..., "TinkerModel"], weights: Callable[..., Any],
-             experiment_exists: Callable[[str], bool]) -> tuple[dict[str, str], dict[str, "TinkerModel"]]:
+    def load(self, make_model: Callable[..., TinkerModel], weights: Callable[..., Any],
+             experiment_exists: Callable[[str], bool]) -> tuple[dict[str, str], dict[str, TinkerModel]]:
         """(sessions, models) as last saved; nothing if there is no file. A file this version cannot read is
         logged and left in place (not overwritten until the next change), and the API starts empty."""
         if not self.path.exists():
@@ -63,7 +64,7 @@ class TinkerRegistry:
         log.info("tinker: %d models and %d sessions from %s", len(models), len(sessions), self.path)
         return sessions, models
 
-    async def save(self, sessions: dict[str, str], models: dict[str, "TinkerModel"]) -> None:
+    async def save(self, sessions: dict[str, str], models: dict[str, TinkerModel]) -> None:
         """Write the state as it is now. The snapshot is taken on the event loop, so a change made while an
         earlier write runs is in the next one."""
         async with self._writing:
@@ -76,7 +77,7 @@ class TinkerRegistry:
         write_atomic(self.path, data)
 
 
-def _row(model: "TinkerModel") -> dict[str, Any]:
+def _row(model: TinkerModel) -> dict[str, Any]:
     return {"model_id": model.model_id, "experiment": model.experiment, "owner": model.owner,
             "lora": model.lora.model_dump(), "probe_tokens": model.probe_tokens, "created_at": model.created_at,
             "sampler_weights": {name: {"version": w.version, "path": w.path, "saved_at": w.saved_at}
