@@ -22,7 +22,8 @@ def learning_summary(metrics_log: Path) -> dict:
         values = [r[key] for r in rows if r.get(key) is not None]
         return round(statistics.fmean(values), 5) if values else None
 
-    return {"steps": len(train), "free_check_steps": len(checked),
+    return {"steps": len(train), "train_s_sum": round(sum(r.get("step_seconds") or 0.0 for r in train), 1),
+            "free_check_steps": len(checked),
             "sampler_gap_mean": round(statistics.fmean(checked), 5) if checked else None,
             "mismatch_kl_mean": mean(train, "mismatch_kl"),
             "rollout_corrected_fraction_mean": mean(train, "rollout_corrected_fraction"),
