@@ -163,3 +163,32 @@ def test_end_to_end_over_runs():
     assert "met: more than 85.7x (most TRL runs stopped at the limit)" in row
     e2e["summary"]["0.60"]["server"]["reached"] = 2
     assert "**missed**: the server reached 0.6 in 2 of 3 runs" in _row(table, e2e)
+
+
+def test_verdicts_judge_the_default_path():
+    """The learner with its per-step checkpoint, the push through the front end (checkpoint included) and LoRA
+    sampling on the grouped ops carry the verdicts; the faster variants get rows of their own, without one."""
+    table = _load("table")
+    le = {"sequences": 16, "group_size": 8, "max_completion": 32, "steps": 5, "micro_batch_size": 16,
+          "learner_step_s": [1.0] * 5, "plain_step_s": [0.95] * 5, "checkpoint_s": [0.2] * 5,
+          "learner_tok_s": 100.0, "learner_with_checkpoint_tok_s": 83.3, "plain_tok_s": 105.0, "ratio": 0.952,
+          "ratio_with_checkpoint": 0.794, "checkpoint_median_s": 0.2, "ratio_fastest_steps": 0.95,
+          "padding": {"padded_tokens": 10, "real_tokens": 100, "padded_over_real": 0.1, "micro_batches": 1}}
+    push = {"direct": {"rounds": 5, "probe_tokens": 8, "median_s": {"push_total": 0.9, "save_adapter": 0.1,
+                                                                     "load_adapter": 0.05, "first_completion": 0.75,
+                                                                     "verification": 1.5}},
+            "server": {"rounds": [{"first_completion_answered_after_push_start_s": x} for x in (1.1, 1.2, 1.0)],
+                       "median_s": {"push_s": 0.3, "first_completion_answered_after_push_start_s": 1.1}}}
+    ad = {"requests": 2, "n": 8, "max_tokens": 32, "results": [
+        {"dtype": "float32", "passes": 5, "base_tok_s": 100.0, "lora_tok_s": 37.0, "ratio": 0.37,
+         "grouped_lora_tok_s": 75.0, "grouped_ratio": 0.75, "served_tok_s": 104.0, "served_ratio": 1.04}]}
+    rows = {line.split(" | ")[0][2:]: line for line in table.render(_results(learner=le, push=push, adapter=ad))
+            .splitlines() if line.startswith("| ")}
+    assert "**0.794**" in rows["learner"] and "**missed**: 0.79" in rows["learner"]
+    assert rows["learner, no checkpoint (variant)"].endswith("| report |  |") and "**0.952**" in rows[
+        "learner, no checkpoint (variant)"]
+    assert "**1.30 s**" in rows["weight push"] and "**missed**" in rows["weight push"]  # 0.2 + 1.1 > 1 s
+    assert rows["weight push, worker verbs (variant)"].endswith("| report |  |")
+    assert "**0.75**" in rows["adapter sampling"] and "**missed**" in rows["adapter sampling"]
+    assert "**1.04**" in rows["adapter sampling, one experiment alone (variant)"]
+    assert "median of 5 timed passes" in rows["adapter sampling"]

