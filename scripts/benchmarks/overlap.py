@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
-
 from grpo_server.client import AsyncClient
 from grpo_server.config import AlgorithmConfig, LoraConfig
 from grpo_server.protocol.wire import AdapterVersion, AddExperimentRequest, RemoveExperimentRequest, TrainMetrics
 
 from .front_end import front_end_args, prompts, run_mix, server_request
-from .push import train_request, verb
+from .push import train_request, verb, worker_session
 
 
 async def overlap(client: AsyncClient, learner_url: str, name: str, group: Any, args, rounds: int,
@@ -30,7 +28,7 @@ async def overlap(client: AsyncClient, learner_url: str, name: str, group: Any, 
     one = server_request(client, name, args, prompt_ids)
     totals = {"idle": [0, 0.0], "busy": [0, 0.0]}
     steps = 0
-    async with aiohttp.ClientSession() as session:
+    async with worker_session() as session:  # the workers answer only calls with their secret
         await verb(session, learner_url, "add_experiment",
                    AddExperimentRequest(name=trainee, lora=LoraConfig(), algorithm=AlgorithmConfig()), AdapterVersion)
         try:

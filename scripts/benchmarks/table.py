@@ -233,8 +233,8 @@ def _push_rows(push: dict | None, learner: dict | None) -> list[tuple[str, str, 
             f"{len(rounds)} rounds",
             f"**{_f(total, 2)} s** = checkpoint {_f(ckpt, 3)} (learner figure) + push start -> first completion "
             f"answered {_f(answered, 3)} (of which the push {_f(srv.get('push_s'), 3)}; rounds "
-            f"{', '.join(_f(x, 2) for x in rounds)}). "
-            + ("" if ckpt is not None else "The learner figure did not run: no checkpoint in the sum. "),
+            f"{', '.join(_f(x, 2) for x in rounds)})"
+            + ("" if ckpt is not None else "The learner figure did not run: no checkpoint in the sum."),
             "<= 1 s", _verdict(total, 1.0, higher_is_better=False))
     m = (push.get("lone") or push["direct"])["median_s"]
     variant = ("weight push, worker verbs (variant)", f"the learner's and sampler's verbs called directly, no "
