@@ -7,7 +7,8 @@ delivers for a lone experiment (merged into the weights where that is exact: flo
     .venv/bin/python -m scripts.benchmarks.adapter [--model smollm2-135m-instruct]
 
 Each configuration runs in a fresh process (vLLM keeps global state): 4 concurrent requests x n=8,
-64 tokens each with ignore_eos, a 60-token prompt, after one warm-up request.
+64 tokens each with ignore_eos, a 60-token prompt, after one warm-up request; the median of `--passes` (5)
+timed passes.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ async def measure_served(model_dir: Path, dtype: str, adapter: str, requests: in
 async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: int = 4, n: int = 8,
                   max_tokens: int = 64, lora_ops: str = "grouped", passes: int = 1) -> float:
     """Tokens/s (the median of `passes` timed passes) of `requests` concurrent requests x n completions of
-    max_tokens (ignore_eos), after one warm-up request, with or without the adapter folder; LoRA through `lora_ops` (SamplerConfig.cpu_lora_ops)."""
+    max_tokens (ignore_eos), after one warm-up request, with or without the adapter folder; LoRA through
+    `lora_ops` (SamplerConfig.cpu_lora_ops)."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind

@@ -47,7 +47,7 @@ from pathlib import Path
 import yaml
 
 from . import REPO
-from .end_to_end import ALPHABETIZE_CONFIG, DEMO_CONCURRENCY, TRL_MODULE, server_overrides, wait_healthy, with_settings
+from .end_to_end import ALPHABETIZE_CONFIG, DEMO_CONCURRENCY, TRL_MODULE, server_overrides, wait_healthy
 from .host import loadavg, other_processes
 from .memory import peak_rss
 from .race import Race
