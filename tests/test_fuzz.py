@@ -7,8 +7,7 @@ learner) with schemathesis, from the OpenAPI document the server serves (`grpo_s
   `LINKS` adds to the test's copy of the document (create an experiment -> sample from it -> rate the group
   -> read its status and adapter -> delete it -> use it again), besides the links schemathesis infers.
 - `test_raw`: what no schema describes (tests/fuzz_strategies.py says what): our own hypothesis strategies.
-- the plain cases the fuzzing found (each was a 500), kept as regression tests, and the integer bounds behind
-  one of them.
+- the plain cases the fuzzing found are regression tests of their own: tests/test_fuzz_found.py.
 
 Properties of every answer (schemathesis's checks, and ours: `strict_answers`): never a 5xx (but a 503 with
 Retry-After, should a worker restart); within the request timeout; a status the document declares for the
@@ -29,9 +28,9 @@ the cases sent per test and per operation, and writes them as JSON where GRPO_FU
 run (BENCHMARKS.md, "Fuzzing", over 10,000 cases): `GRPO_FUZZ_EXAMPLES=600 GRPO_FUZZ_SCENARIOS=200
 GRPO_FUZZ_RAW_EXAMPLES=60 pytest tests/test_fuzz.py -s`.
 
-This module holds the tests and their fixtures. The schemathesis set-up they use is tests/fuzz_schema.py's:
-CONFIG (which of schemathesis's checks are off, and why), LINKS, our checks (`strict_answers`, `check_raw`),
-and the edits to a generated request (`cheapen`, `shape`, `protect`).
+This module holds the tests; their fixtures are tests/fuzz_fixtures.py's. The schemathesis set-up they use is
+tests/fuzz_schema.py's: CONFIG (which of schemathesis's checks are off, and why), LINKS, our checks
+(`strict_answers`, `check_raw`), and the edits to a generated request (`cheapen`, `shape`, `protect`).
 """
 
 from __future__ import annotations
@@ -51,10 +50,10 @@ from hypothesis.errors import FlakyStrategyDefinition
 
 from grpo_server.api.app import ENDPOINTS
 from grpo_server.api.openapi import openapi_document
-from grpo_server.config import ExperimentConfig
+from tests.fuzz_fixtures import fuzz_target, http  # noqa: F401 (pytest fixtures, used by name)
 from tests.fuzz_report import COUNTS, KINDS, STATUSES, error_code, kinds_of, record, summary
-from tests.fuzz_schema import (ADMIN, BEFORE, CHEAP, EXAMPLES, STEPS, Http, check_raw, created_name, delete_quietly,
-                               knob, protect, sampled, schema, strict_json)
+from tests.fuzz_schema import (ADMIN, BEFORE, EXAMPLES, STEPS, Http, check_raw, created_name, delete_quietly, knob,
+                               protect, sampled, schema)
 from tests.fuzz_shape import Episodes, cheapen, shape
 from tests.fuzz_strategies import FUZZ_EXP, FUZZ_KEY, MSGPACK, RawCase, raw_cases
 
@@ -64,40 +63,8 @@ RAW_EXAMPLES = knob("GRPO_FUZZ_RAW_EXAMPLES", 15)  # test_raw: per operation
 
 
 # ------------------------------------------------------------------------------------------------
-# Fixtures
+# Fixtures (`http` and `fuzz_target` are tests/fuzz_fixtures.py's)
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    client = Http(server.url)
-    schema.config.update(base_url=server.url)
-    served = client.request("GET", "/openapi.json")
-    assert served.status_code == 200 and served.json() == openapi_document(ENDPOINTS)  # what `schema` is made from
-    yield client
-    client.session.close()
-
-
-@pytest.fixture(scope="module")
-def fuzz_target(http):
-    """The experiment fuzzed requests aim at: small defaults (n=2, 4 tokens), and no training (a batch would
-    need 4096 groups), so sampling stays cheap; a few sampled groups for feedback to find."""
-    status, data = http.json("GET", "/v1/experiments")
-    assert status == 200, data
-    BEFORE[:] = [e["name"] for e in data["experiments"]]
-    status, data = http.json("POST", "/v1/experiments", {
-        "name": FUZZ_EXP, "api_key": FUZZ_KEY, "sampling": {"n": 2, "max_tokens": CHEAP},
-        "algorithm": {"batch_groups": 4096}})
-    assert status == 201, data
-    groups = []
-    for _ in range(3):
-        status, data = http.json("POST", f"/v1/experiments/{FUZZ_EXP}/completions",
-                                 {"prompt": "Once upon a time", "n": 2, "max_tokens": 2})
-        assert status == 200, data
-        groups.append(data["group_id"])
-    yield groups
-    status, data = http.json("DELETE", f"/v1/experiments/{FUZZ_EXP}")
-    assert status == 204, data
 
 
 @pytest.fixture(scope="module")
@@ -276,100 +243,6 @@ def test_raw(http, fuzz_target, endpoint):
                 delete_quietly(http, created["name"])
 
     fuzz()
-
-
-FOUND = [  # what the fuzzing found (each was a 500), kept as plain cases: (path, raw JSON body, status, code)
-    ("/v1/tokenize", b"[" * 100_000 + b"]" * 100_000, 400, "malformed_body"),  # RecursionError in json.loads
-    ("/v1/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "malformed_body"),
-    ("/v1/tokenize", b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', 400, "malformed_body"),
-    (f"/v1/experiments/{FUZZ_EXP}/completions", b'{"prompt": "Hi", "stop": ["\\udc00"], "n": 1, "max_tokens": 1}',
-     400, "malformed_body"),  # the sampler call's msgpack could not encode it
-    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "stop": "\\ud800", '
-     b'"n": 1, "max_tokens": 1}' % FUZZ_EXP.encode(), 400, "malformed_body"),
-    # An experiment key no UTF-8 holds made every request with an experiment key (or a wrong one) a 500.
-    ("/v1/experiments", b'{"name": "fuzz-surrogate-key", "api_key": "\\ud800"}', 400, "malformed_body"),
-    # Rewards whose sum overflows: OverflowError in the group's mean (for a sampled group, after it was taken).
-    (f"/v1/experiments/{FUZZ_EXP}/feedback", b'{"prompt": "Hi", "completions": [{"text": "a"}, {"text": "b"}, '
-     b'{"text": "c"}], "rewards": [1e308, 1e308, 0]}', 422, "invalid_request"),
-    # schemathesis's stateful phase: an integer beyond 64 bits in the config (msgpack's OverflowError on the
-    # way to the learner). Every integer of the experiment config has an upper bound now (next test).
-    ("/v1/experiments", b'{"name": "fuzz-huge-int", "algorithm": {"push_every": 18446744073709551616}}', 422,
-     "invalid_request"),
-    # Also the stateful phase: vLLM takes temperatures in [0, 2] only (vllm/sampling_params.py), the API took
-    # up to 10: above 2 was the sampler's VLLMValidationError, a 502. Now bounded at 2, on every route.
-    (f"/v1/experiments/{FUZZ_EXP}/completions", b'{"prompt": "Hi", "n": 1, "max_tokens": 1, "temperature": 2.5}',
-     422, "invalid_request"),
-    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "n": 1, '
-     b'"max_tokens": 1, "temperature": 2.5}' % FUZZ_EXP.encode(), 422, "invalid_request"),
-    ("/v1/completions", b'{"model": "%s", "prompt": "Hi", "n": 1, "max_tokens": 1, "temperature": 2.5}'
-     % FUZZ_EXP.encode(), 422, "invalid_request"),
-    # And `lora.alpha` had no upper bound: at 1e6 (scale alpha / r) the served model's logits overflowed, and a
-    # completion came back with token id 0 and `null` logprobs, against the response schema.
-    ("/v1/experiments", b'{"name": "fuzz-huge-alpha", "lora": {"alpha": 1e30}}', 422, "invalid_request"),
-]
-
-
-@pytest.mark.parametrize("path, data, status, code", FOUND, ids=range(len(FOUND)))
-def test_found_by_fuzzing(http, fuzz_target, path, data, status, code):
-    answer = http.request("POST", path, {**ADMIN, "Content-Type": "application/json"}, data)
-    if answer.status_code == 201:  # a regression: do not leave it behind
-        delete_quietly(http, json.loads(answer.content)["name"])
-    body = strict_json(answer.content)
-    assert (answer.status_code, body["error"]["code"]) == (status, code), body
-    assert http.json("GET", "/v1/experiments", key="wrong-key")[0] == 401
-
-
-FOUND_BUGS = [  # found by the fuzzing, fixed in the server
-    # A stream with an empty stop string was a 200 stream whose one event after the first chunk was the sampler's
-    # {"error": {"code": "bad_request", "message": "sampler-0: stop strings must be non-empty"}}, not a 4xx.
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop": ""}),
-    ("/v1/completions", {"prompt": "Hi", "stop": ["a", ""]}),
-]
-
-
-@pytest.mark.parametrize("path, body", FOUND_BUGS, ids=range(len(FOUND_BUGS)))
-def test_found_bug_stays_fixed(http, fuzz_target, path, body):
-    """What every refusal of a stream should be (README, Streaming): a plain JSON error with its 4xx status,
-    before the stream starts."""
-    body = {"model": FUZZ_EXP, "n": 1, "max_tokens": 1, "stream": True, **body}
-    answer = http.request("POST", path, {**ADMIN, "Content-Type": "application/json"}, json.dumps(body).encode())
-    assert 400 <= answer.status_code < 500, (answer.status_code, answer.content[:500])
-    assert strict_json(answer.content)["error"]["code"], answer.content
-
-
-def _integer_fields(schema_: dict[str, Any], defs: dict[str, Any], prefix: str = "") -> list[tuple[str, dict]]:
-    """(dotted path, JSON schema) of every integer field of a pydantic JSON schema, nested models included."""
-    out = []
-    for key, prop in schema_.get("properties", {}).items():
-        if "$ref" in prop:
-            out += _integer_fields(defs[prop["$ref"].rsplit("/", 1)[1]], defs, f"{prefix}{key}.")
-        elif prop.get("type") == "integer":
-            out.append((prefix + key, prop))
-    return out
-
-
-EXPERIMENT_INTEGERS = _integer_fields(ExperimentConfig.model_json_schema(), ExperimentConfig.model_json_schema()
-                                      .get("$defs", {}))
-
-
-def test_experiment_integers_are_bounded():
-    """msgpack (the learner's and sampler's wire) holds 64-bit integers: each one a client sets is bounded."""
-    assert EXPERIMENT_INTEGERS, "no integer fields found"
-    unbounded = [path for path, prop in EXPERIMENT_INTEGERS if prop.get("maximum", 2 ** 63) >= 2 ** 63]
-    assert not unbounded, unbounded
-
-
-@pytest.mark.parametrize("path", [p for p, _ in EXPERIMENT_INTEGERS])
-def test_experiment_integer_beyond_64_bits_is_422(http, fuzz_target, path):
-    """A 500 schemathesis found: `POST /v1/experiments` with `algorithm` integers beyond 64 bits."""
-    section, _, field = path.rpartition(".")
-    config: dict[str, Any] = {"name": "fuzz-huge-int"}
-    (config.setdefault(section, {}) if section else config)[field] = 2 ** 64
-    status, body = http.json("POST", "/v1/experiments", config)
-    if status == 201:
-        delete_quietly(http, "fuzz-huge-int")
-    assert status == 422 and body["error"]["code"] == "invalid_request", (status, body)
-    assert path in body["error"]["message"], body  # names the field
 
 
 def _server_5xx(http: Http) -> Counter:
