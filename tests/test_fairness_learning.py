@@ -3,11 +3,11 @@
 On 2 CPU cores a train step beside another experiment's sampling took 1.5-4x (tiny model, by the box's load)
 to 7x (SmolLM2: 19 s, not 2.7 s) its time alone, so while `quiet` sampled back to back, flooded `noisy` made 0
 steps in the fairness figure's 30 s window (scripts/benchmarks/fairness.py). A train step is now a solo turn
-(other experiments' calls wait for it), bounded in length and in share of the time. The unit tests pin down the
-turns; the server test checks both sides of the trade on a real server (the tiny model): noisy's steps beside
-quiet's continuous sampling come within a bounded time, none of quiet's requests runs within one of them (on
-the tiny model the slowdown alone is too small, next to a loaded box's noise, to tell the two apart), and
-quiet's median latency stays within 2x of its latency alone.
+(other experiments' calls wait for it), bounded in length and in share of the time. tests/test_turns.py pins
+down the turns in-process; this test checks both sides of the trade on a real server (the tiny model): noisy's
+steps beside quiet's continuous sampling come within a bounded time, and none of quiet's requests runs within one
+of them (on the tiny model the slowdown alone is too small, next to a loaded box's noise, to tell the two apart).
+quiet's latency beside the flood against alone is printed, not asserted: the 2x is the fairness benchmark's.
 """
 
 from __future__ import annotations
@@ -20,166 +20,11 @@ import aiohttp
 import pytest
 
 from grpo_server.client import AsyncClient, GrpoServerError
-from grpo_server.workers import turns as turns_module
-from grpo_server.workers.turns import OTHERS_SHARE, ComputeTurns
 from tests.serving import headers, start_server, stop_server, wait_for
 
 NOISY_CLIENTS = 8
 STEPS_BESIDE = 4  # noisy's train steps measured while quiet samples
 STEPS_WITHIN_S = 90.0  # ... all of them within this (about 12 s here with solo turns; a loaded box is slower)
-
-
-# --- the turns, in-process -----------------------------------------------------------------------------
-
-
-async def hold(cm, log: list[str], name: str, release: asyncio.Event) -> None:
-    async with cm:
-        log.append(f"{name} in")
-        await release.wait()
-    log.append(f"{name} out")
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def test_a_train_step_beside_anothers_sampling_takes_a_solo_turn():
-    """b samples; a's step waits for b's call in flight and holds b's new one until the step ends."""
-    t = ComputeTurns(alternate=True, clock=Clock())
-    log: list[str] = []
-    b1, train_a, b2 = (asyncio.Event() for _ in range(3))
-    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.training("a"), log, "train a", train_a)))
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
-    await settle()
-    assert log == ["b1 in"]  # the step waits for b1, and b2 waits behind the step
-    b1.set()
-    await settle()
-    assert log == ["b1 in", "b1 out", "train a in"] and t.solo_turns == 1
-    train_a.set()
-    await settle()
-    assert log[-2:] == ["train a out", "b2 in"]
-    b2.set()
-    await asyncio.gather(*tasks)
-
-
-async def test_a_call_that_comes_during_a_step_waits_for_it():
-    """A step begun with nobody else sampling holds the first call of another experiment that comes meanwhile
-    (beside it the step would run at what the sampler leaves of the cores)."""
-    t = ComputeTurns(alternate=True, clock=Clock())
-    log: list[str] = []
-    train_a, b1 = asyncio.Event(), asyncio.Event()
-    tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", train_a))]
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b1", b1)))
-    await settle()
-    assert log == ["train a in"] and t.solo_turns == 1
-    train_a.set()
-    await settle()
-    assert log[-2:] == ["train a out", "b1 in"]
-    b1.set()
-    await asyncio.gather(*tasks)
-
-
-async def test_solo_turns_leave_the_others_their_share_of_the_time():
-    """Once b was held d seconds, the next step that would hold it waits until b has sampled OTHERS_SHARE x d
-    (not beside it: that made a step 7x slower); a step begun while b does not sample lets b run beside it
-    until then."""
-    clock = Clock()
-    t = ComputeTurns(alternate=True, clock=clock)
-    log: list[str] = []
-    first, b1 = asyncio.Event(), asyncio.Event()
-    tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", first))]
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b1", b1)))
-    await settle()
-    clock.now += 2.0  # b1 held for 2 s
-    first.set()
-    b1.set()
-    await asyncio.gather(*tasks)
-    free_at = clock.now + OTHERS_SHARE * 2.0
-
-    async with t.sampling("b"):  # b samples on
-        pass
-    second = asyncio.Event()
-    task = asyncio.create_task(hold(t.training("a"), log, "train a 2", second))
-    await asyncio.sleep(3 * turns_module.SOLO_POLL_S)
-    assert "train a 2 in" not in log  # b's share is not over: a waits rather than step beside b
-    clock.now = free_at
-    async with t.sampling("b"):  # b sampled just now: the step may take its turn
-        pass
-    await asyncio.sleep(3 * turns_module.SOLO_POLL_S)
-    assert log[-1] == "train a 2 in"
-    b2 = asyncio.Event()
-    task_b = asyncio.create_task(hold(t.sampling("b"), log, "b2", b2))
-    await settle()
-    assert log[-1] == "train a 2 in"  # b's share was over: held again
-    clock.now += 1.0  # for 1 s: b is owed 2 s from the step's end
-    second.set()
-    await task
-    b2.set()
-    await task_b
-    assert log[-2:] == ["b2 in", "b2 out"]
-
-    clock.now += 1.5 * turns_module.RECENT_SAMPLING_S  # b pauses: a's next step begins at once
-    third = asyncio.Event()
-    task = asyncio.create_task(hold(t.training("a"), log, "train a 3", third))
-    await settle()
-    assert log[-1] == "train a 3 in"
-    async with t.sampling("b"):  # b comes back during it, owed time: it runs beside the step
-        log.append("b beside")
-    assert log[-1] == "b beside" and t.solo_turns == 2
-    third.set()
-    await task
-
-
-async def test_a_claim_outlasted_by_long_calls_shares_the_cores(monkeypatch):
-    """Others' calls in flight past SOLO_CLAIM_S: the step stops holding their new calls and runs beside them."""
-    monkeypatch.setattr(turns_module, "SOLO_CLAIM_S", 0.05)
-    t = ComputeTurns(alternate=True)
-    log: list[str] = []
-    b1, train_a, b2 = (asyncio.Event() for _ in range(3))
-    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.training("a"), log, "train a", train_a)))
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
-    await asyncio.sleep(0.2)
-    assert log == ["b1 in", "train a in", "b2 in"] and t.solo_turns == 0
-    for event in (b1, train_a, b2):
-        event.set()
-    await asyncio.gather(*tasks)
-
-
-async def test_a_step_cancelled_while_claiming_holds_no_one():
-    t = ComputeTurns(alternate=True)
-    log: list[str] = []
-    b1, b2 = asyncio.Event(), asyncio.Event()
-    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
-    await settle()
-    training = asyncio.create_task(hold(t.training("a"), log, "train a", asyncio.Event()))
-    await settle()
-    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
-    await settle()
-    assert log == ["b1 in"]
-    training.cancel()  # the experiment was deleted meanwhile
-    await settle()
-    assert log == ["b1 in", "b2 in"]
-    b1.set()
-    b2.set()
-    await asyncio.gather(*tasks)
-    assert training.cancelled()
 
 
 # --- the real server -----------------------------------------------------------------------------------

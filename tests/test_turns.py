@@ -1,4 +1,5 @@
-"""grpo_server/workers/pool.py: sampling and training take turns (schedule: alternate) or overlap."""
+"""grpo_server/workers/turns.py (through pool.py): sampling and training take turns (schedule: alternate) or
+overlap; a train step beside another experiment's sampling takes a solo turn, bounded in length and share."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import asyncio
 
 import pytest
 
-from grpo_server.workers import pool as turns
+from grpo_server.workers import pool
+from grpo_server.workers import turns
 from grpo_server.workers.pool import ComputeTurns, resolve_schedule
+from grpo_server.workers.turns import OTHERS_SHARE
 
 
 async def hold(cm, log: list[str], name: str, release: asyncio.Event) -> None:
@@ -138,7 +141,148 @@ def test_auto_schedule_alternates_only_on_a_cpu_host_running_its_workers(tmp_pat
     driver.mkdir()
     for i in range(gpus):
         (driver / f"0000:0{i}:00.0").mkdir()
-    monkeypatch.setattr(turns, "NVIDIA_GPUS", driver)
+    monkeypatch.setattr(pool, "NVIDIA_GPUS", driver)
     assert resolve_schedule("auto", remote_workers=remote) == expected
     assert resolve_schedule("overlap", remote_workers=False) == "overlap"
     assert resolve_schedule("alternate", remote_workers=True) == "alternate"
+
+
+# --- solo turns: a train step beside another experiment's sampling (tests/test_fairness_learning.py: on a server)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_train_step_beside_anothers_sampling_takes_a_solo_turn():
+    """b samples; a's step waits for b's call in flight and holds b's new one until the step ends."""
+    t = ComputeTurns(alternate=True, clock=Clock())
+    log: list[str] = []
+    b1, train_a, b2 = (asyncio.Event() for _ in range(3))
+    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.training("a"), log, "train a", train_a)))
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
+    await settle()
+    assert log == ["b1 in"]  # the step waits for b1, and b2 waits behind the step
+    b1.set()
+    await settle()
+    assert log == ["b1 in", "b1 out", "train a in"] and t.solo_turns == 1
+    train_a.set()
+    await settle()
+    assert log[-2:] == ["train a out", "b2 in"]
+    b2.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_call_that_comes_during_a_step_waits_for_it():
+    """A step begun with nobody else sampling holds the first call of another experiment that comes meanwhile
+    (beside it the step would run at what the sampler leaves of the cores)."""
+    t = ComputeTurns(alternate=True, clock=Clock())
+    log: list[str] = []
+    train_a, b1 = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", train_a))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b1", b1)))
+    await settle()
+    assert log == ["train a in"] and t.solo_turns == 1
+    train_a.set()
+    await settle()
+    assert log[-2:] == ["train a out", "b1 in"]
+    b1.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_solo_turns_leave_the_others_their_share_of_the_time():
+    """Once b was held d seconds, the next step that would hold it waits until b has sampled OTHERS_SHARE x d
+    (not beside it: that made a step 7x slower); a step begun while b does not sample lets b run beside it
+    until then."""
+    clock = Clock()
+    t = ComputeTurns(alternate=True, clock=clock)
+    log: list[str] = []
+    first, b1 = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(hold(t.training("a"), log, "train a", first))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b1", b1)))
+    await settle()
+    clock.now += 2.0  # b1 held for 2 s
+    first.set()
+    b1.set()
+    await asyncio.gather(*tasks)
+    free_at = clock.now + OTHERS_SHARE * 2.0
+
+    async with t.sampling("b"):  # b samples on
+        pass
+    second = asyncio.Event()
+    task = asyncio.create_task(hold(t.training("a"), log, "train a 2", second))
+    await asyncio.sleep(3 * turns.SOLO_POLL_S)
+    assert "train a 2 in" not in log  # b's share is not over: a waits rather than step beside b
+    clock.now = free_at
+    async with t.sampling("b"):  # b sampled just now: the step may take its turn
+        pass
+    await asyncio.sleep(3 * turns.SOLO_POLL_S)
+    assert log[-1] == "train a 2 in"
+    b2 = asyncio.Event()
+    task_b = asyncio.create_task(hold(t.sampling("b"), log, "b2", b2))
+    await settle()
+    assert log[-1] == "train a 2 in"  # b's share was over: held again
+    clock.now += 1.0  # for 1 s: b is owed 2 s from the step's end
+    second.set()
+    await task
+    b2.set()
+    await task_b
+    assert log[-2:] == ["b2 in", "b2 out"]
+
+    clock.now += 1.5 * turns.RECENT_SAMPLING_S  # b pauses: a's next step begins at once
+    third = asyncio.Event()
+    task = asyncio.create_task(hold(t.training("a"), log, "train a 3", third))
+    await settle()
+    assert log[-1] == "train a 3 in"
+    async with t.sampling("b"):  # b comes back during it, owed time: it runs beside the step
+        log.append("b beside")
+    assert log[-1] == "b beside" and t.solo_turns == 2
+    third.set()
+    await task
+
+
+async def test_a_claim_outlasted_by_long_calls_shares_the_cores(monkeypatch):
+    """Others' calls in flight past SOLO_CLAIM_S: the step stops holding their new calls and runs beside them."""
+    monkeypatch.setattr(turns, "SOLO_CLAIM_S", 0.05)
+    t = ComputeTurns(alternate=True)
+    log: list[str] = []
+    b1, train_a, b2 = (asyncio.Event() for _ in range(3))
+    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.training("a"), log, "train a", train_a)))
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
+    await asyncio.sleep(0.2)
+    assert log == ["b1 in", "train a in", "b2 in"] and t.solo_turns == 0
+    for event in (b1, train_a, b2):
+        event.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_step_cancelled_while_claiming_holds_no_one():
+    t = ComputeTurns(alternate=True)
+    log: list[str] = []
+    b1, b2 = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
+    await settle()
+    training = asyncio.create_task(hold(t.training("a"), log, "train a", asyncio.Event()))
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
+    await settle()
+    assert log == ["b1 in"]
+    training.cancel()  # the experiment was deleted meanwhile
+    await settle()
+    assert log == ["b1 in", "b2 in"]
+    b1.set()
+    b2.set()
+    await asyncio.gather(*tasks)
+    assert training.cancelled()
