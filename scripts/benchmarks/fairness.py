@@ -272,18 +272,10 @@ def main() -> None:
     sampler_settings = with_settings({}, args.sampler)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from .server import stop_on_signals
+    from .server import bench_model, stop_on_signals
 
     stop_on_signals()
-    if args.tiny:
-        from tests.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "bench-fairness-tiny-llama")
-    else:
-        from grpo_server.config import EMBEDDED_MODEL_NAME
-        from grpo_server.workers.model_prep import resolve_model
-
-        model_dir = resolve_model(EMBEDDED_MODEL_NAME)
+    model_dir = bench_model(args.tiny, "bench-fairness-tiny-llama")
     result = asyncio.run(own_server_figure(model_dir, sampler_settings, args.keep, requests=args.requests, n=args.n,
                                            max_tokens=args.max_tokens,
                                            noisy_clients=args.noisy_clients, window_s=args.window))

@@ -34,6 +34,19 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+def bench_model(tiny: bool, name: str) -> Path:
+    """The model a figure's `--tiny` chooses: tests/tiny_model.py's (built once under the temp folder, in a folder
+    of `name`), else the embedded SmolLM2-135M-Instruct."""
+    if tiny:
+        from tests.tiny_model import build_tiny_model
+
+        return build_tiny_model(Path(tempfile.gettempdir()) / name)
+    from grpo_server.config import EMBEDDED_MODEL_NAME
+    from grpo_server.workers.model_prep import resolve_model
+
+    return resolve_model(EMBEDDED_MODEL_NAME)
+
+
 def _stop_started(start: concurrent.futures.Future) -> None:
     if not start.cancelled() and start.exception() is None:
         from tests.serving import stop_server

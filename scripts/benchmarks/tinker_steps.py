@@ -156,18 +156,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    from .server import stop_on_signals
+    from .server import bench_model, stop_on_signals
 
     stop_on_signals()
-    if args.tiny:
-        from tests.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "bench-tinker-tiny-llama")
-    else:
-        from grpo_server.config import EMBEDDED_MODEL_NAME
-        from grpo_server.workers.model_prep import resolve_model
-
-        model_dir = resolve_model(EMBEDDED_MODEL_NAME)
+    model_dir = bench_model(args.tiny, "bench-tinker-tiny-llama")
     result = asyncio.run(figure(model_dir, args.steps, args.warmup))
     text = json.dumps({"model": str(model_dir), "command": "python -m scripts.benchmarks.tinker_steps "
                        + ("--tiny " if args.tiny else "") + f"--steps {args.steps}", **result}, indent=2)
