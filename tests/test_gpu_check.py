@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.benchmarks import gpu_carry, gpu_check
-from scripts.benchmarks.gpu_check import RESULT_PREFIX, race_limits, run_phase
+from scripts.benchmarks.gpu_check import RESULT_PREFIX, compare_fleet, fleet_limit, race_limits, run_phase
 from tests.pins import pinned_versions
 
 
@@ -51,8 +51,36 @@ def test_a_phase_result_is_read_and_a_failure_recorded(tmp_path):
 
 
 def test_the_race_gets_what_the_budget_leaves():
-    assert race_limits(270, smoke=False) == pytest.approx((270 - sum(gpu_check.GPU_SIDE_OVERHEAD.values()) - 10) / 2)
+    overhead = gpu_check.GPU_SIDE_OVERHEAD["race_server"] + gpu_check.GPU_SIDE_OVERHEAD["race_trl"]
+    assert race_limits(270, smoke=False) == pytest.approx((270 - overhead - 10) / 2)
     assert race_limits(0, smoke=False) == 20.0 and race_limits(10_000, smoke=False) == 600.0
+
+
+def test_the_fleet_sides_share_the_budget_and_one_by_one_splits_its_half():
+    once = fleet_limit("fleet_at_once", 500, sides_left=2, k=8, smoke=False)
+    assert once == pytest.approx((500 - 2 * gpu_check.GPU_SIDE_OVERHEAD["fleet_at_once"] - 10) / 2)
+    each = fleet_limit("fleet_one_by_one", 500 - once, sides_left=1, k=8, smoke=False)
+    assert each == pytest.approx((500 - once - gpu_check.GPU_SIDE_OVERHEAD["fleet_one_by_one"] - 10) / 8)
+
+
+def fleet_side(limit_s: float, *clocks: float | None) -> dict:
+    rows = [{"reached": c is not None, "reached_s": c} for c in clocks]
+    return {"result": {"experiments": rows, "time_limit_s": limit_s,
+                       "fleet_s": None if None in clocks else max(clocks)}}
+
+
+def test_the_fleet_speedup_is_exact_or_a_lower_bound():
+    exact = compare_fleet({"fleet_at_once": fleet_side(300, 100, 120), "fleet_one_by_one": fleet_side(60, 50, 40)})
+    assert (exact["speedup"], exact["exact"]) == (0.75, True) and exact["verdict"].endswith("not met")
+    # One by one missed its second target within 60 s: its time is at least 50 + 60.
+    bound = compare_fleet({"fleet_at_once": fleet_side(300, 30, 35), "fleet_one_by_one": fleet_side(60, 50, None)})
+    assert (bound["one_by_one_s"], bound["exact"]) == (110, False)
+    assert bound["verdict"].startswith("at least 3.143x") and bound["verdict"].endswith(": met")
+    low = compare_fleet({"fleet_at_once": fleet_side(300, 100), "fleet_one_by_one": fleet_side(60, None)})
+    assert low["verdict"].endswith("not shown")  # at least 0.6x says nothing about 3x
+    missed = compare_fleet({"fleet_at_once": fleet_side(300, None), "fleet_one_by_one": fleet_side(60, 50)})
+    assert "speedup" not in missed and "no speed-up" in missed["verdict"]
+    assert not compare_fleet({"fleet_at_once": {"ok": False}, "fleet_one_by_one": fleet_side(60, 50)})["ok"]
 
 
 def test_the_carried_wheels_are_pinned_as_constraints_pins_them():

@@ -12,6 +12,14 @@ on CUDA, in process), sampler (the transformers engine on CUDA, in process), ser
 engine), race_server and race_trl (end_to_end.py's race on alphabetize, one side each, so a side that hangs
 keeps the other's result), then race (end_to_end's `compare` of the two sides, computed here).
 
+`--fleet K` runs the fleet race instead of the race (issue 28, item 6): install, model, then fleet.py's server
+arrangements on the transformers engine, fleet_at_once (K alphabetize experiments, seeds 0..K-1, at once on one
+server) and fleet_one_by_one (the same K one after another on a fresh server), then fleet: one by one's time over
+at once's, beside the figure to beat (FLEET_PUBLISHED). Each side gets half of what the budget leaves; one by one
+splits its half evenly among its K experiments, and one that misses the target counts its limit, so the
+speed-up is then a lower bound. `--only install,model,fleet_one_by_one --fleet 8` runs one side in a call of
+its own where one call's budget is too short for both.
+
 Only the standard library is imported here: this process runs before the wheels are installed, and must
 record a phase that breaks on an import.
 """
@@ -36,12 +44,17 @@ from . import REPO
 RESULT_PREFIX = "GPU_CHECK_RESULT "  # a phase's last line starting with this is its JSON result
 WHEELS = REPO / ".gpu-wheels"
 PHASES = ("install", "model", "learner", "sampler", "server", "race_server", "race_trl")
+FLEET_PHASES = ("fleet_at_once", "fleet_one_by_one")  # with --fleet K (or named in --only)
+# The published figure the fleet race on a GPU is to beat (issue 28): Trajectory's multi-LoRA stack on SkyRL,
+# experiment throughput of 8 concurrent runs on one H200 against the same runs one after another.
+FLEET_PUBLISHED = {"k": 8, "speedup": 2.81, "source": "Trajectory multi-LoRA on SkyRL, one H200 (1.88x at k=4)"}
+FLEET_GOAL = 3.0  # the speed-up this server aims at, at k = 8 on one H200
 # Per phase: the longest it may take (seconds). The race sides get what the budget leaves (race_limits).
 GPU_TIMEOUTS = {"install": 90, "model": 120, "learner": 100, "sampler": 75, "server": 110}
 SMOKE_TIMEOUTS = {"install": 120, "model": 240, "learner": 300, "sampler": 180, "server": 420}
 # Seconds a race side needs beside its clock: server start and stop, TRL's imports and model load.
-GPU_SIDE_OVERHEAD = {"race_server": 75, "race_trl": 60}
-SMOKE_SIDE_OVERHEAD = {"race_server": 300, "race_trl": 240}
+GPU_SIDE_OVERHEAD = {"race_server": 75, "race_trl": 60, "fleet_at_once": 90, "fleet_one_by_one": 90}
+SMOKE_SIDE_OVERHEAD = {"race_server": 300, "race_trl": 240, "fleet_at_once": 300, "fleet_one_by_one": 300}
 GRACE_S = 30  # after SIGINT, before SIGKILL: the server phases stop their server in a `finally`
 GPU_BUDGET_S = 440  # with a last phase's GRACE_S and the start, under the 8 minutes a GPU call is sized for
 
@@ -51,11 +64,20 @@ def default_out() -> Path:
     return Path(os.environ["OUT"]) / "gpu-check.json" if os.environ.get("OUT") else REPO / "runs" / "gpu-check.json"
 
 
+def fleet_limit(phase: str, remaining_s: float, sides_left: int, k: int, smoke: bool) -> float:
+    """Seconds on a fleet side's clock: at once, the shared clock; one by one, each experiment's (its half split
+    evenly among its k experiments). A side's half: what is left, less the sides' overheads, over the sides left."""
+    if smoke:
+        return 30.0 if phase == "fleet_at_once" else 15.0  # the plumbing only
+    side_s = max(20.0, (remaining_s - GPU_SIDE_OVERHEAD[phase] * sides_left - 10) / sides_left)
+    return side_s if phase == "fleet_at_once" else max(10.0, side_s / k)
+
+
 def race_limits(remaining_s: float, smoke: bool) -> float:
     """Seconds on each race side's clock: what is left, less both sides' overheads, shared evenly."""
     if smoke:
         return 20.0  # the plumbing only: the TRL side's first optimizer step takes longer than this anyway
-    overhead = sum(GPU_SIDE_OVERHEAD.values())
+    overhead = GPU_SIDE_OVERHEAD["race_server"] + GPU_SIDE_OVERHEAD["race_trl"]
     return max(20.0, min(600.0, (remaining_s - overhead - 10) / 2))
 
 
@@ -192,13 +214,18 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (model, run folders)")
     parser.add_argument("--target", type=float, default=0.6, help="race: running mean reward to reach")
     parser.add_argument("--window", type=int, default=None, help="race: groups in the running mean (16; smoke 4)")
+    parser.add_argument("--fleet", type=int, default=0, metavar="K",
+                        help="the fleet race of K experiments instead of the race (install, model and the fleet phases)")
     args = parser.parse_args()
     # SIGTERM (a caller's time limit) as SIGINT: run_phase then stops the phase's tree, which lives in its own
     # session and would outlive us otherwise.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     smoke = args.cpu_smoke
-    only = [p for p in PHASES if not args.only or p in args.only.split(",")]
+    if args.only:
+        only = [p for p in PHASES + FLEET_PHASES if p in args.only.split(",")]
+    else:
+        only = ["install", "model", *FLEET_PHASES] if args.fleet else list(PHASES)
     started = time.monotonic()
     deadline = started + (args.budget_s or (1500.0 if smoke else GPU_BUDGET_S))
     out_path = args.out or default_out()
@@ -220,7 +247,7 @@ def main() -> int:
         os.replace(tmp, out_path)
 
     context: dict = {"smoke": smoke, "work": str(work), "target": args.target,
-                     "window": args.window or (4 if smoke else 16)}
+                     "window": args.window or (4 if smoke else 16), "fleet_k": args.fleet or (2 if smoke else 8)}
     try:
         with open(out_path.with_suffix(".log"), "w") as log:
             run_all(only, phases, context, deadline, site, env, log, save)
@@ -248,23 +275,56 @@ def run_all(only: list[str], phases: dict, context: dict, deadline: float, site:
             phases[phase] = install(sys.executable, smoke, site, env, log)
         elif phase != "model" and "model_dir" not in context:
             phases[phase] = {"ok": False, "skipped": "no model (the model phase failed or did not run)"}
-        elif phase.startswith("race") and context.get("model_kind") != "smollm2-135m-instruct":
-            phases[phase] = {"ok": False, "skipped": "the race needs SmolLM2-135M-Instruct, not the tiny model"}
+        elif phase.startswith(("race", "fleet")) and context.get("model_kind") != "smollm2-135m-instruct":
+            phases[phase] = {"ok": False, "skipped": "the races need SmolLM2-135M-Instruct, not the tiny model"}
         elif remaining < 20:
             phases[phase] = {"ok": False, "skipped": f"the budget is spent ({remaining:.0f} s left)"}
         else:
+            phase_context = context
             if phase.startswith("race"):
                 context["time_limit_s"] = context.get("time_limit_s") or race_limits(remaining, smoke)
                 timeout = context["time_limit_s"] + (SMOKE_SIDE_OVERHEAD if smoke else GPU_SIDE_OVERHEAD)[phase]
+            elif phase.startswith("fleet"):
+                sides_left = len([p for p in only[only.index(phase):] if p in FLEET_PHASES])
+                limit = fleet_limit(phase, remaining, sides_left, context["fleet_k"], smoke)
+                phase_context = {**context, "time_limit_s": limit}
+                clocks = limit if phase == "fleet_at_once" else limit * context["fleet_k"]
+                timeout = clocks + (SMOKE_SIDE_OVERHEAD if smoke else GPU_SIDE_OVERHEAD)[phase]
             else:
                 timeout = (SMOKE_TIMEOUTS if smoke else GPU_TIMEOUTS)[phase]
-            cmd = [sys.executable, "-m", "scripts.benchmarks.gpu_phases", phase, context_file(work, phase, context)]
+            cmd = [sys.executable, "-m", "scripts.benchmarks.gpu_phases", phase,
+                   context_file(work, phase, phase_context)]
             phases[phase] = {"running": True}  # what the JSON says if we are stopped meanwhile
             phases[phase] = run_phase(cmd, min(timeout, remaining), env, log, phase)
             context.update(phases[phase].get("result", {}).pop("context", {}))
         save()
     if "race_server" in phases and "race_trl" in phases:
         phases["race"] = compare_sides(phases, context, env, log)
+    if all(p in phases for p in FLEET_PHASES):
+        phases["fleet"] = compare_fleet(phases)
+
+
+def compare_fleet(phases: dict) -> dict:
+    """One by one's time (the sum of its clocks) over at once's (the last experiment's target): the fleet's
+    speed-up, beside the published figure and the goal. An experiment that missed the target one by one counts
+    its limit, so the speed-up is then a lower bound (`exact` false); at once missing it gives none."""
+    once, one_by_one = (phases[p].get("result") for p in FLEET_PHASES)
+    if not once or not one_by_one:
+        return {"ok": False, "skipped": "a fleet side has no result"}
+    out = {"ok": True, "k": len(once["experiments"]), "at_once_s": once["fleet_s"], "published": FLEET_PUBLISHED,
+           "goal": FLEET_GOAL}
+    rows = one_by_one["experiments"]
+    out["one_by_one_s"] = round(sum(r["reached_s"] if r["reached"] else one_by_one["time_limit_s"] for r in rows), 1)
+    out["exact"] = all(r["reached"] for r in rows)
+    if once["fleet_s"] is None:
+        out["verdict"] = "at once missed the target within its clock: no speed-up measured"
+        return out
+    out["speedup"] = round(out["one_by_one_s"] / once["fleet_s"], 3)
+    bound = "" if out["exact"] else "at least "
+    met = "met" if out["speedup"] >= FLEET_GOAL else ("not met" if out["exact"] else "not shown")
+    out["verdict"] = (f"{bound}{out['speedup']}x at k={out['k']} against the published {FLEET_PUBLISHED['speedup']}x "
+                      f"at k={FLEET_PUBLISHED['k']}; goal {FLEET_GOAL}x: {met}")
+    return out
 
 
 def compare_sides(phases: dict, context: dict, env: dict, log) -> dict:

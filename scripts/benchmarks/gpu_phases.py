@@ -4,8 +4,8 @@
 
 Each prints its result as one line `GPU_CHECK_RESULT {json}` (gpu_check.RESULT_PREFIX); a `context` key in it
 is handed to the later phases (the model folder, the learner's adapter and probe). CONTEXT_FILE (JSON) has `smoke`
-(tiny sizes on the CPU), `work` (a scratch folder), the race's target, window and time limit, and what the
-earlier phases passed on. Sizes are the race's own where it matters (alphabetize prompts, groups of 8, 40
+(tiny sizes on the CPU), `work` (a scratch folder), the race's target, window and time limit (and the fleet's k),
+and what the earlier phases passed on. Sizes are the race's own where it matters (alphabetize prompts, groups of 8, 40
 tokens), so the figures read next to the race's.
 """
 
@@ -315,6 +315,24 @@ async def race_phase(ctx: dict, side: str) -> dict:
     return out
 
 
+# --- the fleet race (fleet.py), one arrangement a process ---------------------------------------------------
+
+
+async def fleet_phase(ctx: dict, arrangement: str) -> dict:
+    """fleet.py's server side on the transformers engine: `fleet_k` alphabetize experiments (seeds 0..k-1) on
+    one server, at once (`time_limit_s` on the shared clock) or one after another (`time_limit_s` each)."""
+    from . import fleet
+    from .server import stop_on_signals
+
+    stop_on_signals()
+    k = ctx["fleet_k"]
+    settings = ["sampler.engine=transformers", f"sampler.max_loras={k}"]  # a slot per experiment: no swapping
+    result = await fleet.server_fleet(Path(ctx["model_dir"]), arrangement, list(range(k)), ctx["target"],
+                                      ctx["window"], ctx["time_limit_s"], fleet.DEMO_CONCURRENCY, settings)
+    return {**result, "fleet_s": fleet.fleet_seconds(result), "target": ctx["target"], "window": ctx["window"],
+            "time_limit_s": ctx["time_limit_s"]}
+
+
 def compare_phase(ctx: dict) -> dict:
     from . import end_to_end
 
@@ -329,7 +347,9 @@ def main() -> int:
     runs = {"model": lambda: model_phase(ctx), "learner": lambda: learner_phase(ctx),
             "sampler": lambda: asyncio.run(sampler_phase(ctx)), "server": lambda: asyncio.run(server_phase(ctx)),
             "race_server": lambda: asyncio.run(race_phase(ctx, "server")),
-            "race_trl": lambda: asyncio.run(race_phase(ctx, "trl")), "compare": lambda: compare_phase(ctx)}
+            "race_trl": lambda: asyncio.run(race_phase(ctx, "trl")), "compare": lambda: compare_phase(ctx),
+            "fleet_at_once": lambda: asyncio.run(fleet_phase(ctx, "at_once")),
+            "fleet_one_by_one": lambda: asyncio.run(fleet_phase(ctx, "one_by_one"))}
     result = runs[phase]()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 1 if result.get("failed") else 0
