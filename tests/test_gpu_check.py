@@ -114,3 +114,14 @@ def test_without_the_model_the_tiny_one_is_built_from_the_tokenizer(tmp_path, mo
     out = gpu_phases.tiny_fallback(tmp_path / "work", "half a missing")
     assert out["model_kind"] == "tiny" and json.loads(json.dumps(out))
     assert (Path(out["context"]["model_dir"]) / "model.safetensors").is_file()
+
+
+def test_fleet_sides_of_two_calls_are_compared_from_their_files(tmp_path, capsys, monkeypatch):
+    once, one_by_one = tmp_path / "once.json", tmp_path / "one_by_one.json"
+    once.write_text(json.dumps({"phases": {"model": {"ok": True}, "fleet_at_once": fleet_side(300, 40, 50)}}))
+    one_by_one.write_text(json.dumps({"phases": {"fleet_one_by_one": fleet_side(60, 50, 40)}}))
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--compare-fleet", str(once), str(one_by_one)])
+    assert gpu_check.main() == 0
+    assert json.loads(capsys.readouterr().out)["speedup"] == 1.8  # (50 + 40) / 50
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--compare-fleet", str(once)])
+    assert gpu_check.main() == 1 and json.loads(capsys.readouterr().out)["missing"] == ["fleet_one_by_one"]

@@ -216,7 +216,15 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=None, help="race: groups in the running mean (16; smoke 4)")
     parser.add_argument("--fleet", type=int, default=0, metavar="K",
                         help="the fleet race of K experiments instead of the race (install, model and the fleet phases)")
+    parser.add_argument("--compare-fleet", nargs="+", type=Path, metavar="JSON",
+                        help="only compare the fleet sides of earlier runs' JSON files (one side a call)")
     args = parser.parse_args()
+    if args.compare_fleet:
+        sides = {name: phase for path in args.compare_fleet
+                 for name, phase in json.loads(path.read_text())["phases"].items() if name in FLEET_PHASES}
+        missing = [name for name in FLEET_PHASES if name not in sides]
+        print(json.dumps(compare_fleet(sides) if not missing else {"ok": False, "missing": missing}, indent=2))
+        return 0 if not missing else 1
     # SIGTERM (a caller's time limit) as SIGINT: run_phase then stops the phase's tree, which lives in its own
     # session and would outlive us otherwise.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -234,7 +234,7 @@ def _push_rows(push: dict | None, learner: dict | None) -> list[tuple[str, str, 
             f"**{_f(total, 2)} s** = checkpoint {_f(ckpt, 3)} (learner figure) + push start -> first completion "
             f"answered {_f(answered, 3)} (of which the push {_f(srv.get('push_s'), 3)}; rounds "
             f"{', '.join(_f(x, 2) for x in rounds)})"
-            + ("" if ckpt is not None else "The learner figure did not run: no checkpoint in the sum."),
+            + ("" if ckpt is not None else " The learner figure did not run: no checkpoint in the sum."),
             "<= 1 s", _verdict(total, 1.0, higher_is_better=False))
     m = (push.get("lone") or push["direct"])["median_s"]
     variant = ("weight push, worker verbs (variant)", f"the learner's and sampler's verbs called directly, no "
@@ -266,7 +266,6 @@ def _learner_rows(le: dict | None) -> list[tuple[str, str, str, str, str]]:
                f"{_f(le['learner_tok_s'], 1)} vs {_f(le['plain_tok_s'], 1)} tok/s: **{_f(le['ratio'], 3)}**; fastest "
                f"step of each: {_f(le.get('ratio_fastest_steps'), 3)}", "report", "")
     return [main, variant]
-
 
 
 def render(results: dict) -> str:
