@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -53,7 +52,7 @@ import yaml
 
 from . import REPO
 from .host import loadavg, other_processes
-from .race import Race, compare, summarize_runs
+from .race import Race, compare, drive, summarize_runs
 from .run_metrics import learning_summary
 
 ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
@@ -112,8 +111,7 @@ async def wait_healthy(client, timeout_s: float = 900.0) -> dict:
 async def server_side(model_dir: Path, target: float, window: int, time_limit_s: float,
                       concurrency: int = DEMO_CONCURRENCY, seed: int = 0, keep: bool = False,
                       server_settings: list[str] = (), experiment_settings: list[str] = ()) -> dict:
-    from examples.alphabetize import make_prompt, score
-    from examples.task_runner import ensure_experiment, single_turn
+    from examples.task_runner import ensure_experiment
     from grpo_server.client import AsyncClient
 
     from .server import start, stop
@@ -137,26 +135,7 @@ async def server_side(model_dir: Path, target: float, window: int, time_limit_s:
             race.start()
             await ensure_experiment(client, config)
             out["create_experiment_s"] = round(race.elapsed(), 2)
-            episode = single_turn(make_prompt, score)
-            rng = random.Random(seed)
-
-            async def worker() -> None:
-                while not race.done:
-                    for row in await episode(client, name, rng):
-                        race.add(row["reward"], row["policy_version"])
-                        _progress("server", race)
-
-            tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-            try:
-                while not race.done:  # the time limit holds even while every worker waits on the server
-                    failed = [t for t in tasks if t.done() and t.exception() is not None]
-                    if failed:
-                        raise failed[0].exception()
-                    await asyncio.sleep(0.5)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await drive(client, name, race, seed, concurrency, lambda: _progress("server", race))
             out.update(race.summary())
             out["load_end"] = loadavg()
             status = await client.status(name)

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -50,7 +49,7 @@ from . import REPO
 from .end_to_end import ALPHABETIZE_CONFIG, DEMO_CONCURRENCY, TRL_MODULE, server_overrides, wait_healthy
 from .host import loadavg, other_processes
 from .memory import peak_rss
-from .race import Race
+from .race import Race, drive
 from .run_metrics import learning_summary
 
 ARRANGEMENTS = ("at_once", "one_by_one", "trl_one_by_one", "trl_side_by_side")
@@ -65,34 +64,6 @@ def parse_seeds(text: str) -> list[int]:
 
 
 # --- the server's arrangements ----------------------------------------------------------------------
-
-
-async def _drive(client, name: str, race: Race, seed: int, concurrency: int, note) -> None:
-    """`concurrency` workers run alphabetize episodes on `name` until its race is done."""
-    from examples.alphabetize import make_prompt, score
-    from examples.task_runner import single_turn
-
-    episode = single_turn(make_prompt, score)
-    rng = random.Random(seed)
-
-    async def worker() -> None:
-        while not race.done:
-            for row in await episode(client, name, rng):
-                if not race.done:
-                    race.add(row["reward"], row["policy_version"])
-                    note(name, race)
-
-    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    try:
-        while not race.done:  # the time limit holds even while every worker waits on the server
-            failed = [t for t in tasks if t.done() and t.exception() is not None]
-            if failed:
-                raise failed[0].exception()
-            await asyncio.sleep(0.5)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _progress_printer():
@@ -140,7 +111,7 @@ async def server_fleet(model_dir: Path, arrangement: str, seeds: list[int], targ
             async def one(name: str, seed: int, race: Race) -> None:
                 race.start()
                 await client.create_experiment({**base, "name": name})
-                await _drive(client, name, race, seed, concurrency, note)
+                await drive(client, name, race, seed, concurrency, lambda: note(name, race))
 
             if arrangement == "at_once":
                 await asyncio.gather(*(one(n, s, r) for n, s, r in zip(names, seeds, races)))

@@ -8,11 +8,45 @@ output format early, the other does not), so a side's figure is the median over 
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 import statistics
 import time
+from typing import Callable
 
 from .host import loadavg
+
+
+async def drive(client, name: str, race: Race, seed: int, concurrency: int, on_group: Callable[[], None]) -> None:
+    """The server side of a race (end_to_end.py's, and each experiment of fleet.py's): `concurrency` workers run
+    alphabetize episodes on experiment `name` (examples/task_runner.py's single turn: completions, score,
+    feedback, waiting out 429/503), prompts drawn from `random.Random(seed)`, until `race` is done; `on_group`
+    after each group added. A worker's error ends the race with it."""
+    from examples.alphabetize import make_prompt, score
+    from examples.task_runner import single_turn
+
+    episode = single_turn(make_prompt, score)
+    rng = random.Random(seed)
+
+    async def worker() -> None:
+        while not race.done:
+            for row in await episode(client, name, rng):
+                if not race.done:
+                    race.add(row["reward"], row["policy_version"])
+                    on_group()
+
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    try:
+        while not race.done:  # the time limit holds even while every worker waits on the server
+            failed = [t for t in tasks if t.done() and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            await asyncio.sleep(0.5)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Race:
