@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import LearnerConfig, load_yaml, write_resolved
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("learner").info("learner.ranks %d: the launcher's WORLD_SIZE %d rules", config.ranks,
                                           launched.world_size)
         config = config.model_copy(update={"ranks": launched.world_size})
-    followers, secret = None, None
+    followers, secret, listening = None, None, None
     if not follower:  # rank 0 alone serves the verbs
         try:
             secret = take_secret()  # before it starts the other ranks, which must not inherit it
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"learner: {exc}", file=sys.stderr)
             return 2
         write_resolved(config, config.run_dir / "config" / "learner.resolved.yaml")
+        try:
+            listening = bind_early(config.host, config.port)  # before torch's store binds ports of its own
+        except OSError as exc:
+            print(f"learner: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
+            return 2
         if config.ranks > 1 and launched is None:
             from learner.ranks import Followers
 
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if follower:
         # Not a normal interpreter exit: nothing here needs one, and joining threads could hang.
         exit_now(run_follower(config, rank, launched))
-    return run_rank0(config, secret, followers, launched)
+    return run_rank0(config, secret, listening, followers, launched)
 
 
 if __name__ == "__main__":

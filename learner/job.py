@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Any, Callable
 
@@ -58,13 +59,13 @@ class Lifetime:
         self._loop.call_soon_threadsafe(self._stop.set)
 
 
-async def _serve(app: Any, config: LearnerConfig, lifetime: Lifetime, on_stopped: Callable[[], None],
-                 on_broken: Callable[[], None] | None) -> None:
+async def _serve(app: Any, config: LearnerConfig, listening: socket.socket, lifetime: Lifetime,
+                 on_stopped: Callable[[], None], on_broken: Callable[[], None] | None) -> None:
     from aiohttp import web
 
     runner = web.AppRunner(app, access_log=None)  # the supervisor polls /health; verbs log themselves
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    await web.SockSite(runner, listening).start()  # bound in learner/__main__.py, before torch
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     lifetime.attach(loop, stop)
@@ -83,9 +84,10 @@ async def _serve(app: Any, config: LearnerConfig, lifetime: Lifetime, on_stopped
     await asyncio.to_thread(on_stopped)
 
 
-def run_rank0(config: LearnerConfig, secret: str, followers: Followers | None,
+def run_rank0(config: LearnerConfig, secret: str, listening: socket.socket, followers: Followers | None,
               launched: RankEnv | None = None) -> int:
     """`secret`: the workers' secret, which every caller of the verbs must send (protocol/worker_auth.py).
+    `listening`: the verbs' socket, bound at start (grpo_server/protocol/listen.py says why).
     `followers`: ranks 1..N-1, already started (learner/__main__.py), waiting for the rendezvous port;
     or `launched`: a launcher started every rank, and the store is at its MASTER_ADDR:MASTER_PORT."""
     import torch.distributed as dist
@@ -110,8 +112,8 @@ def run_rank0(config: LearnerConfig, secret: str, followers: Followers | None,
     dist.barrier()  # healthy only once every rank holds the model
 
     if followers is None:  # one rank: the learner as it always was
-        asyncio.run(_serve(create_app(trainer, config.run_dir, secret, config.keep_versions), config, lifetime,
-                           trainer.checkpoint_all, on_broken=None))
+        asyncio.run(_serve(create_app(trainer, config.run_dir, secret, config.keep_versions), config, listening,
+                           lifetime, trainer.checkpoint_all, on_broken=None))
     else:
         lockstep = LockstepTrainer(trainer, CommandChannel(store), followers, lifetime.break_job,
                                    config.collective_timeout_s + OUTCOME_MARGIN_S)
@@ -122,8 +124,8 @@ def run_rank0(config: LearnerConfig, secret: str, followers: Followers | None,
             finally:
                 lockstep.stop_followers(FOLLOWER_STOP_S)
 
-        asyncio.run(_serve(create_app(lockstep, config.run_dir, secret, config.keep_versions), config, lifetime,
-                           stop_job, on_broken=followers.kill))
+        asyncio.run(_serve(create_app(lockstep, config.run_dir, secret, config.keep_versions), config, listening,
+                           lifetime, stop_job, on_broken=followers.kill))
     dist.destroy_process_group()
     return 0
 

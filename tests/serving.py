@@ -15,6 +15,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 
 ADMIN_KEY = "test-admin-key-4d7e"  # as long as an experiment key must be: tests/test_server.py tries it as one
@@ -52,12 +53,6 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrides) -> ServerHandle:

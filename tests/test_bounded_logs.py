@@ -10,10 +10,10 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from grpo_server.protocol.listen import free_port
 from grpo_server.runtime import metrics_log
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsLog, last_lines
 from grpo_server.workers import worker_logs
-from grpo_server.workers.launch import free_port
 from grpo_server.workers.processes import WorkerProcess
 from grpo_server.workers.worker_logs import RotatingLog, tail_lines
 from tests.serving import wait_for

@@ -8,7 +8,6 @@ tests/test_learner.py and tests/test_learner_adapters.py.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,13 @@ from pathlib import Path
 import yaml
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.worker_auth import auth_headers
 from tests.learner_helpers import COMPLETION, PROMPT, _sample
 from tests.serving import WORKER_SECRET, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _post(url: str, verb: str, body) -> tuple[int, dict]:
@@ -44,7 +38,7 @@ def _post(url: str, verb: str, body) -> tuple[int, dict]:
 
 
 def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     run_dir = tmp_path / "run"
     config_path = tmp_path / "learner.yaml"
     config_path.write_text(yaml.safe_dump({"model_path": str(tiny_model_dir), "run_dir": str(run_dir),

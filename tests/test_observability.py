@@ -24,7 +24,7 @@ from grpo_server.plot import load_series
 from grpo_server.workers.processes import WorkerProcess
 from grpo_server.protocol import archive
 from grpo_server.protocol.wire import TrainMetrics
-from grpo_server.workers.launch import free_port
+from grpo_server.protocol.listen import free_port
 from tests.serving import ADMIN_KEY, headers, wait_for
 
 EXP = "obs-page"

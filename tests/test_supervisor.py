@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from grpo_server.protocol.listen import free_port
 from grpo_server.workers import processes as supervisor
 from grpo_server.workers.processes import WorkerProcess
-from grpo_server.workers.launch import free_port
 
 # A worker that answers /health, then dies with code 3 after `lifetime` seconds.
 CRASHING_WORKER = """

@@ -72,6 +72,19 @@ def test_supervised_steps_lower_the_loss_and_forward_matches(service):
     tokenizer = training.get_tokenizer()
     batch = [_datum(tokenizer.encode("The quick brown fox jumps over the lazy dog")),
              _datum(tokenizer.encode("One two three four five six seven"))]
+    # forward_backward_custom first, on fresh weights: the SDK's forward, the loss on the client, a weighted
+    # cross_entropy back. Adam's first step moves every parameter against the sign of its gradient, so a small
+    # one lowers the loss whatever earlier steps did (after several steps at 1e-2, one more overshot in CI).
+    before = training.forward(batch, "cross_entropy").result()
+
+    def custom(data, logprobs_list):
+        loss = -sum(lp.sum() for lp in logprobs_list)
+        return loss, {"custom:sum": float(loss.detach())}
+
+    custom_out = training.forward_backward_custom(batch, custom).result()
+    assert custom_out.metrics["custom:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-4)
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert training.forward(batch, "cross_entropy").result().metrics["loss:sum"] < before.metrics["loss:sum"]
     losses = [_step(training, batch).metrics["loss:sum"] for _ in range(4)]
     assert losses[-1] < losses[0] * 0.9, losses
     # forward: the loss and the logprobs under the current weights, which a forward_backward would give too
@@ -82,15 +95,6 @@ def test_supervised_steps_lower_the_loss_and_forward_matches(service):
     assert len(logprobs) == len(batch[0].loss_fn_inputs["target_tokens"].tolist())
     assert -sum(sum(o["logprobs"].tolist()) for o in forward.loss_fn_outputs) == pytest.approx(
         forward.metrics["loss:sum"], rel=1e-4)
-    # forward_backward_custom: the SDK's forward, the loss on the client, a weighted cross_entropy back
-    def custom(data, logprobs_list):
-        loss = -sum(lp.sum() for lp in logprobs_list)
-        return loss, {"custom:sum": float(loss.detach())}
-
-    custom_out = training.forward_backward_custom(batch, custom).result()
-    assert custom_out.metrics["custom:sum"] == pytest.approx(forward.metrics["loss:sum"], rel=1e-4)
-    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    assert training.forward(batch, "cross_entropy").result().metrics["loss:sum"] < forward.metrics["loss:sum"]
 
 
 def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(server, service):

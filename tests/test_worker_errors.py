@@ -20,10 +20,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from grpo_server.api.edge import error_middleware
 from grpo_server.protocol.errors import public_message
+from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.verbs import LearnerVerbs
 from grpo_server.protocol.wire import RemoveExperimentRequest
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
-from grpo_server.workers.launch import free_port
 from grpo_server.workers.pool import WorkerConnection
 from grpo_server.workers.processes import WorkerProcess
 from tests.serving import WORKER_SECRET, worker_env

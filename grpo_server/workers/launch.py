@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import socket
 import sys
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from grpo_server.config import ServerConfig
+from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient
 from grpo_server.protocol.wire import AdapterRef
 from grpo_server.protocol.worker_auth import SECRET_ENV
@@ -32,12 +32,6 @@ from grpo_server.workers.processes import WorkerProcess
 from grpo_server.workers.remote import RemoteWorker
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class WorkerSet:

@@ -1,0 +1,102 @@
+"""Worker ports (grpo_server/protocol/listen.py): the front end hands out each picked port once, and a worker
+binds its port before its heavy imports, so nothing it starts (vLLM's engine, torch's store) can take it first."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+
+from grpo_server.protocol import listen
+from grpo_server.protocol.listen import bind_early, free_port
+from tests.serving import worker_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    # The kernel's next pick repeats the port just handed out; free_port asks again.
+    picks = iter([41001, 41001, 41001, 41002])
+
+    class Picked:
+        def __init__(self, *args):
+            self.port = next(picks)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(listen, "_handed_out", set())
+    monkeypatch.setattr(listen.socket, "socket", Picked)
+    assert [free_port(), free_port()] == [41001, 41002]
+
+
+def test_free_port_gives_distinct_bindable_ports():
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))
+
+
+async def test_a_bound_port_is_held_refused_until_served_then_served():
+    port = free_port()
+    held = bind_early("127.0.0.1", port)
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        with pytest.raises(aiohttp.ClientConnectionError):  # bound, not listening: a health probe is refused
+            await session.get(f"http://127.0.0.1:{port}/health")
+        app = web.Application()
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.SockSite(runner, held).start()
+        try:
+            async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                assert response.status == 200
+        finally:
+            await runner.cleanup()
+
+
+def test_bind_early_reports_a_taken_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        with pytest.raises(OSError):
+            bind_early("127.0.0.1", taken.getsockname()[1])
+
+
+@pytest.mark.parametrize("role", ["sampler", "learner"])
+def test_a_worker_whose_port_is_taken_says_so_before_loading_anything(role, tmp_path):
+    """Exit code 2 and the port in the message: the bind comes before vLLM / torch load anything."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        config = tmp_path / f"{role}.yaml"
+        config.write_text(yaml.safe_dump({"model_path": str(tmp_path / "no-model"), "run_dir": str(tmp_path / "run"),
+                                          "port": port}))
+        done = subprocess.run([sys.executable, "-m", role, "--config", str(config)], cwd=ROOT, env=worker_env(),
+                              capture_output=True, text=True, timeout=120)
+    # The model path does not exist: a worker that loaded anything before binding would fail on that instead.
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot bind 127.0.0.1:{port}" in done.stderr
+
