@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 # Longest wait for in-flight requests on an adapter before it is removed anyway.
 UNLOAD_DRAIN_TIMEOUT_S = 300.0
+ENGINE_STOP_S = 1.0  # how long vLLM's engine processes get to exit at the sampler's stop before they are killed
 
 
 @dataclass
@@ -139,7 +140,9 @@ class VllmEngine(MergedServing, Engine):
     async def shutdown(self) -> None:
         if self._llm is not None:
             llm, self._llm = self._llm, None
-            llm.shutdown()
+            # vLLM's default grace is 5 s, and its CPU worker process spent all of it on every stop here before
+            # being killed ("force killing remaining processes"); a sampler keeps nothing that a kill would lose.
+            llm.shutdown(timeout=ENGINE_STOP_S)
 
     # --- requests ----------------------------------------------------------------------------
 
