@@ -16,7 +16,7 @@ from aiohttp import web
 
 from grpo_server.protocol import listen
 from grpo_server.protocol.listen import bind_early, free_port
-from tests.serving import worker_env
+from tests.serving import start_server, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +100,15 @@ def test_a_worker_whose_port_is_taken_says_so_before_loading_anything(role, tmp_
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"cannot bind 127.0.0.1:{port}" in done.stderr
 
+
+
+def test_a_server_whose_sampler_port_is_taken_stops_and_says_why(tiny_model_dir, tmp_path):
+    """The whole server: its start fails with the sampler's reason in its log, and the tokenizers it loaded on a
+    thread meanwhile (grpo_server/api/app.py) do not keep it from exiting."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="server exited with") as failed:
+            start_server(tmp_path / "run", tiny_model_dir, sampler={"base_port": port})
+    assert f"cannot bind 127.0.0.1:{port}" in str(failed.value)
+    assert "a worker failed to start" in str(failed.value)

@@ -4,6 +4,7 @@ the port opens, stopped when the app stops)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import AsyncIterator
@@ -69,11 +70,14 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
         # carries the workers' secret (grpo_server/protocol/worker_auth.py), and nothing else does.
         session = aiohttp.ClientSession(headers=auth_headers(workers.secret))
         orchestrator: Orchestrator | None = None
+        # The tokenizers load on a thread while the workers start (~10 s of importing transformers and copying
+        # tokenizers, measured on 2 cores): the workers take longer, and leave a core free for most of it.
+        prompts_loading = asyncio.ensure_future(asyncio.to_thread(
+            PromptBuilder, workers.model_dir, config.max_model_len, config.max_prompt_tokens))
         try:
             pool = await workers.start(session, on_sampler_restart=lambda i: orchestrator.resync_sampler(i),
                                        on_learner_restart=lambda: orchestrator.resync_learner())
-            prompts = PromptBuilder(workers.model_dir, config.max_model_len, config.max_prompt_tokens)
-            orchestrator = Orchestrator(config, pool, prompts)
+            orchestrator = Orchestrator(config, pool, await prompts_loading)
             app[ORCHESTRATOR] = orchestrator
             app[TINKER] = TinkerModels(orchestrator, tinker_base_model(config), FutureStore())
             # Experiments of an earlier run in this run directory resume first; the config's own are
@@ -92,6 +96,10 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
                 await app[TINKER].futures.close()
             if orchestrator is not None:
                 await orchestrator.close()
+            else:  # the workers failed to start: the tokenizers' threads go too (a thread cannot be cancelled)
+                loaded = (await asyncio.gather(prompts_loading, return_exceptions=True))[0]
+                if isinstance(loaded, PromptBuilder):
+                    loaded.close()
             await workers.stop()
             await session.close()
 
