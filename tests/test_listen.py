@@ -24,25 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
     # The kernel's next pick repeats the port just handed out; free_port asks again.
     picks = iter([41001, 41001, 41001, 41002])
-
-    class Picked:
-        def __init__(self, *args):
-            self.port = next(picks)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def bind(self, address):
-            pass
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
-
     monkeypatch.setattr(listen, "_handed_out", set())
-    monkeypatch.setattr(listen.socket, "socket", Picked)
+    monkeypatch.setattr(listen, "_kernels_pick", lambda host: next(picks))
     assert [free_port(), free_port()] == [41001, 41002]
 
 

@@ -15,12 +15,16 @@ import socket
 _handed_out: set[int] = set()
 
 
+def _kernels_pick(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now and that this process has not handed out before."""
     while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
+        port = _kernels_pick(host)
         if port not in _handed_out:
             _handed_out.add(port)
             return port

@@ -15,10 +15,7 @@ environment.
 from __future__ import annotations
 
 import glob
-import logging
 from typing import Mapping
-
-log = logging.getLogger(__name__)
 
 ALLOCATOR_ENV = "GRPO_SERVER_ALLOCATOR"
 ALLOCATORS = ("tcmalloc", "system")
