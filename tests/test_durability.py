@@ -45,24 +45,24 @@ def _datum(tokens: list[int]) -> types.Datum:
 def tinker_before_crash(url: str, base_model: str) -> dict:
     """A Tinker model trains a step, saves its state and sampler weights; what it scores then is what the same
     paths must give after the crash."""
-    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}")
-    training = client.create_lora_training_client(base_model=base_model, rank=8).result()
-    batch = [_datum(training.get_tokenizer().encode("one two three four five six"))]
-    training.forward_backward(batch, "cross_entropy").result()
-    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    state = training.save_state("before-crash").result().path
-    sampler = training.save_weights_for_sampler("served").result().path
-    loss = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    with tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}") as client:  # its exit ends the session
+        training = client.create_lora_training_client(base_model=base_model, rank=8).result()
+        batch = [_datum(training.get_tokenizer().encode("one two three four five six"))]
+        training.forward_backward(batch, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = training.save_state("before-crash").result().path
+        sampler = training.save_weights_for_sampler("served").result().path
+        loss = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]
     return {"model_id": training.model_id, "state": state, "sampler": sampler, "batch": batch, "loss": loss}
 
 
 def tinker_after_restart(url: str, saved: dict) -> None:
-    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}")
-    restored = client.create_training_client_from_state_with_optimizer(saved["state"]).result()
-    assert restored.forward(saved["batch"], "cross_entropy").result().metrics["loss:sum"] == \
-        pytest.approx(saved["loss"], rel=1e-4)
-    sampled = client.create_sampling_client(model_path=saved["sampler"]).result().sample(
-        saved["batch"][0].model_input, 2, types.SamplingParams(max_tokens=3, seed=1)).result()
+    with tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}") as client:
+        restored = client.create_training_client_from_state_with_optimizer(saved["state"]).result()
+        assert restored.forward(saved["batch"], "cross_entropy").result().metrics["loss:sum"] == \
+            pytest.approx(saved["loss"], rel=1e-4)
+        sampled = client.create_sampling_client(model_path=saved["sampler"]).result().sample(
+            saved["batch"][0].model_input, 2, types.SamplingParams(max_tokens=3, seed=1)).result()
     assert len(sampled.sequences) == 2 and all(s.tokens for s in sampled.sequences)
     listed = tinker.RestClient(base_url=url, api_key=f"tml-{ADMIN_KEY}").list_checkpoints(saved["model_id"]).result()
     assert {"weights/before-crash", "sampler_weights/served"} <= {c.checkpoint_id for c in listed.checkpoints}

@@ -78,7 +78,7 @@ class TinkerSide:
         from tinker import types
 
         self.types, self.tokenizer, self.rng = types, tokenizer, random.Random(seed)
-        service = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
+        self.service = service = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
         self.training = service.create_lora_training_client(base_model=base_model, rank=RANK).result()
         self.sampler = self.training.save_weights_and_get_sampling_client().result()
 
@@ -108,6 +108,9 @@ class TinkerSide:
         self.sampler = self.training.save_weights_and_get_sampling_client().result()
         return time.perf_counter() - started
 
+    def stop(self) -> None:
+        self.service.close("success").result(timeout=60)  # ends the session, and with it the SDK's heartbeats
+
 
 async def figure(model_dir: Path, steps: int, warmup: int, seed: int = 0) -> dict:
     """Rounds alternate which side goes first (native, Tinker / Tinker, native / ...), so that a change in the
@@ -136,6 +139,7 @@ async def figure(model_dir: Path, steps: int, warmup: int, seed: int = 0) -> dic
                     tinker.append(await asyncio.to_thread(tinker_side.step))
                     native.append(await native_side.step())
             await native_side.stop()
+            await asyncio.to_thread(tinker_side.stop)
     finally:
         await stop(handle)
     native_s, tinker_s = statistics.median(native[warmup:]), statistics.median(tinker[warmup:])
