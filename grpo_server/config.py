@@ -302,8 +302,8 @@ class ServerConfig(BaseSettings):
         "How a push is checked. tolerance: the sampler's logprobs under the new version within verify_tolerance "
         "of the learner's. nearest_version: nearer the learner's new version than its previous one, and within "
         "a band of the noise floor the first step measures (grpo_server/runtime/version_distance.py), for "
-        "samplers whose numerics differ from the learner's. auto: nearest_version when sampler.dtype differs "
-        "from dtype, tolerance otherwise."))
+        "numerics that differ. auto: nearest_version when sampler.dtype differs from dtype or a worker computes "
+        "in a 16-bit dtype (bfloat16 on a GPU by default), tolerance when all are float32."))
     auth_failure_limit: int = Field(10, ge=0, le=10_000, description=(
         "Unknown keys one client address may send within auth_failure_window_s; past that, every call that "
         "needs a key gets 429 (with Retry-After) until the oldest of them leaves the window. 0 = no limit. An "
@@ -338,7 +338,7 @@ class ServerConfig(BaseSettings):
 
     @property
     def checks_nearest_version(self) -> bool:
-        """Whether pushes get the nearest_version check (`verify_method`; auto: the samplers' dtype differs)."""
+        """By the configuration alone (auto: sampler.dtype differs); see verification.nearest_version_needed."""
         if self.verify_method == "auto":
             return self.sampler.dtype is not None and self.sampler.dtype != self.dtype
         return self.verify_method == "nearest_version"

@@ -70,6 +70,7 @@ class SamplerHandler:
             merged_adapter=engine.merged,
             merge_unsupported=engine.merge_unsupported,
             prefix_cache=engine.prefix_cache,
+            dtype=engine.dtype_name,
         )
 
 

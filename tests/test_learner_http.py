@@ -84,8 +84,10 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         assert saved_probe == body["logprobs"]
         status_request = urllib.request.Request(f"{url}/status", headers=auth_headers(WORKER_SECRET))
         with urllib.request.urlopen(status_request, timeout=10) as response:
-            assert unpack(response.read())["experiments"]["web"] == {
-                "step": 2, "version": 1, "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
+            learner_status = unpack(response.read())
+        assert learner_status["experiments"]["web"] == {
+            "step": 2, "version": 1, "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
+        assert learner_status["dtype"] == "float32"  # dtype auto without CUDA: what the front end picks its check by
 
         assert _post(url, "train", {**train, "name": "ghost"}) == (
             404, {"error": {"code": "not_found", "message": "experiment 'ghost' is not loaded in the learner"}})

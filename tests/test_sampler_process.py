@@ -49,6 +49,7 @@ def test_health_and_resolved_config(sampler: Sampler) -> None:
     health = sampler.health()
     assert health["status"] == "ok" and health["engine"] == sampler.engine
     assert health["max_model_len"] == MAX_MODEL_LEN and isinstance(health["adapters"], list)
+    assert health["dtype"] == "float32"  # dtype auto without CUDA (the front end picks its push check by it)
     resolved = yaml.safe_load((sampler.run_dir / "config" / "sampler-0.resolved.yaml").read_text())
     assert resolved["engine"] == sampler.engine and resolved["max_model_len"] == MAX_MODEL_LEN
 

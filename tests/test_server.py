@@ -31,6 +31,14 @@ async def test_health_lists_ready_workers(client):
     assert health.workers == {"sampler-0": "ready", "learner": "ready"}
 
 
+def test_the_push_check_follows_what_the_workers_say_they_compute_in(server, experiment):
+    # dtype auto on a CPU: the learner and the sampler report float32, so pushes get the exact tolerance check
+    # (on a GPU they report bfloat16: nearest_version; tests/test_version_distance.py has the rule).
+    created = [line for line in server.log_path.read_text(errors="replace").splitlines()
+               if f"experiment {experiment} created" in line]
+    assert created and "pushes checked by tolerance (the workers compute in float32, float32)" in created[-1]
+
+
 async def test_completions_honour_n_and_max_tokens(client, experiment, tokenizer):
     group = await client.complete(experiment, messages=MESSAGES, n=5, max_tokens=6, temperature=1.0)
     assert group.policy_version == 0

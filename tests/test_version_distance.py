@@ -162,3 +162,21 @@ def _with_gap(call, gap):
             answer.sampler_gap_mean = answer.sampler_gap_max = gap() if callable(gap) else gap
         return answer
     return wrapped
+
+
+# --- which check an experiment gets (verify_method auto) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("settings, worker_dtypes, expected", [
+    ({}, ["float32", "float32"], False),  # the CPU defaults: both exact, the tolerance check
+    ({}, ["bfloat16", "bfloat16"], True),  # dtype auto on a GPU: bf16 both, 0.05-0.08 nats apart on an H200
+    ({}, ["float32", "bfloat16"], True),  # a bf16 learner beside a float32 sampler (another host)
+    ({}, [None, None], False),  # workers that do not say: the configuration alone decides
+    ({"sampler": {"dtype": "bfloat16"}}, [None, "float32"], True),
+    ({"verify_method": "tolerance"}, ["bfloat16", "bfloat16"], False),  # said outright: as said
+    ({"verify_method": "nearest_version"}, ["float32", "float32"], True)])
+def test_the_check_follows_what_the_workers_compute_in(settings, worker_dtypes, expected):
+    from grpo_server.config import ServerConfig
+    from grpo_server.runtime.verification import nearest_version_needed
+
+    assert nearest_version_needed(ServerConfig(**settings), worker_dtypes) is expected

@@ -162,6 +162,7 @@ class SamplerHealth(WireModel):
     merged_adapter: str | None = None  # the version folded into the weights now, if any
     merge_unsupported: str | None = None  # why this engine never merges (None: it merges, in turns)
     prefix_cache: PrefixCacheCounts | None = None  # None: an engine without a prefix cache (hf)
+    dtype: str | None = None  # what it computes in ("float32", "bfloat16"; `dtype` auto resolved); None: not said
 
 
 # --- learner -----------------------------------------------------------------------------------
@@ -390,3 +391,4 @@ class SavedStates(WireModel):
 class LearnerStatus(WireModel):
     status: Literal["ok"] = "ok"
     experiments: dict[str, dict[str, Any]]  # name -> {step, version}
+    dtype: str | None = None  # the base weights' dtype, which its logprobs for a push's check are computed in

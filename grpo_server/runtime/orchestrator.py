@@ -32,6 +32,7 @@ from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.runtime.verification import nearest_version_needed
 from grpo_server.trackers import TrackerSet, default_trackers, missing_libraries, open_trackers
 from grpo_server.workers.pool import WorkerPool
 
@@ -122,14 +123,17 @@ class Orchestrator:
             self.trackers[config.name] = tracker_set
             metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
             self.metrics_logs[config.name] = metrics_log
+            dtypes = await self.workers.dtypes()
+            nearest = nearest_version_needed(self.config, dtypes)
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
-                                        nearest_version=self.config.checks_nearest_version)
+                                        nearest_version=nearest)
             exp.start_training(trainer.run())
             self.trainers[config.name] = trainer
             self.experiments[config.name] = exp
-            log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train",
-                     config.name, first.version, first.step, len(exp.queue))
+            log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
+                     "by %s (the workers compute in %s)", config.name, first.version, first.step, len(exp.queue),
+                     "nearest_version" if nearest else "tolerance", ", ".join(d or "?" for d in dtypes))
             return self.status(config.name)
 
     async def delete(self, name: str) -> None:

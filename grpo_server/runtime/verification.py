@@ -21,7 +21,8 @@ next probe was still busy with an earlier version, or the check was inconclusive
 
 Two verdicts (`verify_method`). tolerance: the mean gap within `verify_tolerance`, for samplers that compute
 what the learner does (float32 both: 1e-5). nearest_version (grpo_server/runtime/version_distance.py), for
-samplers whose numerics differ (bf16 beside a float32 learner: 0.07-0.13 nats of noise): the first free check
+numerics that differ (bf16 beside a float32 learner: 0.07-0.13 nats of noise; bf16 both, as `dtype` auto gives
+on a GPU: 0.05-0.08 on an H200, BENCHMARKS.md "GPU check"), chosen by `nearest_version_needed`: the first free check
 (of the version the experiment started from) measures the noise floor; a later free check fails a version
 only when its gap is above the noise band, and otherwise leaves it to the probe, whose learner side then also
 holds the previous version's logprobs (`score_previous`), so the verdict can say which of the two the sampler
@@ -35,6 +36,7 @@ import logging
 from dataclasses import dataclass
 
 from grpo_server.api_models import VerificationResult
+from grpo_server.config import ServerConfig
 from grpo_server.protocol.errors import ApiError
 from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, VersionProbe
 from grpo_server.runtime.experiment import Experiment
@@ -63,6 +65,15 @@ def probe_of(group: Group | None) -> VersionProbe | None:
         return None
     return VersionProbe(prompt_token_ids=prompt, completions_token_ids=completions, temperature=group.temperature)
 
+
+
+def nearest_version_needed(config: ServerConfig, worker_dtypes: list[str | None]) -> bool:
+    """`verify_method` auto: nearest_version when the configured dtypes differ (`sampler.dtype`), or when a worker
+    says it computes in other than float32 (`worker_dtypes`: what `dtype` auto resolved to, e.g. bfloat16 on a
+    GPU, where the learner and the samplers agree only to bf16's noise); tolerance when all are float32."""
+    if config.verify_method != "auto":
+        return config.verify_method == "nearest_version"
+    return config.checks_nearest_version or any(d not in (None, "float32") for d in worker_dtypes)
 
 @dataclass(frozen=True)
 class Pushed:
