@@ -8,7 +8,8 @@ It mirrors what the vLLM engine returns, so the front end cannot tell them apart
 - an EOS token ends a completion with finish_reason "stop" and stays in token_ids (as in vLLM); a stop
   string ends it with "stop" too, its token ids kept up to the token that completed the string;
 - a seed s seeds completion i with s + i (vLLM's parallel sampling does the same), so results repeat.
-Every model call runs in a worker thread under one lock: the event loop keeps answering /health.
+Every model call runs in a worker thread under one lock: the event loop keeps answering /health. Generate
+requests that wait meanwhile run together, each under its own adapter (sampler/hf_batches.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sampler.engine import (
     completion_text,
     torch_dtype_name,
 )
+from sampler.hf_batches import BASE, GenerateBatches, Waiting, decode
 
 
 def _eos_ids(model_path: Path, tokenizer: Any) -> set[int]:
@@ -86,6 +88,7 @@ class HfEngine(Engine):
         self._next_name = 1
         self._lock = threading.Lock()  # one model call at a time (peft's active adapter is global)
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+        self.batches = GenerateBatches(self._run_batch, max_rows=config.max_num_seqs)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -102,6 +105,7 @@ class HfEngine(Engine):
         self._eos = _eos_ids(self.config.model_path, self._tokenizer)
 
     async def shutdown(self) -> None:
+        await self.batches.close()
         self._model = None
 
     async def _call(self, fn: Any, *args: Any) -> Any:
@@ -142,52 +146,34 @@ class HfEngine(Engine):
             raise BadRequest("stop token ids and ignore_eos need the vLLM engine; this sampler runs transformers",
                              code="unsupported_parameter")
         seed = req.seed if req.seed is not None else self._seeds.randrange(2**31)
-        completions = await self._call(self._generate, req, seed)
+        completions = await self.batches.generate(req, seed)
         return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions,
                                 served_as="base" if req.adapter is None else "lora")
 
-    def _generate(self, req: GenerateRequest, seed: int) -> list[Completion]:
-        import torch
+    async def _run_batch(self, batch: list[Waiting]) -> list[list[Completion] | BaseException]:
+        return await self._call(self._decode, batch)
 
-        greedy = req.temperature == 0
-        rows = 1 if greedy else req.n  # greedy completions are all the same: compute one
-        device = self._device()
-        generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(rows)]
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        logprobs: list[list[float]] = [[] for _ in range(rows)]
-        finish: list[str | None] = [None] * rows
-        stop_hit: list[str | None] = [None] * rows
-        with torch.inference_mode(), self._use(req.adapter):
-            prompt = torch.tensor([req.prompt_token_ids], device=device)
-            out = self._model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            if rows > 1:  # prefill once, then one cache row per completion
-                cache.batch_repeat_interleave(rows)
-            logits = out.logits[:, -1, :].float().expand(rows, -1)
-            for step in range(req.max_tokens):
-                next_ids, next_lps = sample_step(logits, req.temperature, req.top_p, generators)
-                for i in range(rows):
-                    if finish[i] is not None:
-                        continue
-                    tokens[i].append(int(next_ids[i]))
-                    logprobs[i].append(float(next_lps[i]))
-                    finish[i], stop_hit[i] = self._stopped(tokens[i], req.stop)
-                if all(f is not None for f in finish) or step == req.max_tokens - 1:
-                    break
-                # Finished rows keep decoding (their tokens are dropped): the batch stays rectangular.
-                out = self._model(input_ids=next_ids.view(rows, 1), past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                logits = out.logits[:, -1, :].float()
-        completions = [
-            Completion(
-                text=completion_text(self._tokenizer, tokens[i], stop_hit[i]),
-                token_ids=tokens[i],
-                logprobs=logprobs[i],
-                finish_reason=finish[i] or "length",
-            )
-            for i in range(rows)
-        ]
-        return [completions[0].model_copy(deep=True) for _ in range(req.n)] if greedy else completions
+    def _decode(self, batch: list[Waiting]) -> list[list[Completion] | BaseException]:
+        """Under the lock: each request's adapter looked up now (an unload may have just run; a request whose
+        adapter is gone gets its 404, the others run), then one decode for the rest."""
+        from peft import PeftModel
+
+        is_peft = isinstance(self._model, PeftModel)
+        results: list[list[Completion] | BaseException | None] = [None] * len(batch)
+        names: list[str] = []
+        for i, waiting in enumerate(batch):
+            adapter = waiting.req.adapter
+            entry = None if adapter is None else self._adapters.get(adapter.key)
+            if adapter is not None and (entry is None or not is_peft):
+                results[i] = adapter_not_loaded(adapter)
+            else:
+                names.append(BASE if entry is None else entry[0])
+        runnable = [w for w, r in zip(batch, results) if r is None]
+        if runnable:
+            decoded = iter(decode(self._model, runnable, names if is_peft else None, self._device(), sample_step,
+                                  self._stopped, lambda ids, hit: completion_text(self._tokenizer, ids, hit)))
+            results = [next(decoded) if r is None else r for r in results]
+        return results
 
     def _stopped(self, tokens: list[int], stop: list[str] | None) -> tuple[str | None, str | None]:
         if tokens[-1] in self._eos:
