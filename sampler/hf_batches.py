@@ -78,6 +78,9 @@ class GenerateBatches:
         while batch := self._take():
             try:
                 results = await self.run_batch(batch)
+            except asyncio.CancelledError:  # close(): the batch in flight must not leave its callers waiting
+                _fail(batch)
+                raise
             except Exception as exc:  # noqa: BLE001 - the whole batch failed: each caller gets the error
                 results = [exc] * len(batch)
             self.batches += 1
@@ -94,10 +97,14 @@ class GenerateBatches:
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
-        while self._waiting:
-            waiting = self._waiting.popleft()
-            if not waiting.done.done():
-                waiting.done.set_exception(RuntimeError("the sampler is shutting down"))
+        _fail(list(self._waiting))
+        self._waiting.clear()
+
+
+def _fail(batch: list[Waiting]) -> None:
+    for waiting in batch:
+        if not waiting.done.done():
+            waiting.done.set_exception(RuntimeError("the sampler is shutting down"))
 
 
 def decode(model: Any, batch: list[Waiting], adapters: list[str] | None, device: Any,

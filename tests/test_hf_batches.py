@@ -18,6 +18,38 @@ from tests.tolerances import HF_BATCHED_VS_ALONE, within
 RAND, RAND2 = AdapterRef(name="rand", version=0), AdapterRef(name="rand2", version=0)
 
 
+# --- the line of waiting requests, without a model ----------------------------------------------------------
+
+
+def _req(n: int, **kw) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=[1, 2, 3], n=n, max_tokens=2, **kw)
+
+
+async def test_waiting_requests_share_batches_up_to_max_rows_and_close_answers_everyone():
+    from sampler.hf_batches import GenerateBatches
+
+    seen: list[list[int]] = []
+    release = asyncio.Event()
+
+    async def run_batch(batch):
+        seen.append([w.req.n for w in batch])
+        if len(seen) == 3:
+            await release.wait()  # the third batch hangs until close()
+        return [[w.req.n] for w in batch]
+
+    batches = GenerateBatches(run_batch, max_rows=8)
+    calls = [asyncio.ensure_future(batches.generate(_req(n), seed=0)) for n in (3, 4, 2, 9, 1)]
+    calls.append(asyncio.ensure_future(batches.generate(_req(5, temperature=0), seed=0)))  # greedy: one row
+    done, pending = await asyncio.wait(calls, timeout=5)
+    # 3 + 4 rows fit 8, 2 more do not; 2 + 9 do not either, and 9 runs alone (and hangs); 1 and the greedy wait.
+    assert seen == [[3, 4], [2], [9]]
+    assert [c.result() for c in calls[:3]] == [[3], [4], [2]] and len(pending) == 3
+    await batches.close()
+    for call in calls[3:]:
+        with pytest.raises(RuntimeError, match="shutting down"):  # not left waiting (a TimeoutError)
+            await asyncio.wait_for(call, 5)
+
+
 @pytest.fixture(scope="module")
 def engine_loop(tiny_model_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """An HfEngine with two adapters loaded, and the event loop it lives on."""
