@@ -66,7 +66,6 @@ def probe_of(group: Group | None) -> VersionProbe | None:
     return VersionProbe(prompt_token_ids=prompt, completions_token_ids=completions, temperature=group.temperature)
 
 
-
 def nearest_version_needed(config: ServerConfig, worker_dtypes: list[str | None]) -> bool:
     """`verify_method` auto: nearest_version when the configured dtypes differ (`sampler.dtype`), or when a worker
     says it computes in other than float32 (`worker_dtypes`: what `dtype` auto resolved to, e.g. bfloat16 on a
@@ -74,6 +73,7 @@ def nearest_version_needed(config: ServerConfig, worker_dtypes: list[str | None]
     if config.verify_method != "auto":
         return config.verify_method == "nearest_version"
     return config.checks_nearest_version or any(d not in (None, "float32") for d in worker_dtypes)
+
 
 @dataclass(frozen=True)
 class Pushed:
