@@ -63,9 +63,9 @@ def test_the_fleet_sides_share_the_budget_and_one_by_one_splits_its_half():
     assert each == pytest.approx((500 - once - gpu_check.GPU_SIDE_OVERHEAD["fleet_one_by_one"] - 10) / 8)
 
 
-def fleet_side(limit_s: float, *clocks: float | None) -> dict:
-    rows = [{"reached": c is not None, "reached_s": c} for c in clocks]
-    return {"result": {"experiments": rows, "time_limit_s": limit_s,
+def fleet_side(limit_s: float, *clocks: float | None, groups: int = 10, wall_s: float = 100.0) -> dict:
+    rows = [{"reached": c is not None, "reached_s": c, "groups": groups} for c in clocks]
+    return {"result": {"experiments": rows, "time_limit_s": limit_s, "wall_s": wall_s,
                        "fleet_s": None if None in clocks else max(clocks)}}
 
 
@@ -80,6 +80,10 @@ def test_the_fleet_speedup_is_exact_or_a_lower_bound():
     assert low["verdict"].endswith("not shown")  # at least 0.6x says nothing about 3x
     missed = compare_fleet({"fleet_at_once": fleet_side(300, None), "fleet_one_by_one": fleet_side(60, 50)})
     assert "speedup" not in missed and "no speed-up" in missed["verdict"]
+    # Where no clock decides, the rates still do: 2 x 30 groups in 100 s against 2 x 10 in 100 s.
+    rates = compare_fleet({"fleet_at_once": fleet_side(300, None, None, groups=30),
+                           "fleet_one_by_one": fleet_side(60, None, None)})
+    assert rates["groups_per_s"] == {"at_once": 0.6, "one_by_one": 0.2} and rates["throughput_ratio"] == 3.0
     assert not compare_fleet({"fleet_at_once": {"ok": False}, "fleet_one_by_one": fleet_side(60, 50)})["ok"]
 
 
