@@ -178,8 +178,9 @@ def learner_phase(ctx: dict) -> dict:
 
 
 async def sampler_phase(ctx: dict) -> dict:
-    """The transformers engine in this process (dtype auto: bf16 on CUDA): groups of the race's shape, one large
-    group, the base model's reward on alphabetize, and the learner's probe re-scored with its adapter loaded."""
+    """The transformers engine in this process (dtype auto: bf16 on CUDA): groups of the race's shape one by one and
+    all at once, one large group, the base model's reward on alphabetize, and the learner's probe re-scored with
+    its adapter loaded."""
     from transformers import AutoTokenizer
 
     from examples.alphabetize import score
@@ -214,9 +215,20 @@ async def sampler_phase(ctx: dict) -> dict:
         rewards.append(statistics.fmean(score(c.text, words) for c in resp.completions))
     big, big_s = await timed(prompts[1][0], big_n, 99)
     big_tokens = sum(len(c.token_ids) for c in big.completions)
+    # The same groups at once: the engine decodes requests that wait together as one batch (sampler/hf_batches.py),
+    # as it does for k experiments sampling at once.
+    t, batches = time.perf_counter(), engine.batches.batches
+    together = await asyncio.gather(*(engine.generate(GenerateRequest(
+        prompt_token_ids=ids, n=n, temperature=0.8, max_tokens=max_tokens, seed=i)) for i, (ids, _) in
+        enumerate(prompts[1:])))
+    together_s = time.perf_counter() - t
+    together_tps = sum(len(c.token_ids) for r in together for c in r.completions) / together_s
     out.update(groups=groups, n=n, max_tokens=max_tokens, group_s_mean=round(seconds / groups, 3),
                tokens_per_s=round(made / seconds, 1), base_reward_mean=round(statistics.fmean(rewards), 4),
-               big_group={"n": big_n, "seconds": round(big_s, 3), "tokens_per_s": round(big_tokens / big_s, 1)})
+               big_group={"n": big_n, "seconds": round(big_s, 3), "tokens_per_s": round(big_tokens / big_s, 1)},
+               groups_at_once={"seconds": round(together_s, 3), "tokens_per_s": round(together_tps, 1),
+                               "batches": engine.batches.batches - batches,
+                               "vs_one_by_one": round(together_tps / (made / seconds), 3)})
     if ctx.get("adapter") and ctx.get("probe"):
         adapter, probe = AdapterRef(name=ctx["adapter"]["name"], version=ctx["adapter"]["version"]), ctx["probe"]
         t0 = time.perf_counter()
