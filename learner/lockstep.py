@@ -209,6 +209,11 @@ class LockstepTrainer:
     def status(self) -> Any:
         return self.trainer.status()
 
+    @property
+    def dtype(self) -> Any:
+        """The same on every rank (one config): rank 0's answers for all (the status says it)."""
+        return self.trainer.dtype
+
     # --- Tinker's verbs (learner/steps.py): rank 0 alone. forward reads, the states are rank 0's files; the verbs
     # that move weights or optimizer state refuse themselves (409) with several ranks before touching anything,
     # so no follower is left waiting for a collective.
