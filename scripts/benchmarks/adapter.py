@@ -32,13 +32,20 @@ from grpo_server.workers.model_prep import resolve_model
 from . import REPO
 
 
-def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
+def write_adapter(model_dir: Path, out: Path, rank: int, b_std: float = 0.0, seed: int = 0) -> Path:
+    """A rank-`rank` LoRA on the default modules; B = 0 (peft's start) unless `b_std` draws it at random."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=DEFAULT_TARGET_MODULES))
+    if b_std:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, b_std)
     peft_model.save_pretrained(str(out))
     return out
 

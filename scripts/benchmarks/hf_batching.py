@@ -22,39 +22,20 @@ from pathlib import Path
 
 from grpo_server.config import EMBEDDED_MODEL_NAME
 from grpo_server.protocol.wire import AdapterRef, GenerateRequest
-from grpo_server.protocol.worker_config import DEFAULT_TARGET_MODULES, SamplerConfig
+from grpo_server.protocol.worker_config import SamplerConfig
 from grpo_server.workers.model_prep import resolve_model
 
+from .adapter import write_adapter
 from .host import loadavg
 
 N, MAX_TOKENS, PROMPT_TOKENS, RANK = 8, 40, 60, 16
-
-
-def write_adapters(model_dir: Path, out: Path, k: int) -> list[Path]:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    paths = []
-    for i in range(k):
-        torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK,
-                                                      target_modules=DEFAULT_TARGET_MODULES))
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.01)
-        peft_model.save_pretrained(str(out / f"a{i}"))
-        paths.append(out / f"a{i}")
-    return paths
 
 
 async def measure(model_dir: Path, ks: list[int], rounds: int) -> dict:
     from sampler.hf_engine import HfEngine
 
     work = Path(tempfile.mkdtemp(prefix="bench-hf-batching-"))
-    adapters = write_adapters(model_dir, work, max(ks))
+    adapters = [write_adapter(model_dir, work / f"a{i}", RANK, b_std=0.01, seed=i) for i in range(max(ks))]
     engine = HfEngine(SamplerConfig(model_path=model_dir, run_dir=work / "run", port=1, engine="transformers",
                                     max_model_len=1024, max_num_seqs=N * max(ks), max_lora_rank=RANK))
     await engine.start()
