@@ -116,6 +116,6 @@ def install() -> None:
 
 def install_from_env() -> None:
     """`install()` where the sampler asked for these ops ($GRPO_SERVER_CPU_LORA_OPS=grouped, set by
-    sampler/vllm_engine.py's engine_args from SamplerConfig.cpu_lora_ops); nothing anywhere else."""
+    sampler/vllm_start.py from SamplerConfig.cpu_lora_ops); nothing anywhere else."""
     if os.environ.get(ENV) == "grouped":
         install()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,16 +52,15 @@ from grpo_server.protocol.wire import (
     ScoreResponse,
     ServedAs,
 )
-from sampler import lora_cpu_ops
 from sampler.engine import (
     Engine,
     adapter_not_loaded,
     check_adapter_dir,
     completion_text,
-    torch_dtype_name,
 )
 from sampler.merged_serving import MergedServing
 from sampler.tool_calls import ToolCalls, ToolRequest
+from sampler.vllm_start import start_async_llm
 
 log = logging.getLogger(__name__)
 
@@ -78,32 +76,6 @@ class _Loaded:
     path: str
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
-    """vLLM's engine arguments for a sampler config (also used by scripts/benchmarks/front_end.py, so the
-    benchmark's "vLLM directly" runs the very same engine)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    # The engine core, a child process, inherits the environment; its worker extension reads this there.
-    os.environ[lora_cpu_ops.ENV] = cfg.cpu_lora_ops
-    return AsyncEngineArgs(
-        model=str(cfg.model_path),
-        dtype=torch_dtype_name(cfg.dtype),
-        # +1: room for the one token vLLM insists on generating after a scored sequence.
-        max_model_len=max_model_len + 1,
-        seed=cfg.seed,
-        enable_lora=True,
-        max_loras=cfg.max_loras,
-        max_cpu_loras=max(cfg.max_cpu_loras, cfg.max_loras),
-        max_lora_rank=cfg.max_lora_rank,
-        logprobs_mode="processed_logprobs",
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_num_seqs=cfg.max_num_seqs,
-        enable_prefix_caching=True,
-        disable_log_stats=True,
-        worker_extension_cls="sampler.merged_weights.MergeWorkerExtension",
-    )
 
 
 class VllmEngine(MergedServing, Engine):
@@ -124,12 +96,10 @@ class VllmEngine(MergedServing, Engine):
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
         self._tool_calls = ToolCalls(self.config.tool_parser, self._tokenizer)  # a bad name fails here, first
-        args = engine_args(self.config, self.max_model_len)
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = start_async_llm(self.config, self.max_model_len)
         if not self.config.merge_lone_adapter:
             self.merge_unsupported = "merge_lone_adapter is off"
         else:

@@ -1,18 +1,22 @@
 """The sampler process itself: the requests it refuses (400 with an error code), its health answer and
-resolved config, and a bad config failing fast before torch or vLLM is imported.
+resolved config, its vLLM worker inside the engine core (sampler/vllm_start.py), and a bad config failing fast
+before torch or vLLM is imported.
 
 The engines are the shared session-scoped `sampler_*` fixtures of `tests/conftest.py`.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
+from grpo_server.protocol.worker_config import SamplerConfig
 from tests.sampler_helpers import MAX_MODEL_LEN, ROOT, Sampler
 
 
@@ -52,6 +56,46 @@ def test_health_and_resolved_config(sampler: Sampler) -> None:
     assert health["dtype"] == "float32"  # dtype auto without CUDA (the front end picks its push check by it)
     resolved = yaml.safe_load((sampler.run_dir / "config" / "sampler-0.resolved.yaml").read_text())
     assert resolved["engine"] == sampler.engine and resolved["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_a_cpu_vllm_sampler_runs_its_worker_inside_the_engine_core(sampler_vllm: Sampler) -> None:
+    # sampler/vllm_start.py: "uni" on a CPU host, so the model's worker is no third process that imports torch
+    # and vLLM again (seconds of every start, and its own resident copy of both).
+    rows = subprocess.run(["ps", "-e", "-o", "pgid=,args="], capture_output=True, text=True, check=True).stdout
+    group = str(sampler_vllm.proc.pid)  # a session and process group of its own (tests/sampler_helpers.py)
+    parsed = (row.strip().partition(" ") for row in rows.splitlines())
+    names = [args.strip() for pgid, _, args in parsed if pgid == group]
+    assert names.count("VLLM::EngineCore") == 1, names
+    assert not [name for name in names if name.startswith("VLLM::Worker")], names
+
+
+@pytest.mark.parametrize(("bind", "threads", "omp"), [
+    (None, 1, "1"), (None, 3, "3"), (None, 0, str(len(os.sched_getaffinity(0)))), ("0", 1, None)])
+def test_the_engine_core_gets_the_worker_and_its_threads(monkeypatch: pytest.MonkeyPatch, bind: str | None,
+                                                           threads: int, omp: str | None) -> None:
+    from sampler.vllm_start import engine_core_environment, worker_in_engine_core
+
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    if bind is not None:  # the user's own binding: vLLM's own worker process, and cpu_threads has no say
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    config = SamplerConfig(model_path=Path("/model"), run_dir=Path("/run"), port=1, cpu_threads=threads)
+    env = engine_core_environment(config)
+    assert env.get("OMP_NUM_THREADS") == omp and env["GRPO_SERVER_CPU_LORA_OPS"] == "grouped"
+    assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") == (bind is None)
+    assert worker_in_engine_core() == (bind is None)  # engine_args' "uni" (None: vLLM's own "mp" on CPU)
+
+
+def test_the_engine_core_environment_is_set_only_while_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A benchmark that runs vLLM in its own process starts servers afterwards: their learner must not inherit
+    # the engine core's one-thread OMP_NUM_THREADS.
+    from sampler.vllm_start import _environment
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with _environment({"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
 
 
 def test_bad_config_fails_before_loading_anything(tmp_path: Path) -> None:

@@ -145,6 +145,12 @@ class SamplerOptions(StrictModel):
     cpu_lora_ops: Literal["grouped", "vllm"] = Field("grouped", description=(
         "vLLM on CPU, requests through LoRA: grouped = one matmul per adapter in the batch "
         "(sampler/lora_cpu_ops.py); vllm = vLLM's own torch ops, which copy an adapter matrix per token."))
+    cpu_threads: int = Field(1, ge=0, le=4096, description=(
+        "vLLM on CPU: its compute threads. 1 = one, as vLLM's own CPU default serves, leaving the other cores "
+        "to the front end and the learner; 0 = a thread per core the process may use (1.46x the tok/s of one "
+        "on 2 cores, alone; no sooner to 0.6 in 2 races: BENCHMARKS.md \"A sampler's start\"). The model's worker "
+        "runs inside vLLM's engine-core process unless VLLM_CPU_OMP_THREADS_BIND is set (then vLLM's own "
+        "worker process and binding, and this is ignored)."))
 
 
 class LearnerOptions(StrictModel):

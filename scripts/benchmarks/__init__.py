@@ -14,6 +14,7 @@ Run every module from the repository root (`.venv/bin/python -m scripts.benchmar
     episodes.py         agent episodes: OpenAI endpoint vs native API, prefix-cache hits of later turns
     learner_vs_peft.py  the learner's train step vs a plain peft + AdamW loop
     adapter.py          vLLM sampling with an adapter vs without
+    sampler_start.py    a vLLM sampler's start, memory and tok/s with its worker in the engine core vs its own process
     end_to_end.py       time to a mean reward on alphabetize, this server vs TRL
     race.py             the race both end-to-end sides share, and the median over several runs
     trl_side.py         TRL's GRPOTrainer side of the end-to-end race

@@ -95,13 +95,12 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
     from vllm import SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from sampler.vllm_engine import engine_args
+    from sampler.vllm_start import start_async_llm
 
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
                            dtype=dtype, cpu_lora_ops=lora_ops)
-    llm = AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
+    llm = start_async_llm(config, config.max_model_len)
     lora = LoRARequest("bench", 1, adapter) if adapter else None
 
     async def one(seed: int) -> int:

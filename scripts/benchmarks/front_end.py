@@ -93,14 +93,12 @@ async def through_server(model_dir: Path, run_dir: Path, args) -> tuple[float, l
 
 
 def direct_engine(model_dir: Path, args):
-    """vLLM's AsyncLLM in this process, with the sampler's own engine arguments (sampler.vllm_engine)."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from sampler.vllm_engine import engine_args
+    """vLLM's AsyncLLM in this process, with the sampler's own engine arguments (sampler.vllm_start)."""
+    from sampler.vllm_start import start_async_llm
 
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
                            kv_cache_gib=2, max_num_seqs=args.max_num_seqs)
-    return AsyncLLM.from_engine_args(engine_args(config, config.max_model_len))
+    return start_async_llm(config, config.max_model_len)
 
 
 def direct_request(llm, adapter: str | None, args, prompt_ids: list[list[int]]):

@@ -1,0 +1,92 @@
+"""vLLM's engine for a sampler config: its arguments, and its engine-core process started with the
+environment they need. The sampler (sampler/vllm_engine.py) and the benchmarks that run "vLLM directly"
+(scripts/benchmarks/front_end.py, adapter.py) start it here, so they run the very same engine.
+
+On a CPU host the model's one worker runs inside vLLM's engine-core process ("uni"), not in a process of its
+own ("mp", vLLM's CPU default). vLLM spawns that worker process so that it can set the OpenMP binding
+environment before the worker's torch starts; with one worker it is one more spawn that imports torch and
+vLLM again (7 s of a sampler's start on this project's 2-core boxes) and 600 MiB resident, and its binding
+keeps vLLM's compute on one core anyway. vLLM accepts "uni" on CPU only when VLLM_ENABLE_V1_MULTIPROCESSING
+is 0, which for `AsyncLLM` changes nothing else: its engine core is always a process of its own. That process
+takes its thread count from OMP_NUM_THREADS (`SamplerConfig.cpu_threads`). Whoever sets
+VLLM_CPU_OMP_THREADS_BIND gets vLLM's own worker process and binding. BENCHMARKS.md "A sampler's start" has
+the start times, memory and tok/s of each.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from grpo_server.protocol.worker_config import SamplerConfig
+from sampler import lora_cpu_ops
+from sampler.engine import torch_dtype_name
+
+
+def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
+    """vLLM's engine arguments for a sampler config."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        distributed_executor_backend="uni" if worker_in_engine_core() else None,
+        model=str(cfg.model_path),
+        dtype=torch_dtype_name(cfg.dtype),
+        # +1: room for the one token vLLM insists on generating after a scored sequence.
+        max_model_len=max_model_len + 1,
+        seed=cfg.seed,
+        enable_lora=True,
+        max_loras=cfg.max_loras,
+        max_cpu_loras=max(cfg.max_cpu_loras, cfg.max_loras),
+        max_lora_rank=cfg.max_lora_rank,
+        logprobs_mode="processed_logprobs",
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+        worker_extension_cls="sampler.merged_weights.MergeWorkerExtension",
+    )
+
+
+def worker_in_engine_core() -> bool:
+    """Whether the model's worker runs inside vLLM's engine-core process: on a CPU host, unless the user binds
+    vLLM's threads with VLLM_CPU_OMP_THREADS_BIND (which needs vLLM's own worker process)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+
+def engine_core_environment(cfg: SamplerConfig) -> dict[str, str]:
+    """What the engine-core process must find in its environment (and the config its parent builds reads)."""
+    env = {lora_cpu_ops.ENV: cfg.cpu_lora_ops}  # read by the worker extension, in the process that runs the worker
+    if worker_in_engine_core():
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Explicit either way: vLLM's engine core would cut torch to one thread for serving, but its CPU worker
+        # has by then made torch.set_num_threads a no-op, so without this the count would rest on that order.
+        env["OMP_NUM_THREADS"] = str(cfg.cpu_threads or os.environ.get("OMP_NUM_THREADS")
+                                     or len(os.sched_getaffinity(0)))
+    return env
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` set while the body runs, then the environment as it was (a benchmark that runs vLLM in its own
+    process must not pass a one-thread OMP_NUM_THREADS on to the server and learner it starts afterwards)."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_async_llm(cfg: SamplerConfig, max_model_len: int) -> Any:
+    """vLLM's `AsyncLLM` for a sampler config; it returns once its engine core is up."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with _environment(engine_core_environment(cfg)):
+        return AsyncLLM.from_engine_args(engine_args(cfg, max_model_len))
