@@ -5,7 +5,7 @@ environment they need. The sampler (sampler/vllm_engine.py) and the benchmarks t
 On a CPU host the model's one worker runs inside vLLM's engine-core process ("uni"), not in a process of its
 own ("mp", vLLM's CPU default). vLLM spawns that worker process so that it can set the OpenMP binding
 environment before the worker's torch starts; with one worker it is one more spawn that imports torch and
-vLLM again (7 s of a sampler's start on this project's 2-core boxes) and 600 MiB resident, and its binding
+vLLM again (13 s of a sampler's start on this project's 2-core boxes) and 600 MiB resident, and its binding
 keeps vLLM's compute on one core anyway. vLLM accepts "uni" on CPU only when VLLM_ENABLE_V1_MULTIPROCESSING
 is 0, which for `AsyncLLM` changes nothing else: its engine core is always a process of its own. That process
 takes its thread count from OMP_NUM_THREADS (`SamplerConfig.cpu_threads`). Whoever sets

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,6 +120,7 @@ def one_start(model_dir: Path, arm: str, mp_bind: str) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
