@@ -98,8 +98,9 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _start(engine: str, model_dir: Path, tmp: Path, **options: Any) -> Sampler:
-    """A sampler process on the tiny model; `options` add to (or replace) its config's fields."""
+def _start(engine: str, model_dir: Path, tmp: Path, env: dict[str, str] | None = None, **options: Any) -> Sampler:
+    """A sampler process on the tiny model; `options` add to (or replace) its config's fields, `env` to its
+    environment."""
     port = free_port()
     config = {
         "model_path": str(model_dir),
@@ -121,7 +122,7 @@ def _start(engine: str, model_dir: Path, tmp: Path, **options: Any) -> Sampler:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sampler", "--config", str(config_path)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=worker_env(),
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**worker_env(), **(env or {})},
         )
     sampler = Sampler(engine, proc, port, log, tmp / "run")
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -44,6 +44,12 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def tree_rss(pid: int) -> tuple[int, float]:
+    """How many processes `pid` and its descendants are, and their resident memory now (VmRSS, MiB)."""
+    pids = _tree(pid)
+    return len(pids), round(sum(int(_proc_status(p).get("VmRSS", "0 kB").split()[0]) for p in pids) / 1024, 1)
+
+
 def peak_rss(front_end_pid: int) -> dict:
     """VmHWM (peak RSS since the process started) and VmRSS of the front end, the sampler and the learner,
     each with its child processes (vLLM's engine core and worker run under the sampler). MiB."""

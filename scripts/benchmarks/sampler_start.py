@@ -4,7 +4,8 @@ host: sampler/vllm_start.py) or in a process of its own (`mp`, vLLM's own CPU de
 
     .venv/bin/python -m scripts.benchmarks.sampler_start [--rounds 3] [--model smollm2-135m-instruct]
 
-Three arms, in a rotating order, a fresh sampler process each start:
+Three arms, in a rotating order, a fresh sampler process each start (tests/sampler_helpers.py's, with
+max_model_len 1024, a 1 GiB KV cache and 32 sequences at once):
 - `uni`: the default (the worker in the engine core, `sampler.cpu_threads` 1: one compute thread);
 - `uni_all`: the same with `cpu_threads` 0 (a thread per core);
 - `mp`: what a sampler ran before `uni`. It sets VLLM_CPU_OMP_THREADS_BIND to the core vLLM's automatic binding
@@ -22,84 +23,33 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 from grpo_server.config import EMBEDDED_MODEL_NAME
-from grpo_server.protocol.codec import MSGPACK, pack, unpack
-from grpo_server.protocol.listen import free_port
-from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 from grpo_server.workers.model_prep import resolve_model
+from tests.sampler_helpers import _start, _stop
 
-from . import REPO
+from .memory import tree_rss
 
-SECRET = "bench-sampler-start-secret-0123456789"
 PROMPT = list(range(100, 160))
-
-
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=pack(body), method="POST",
-                                     headers={"Content-Type": MSGPACK, **auth_headers(SECRET)})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return unpack(response.read())
-
-
-def _tree_rss_mib(pid: int) -> float:
-    """Resident memory of `pid` and its descendants (MiB)."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,rss="], capture_output=True, text=True).stdout
-    rows = [tuple(int(x) for x in line.split()) for line in out.splitlines() if line.strip()]
-    tree, grew = {pid}, True
-    while grew:
-        grew = False
-        for child, parent, _ in rows:
-            if parent in tree and child not in tree:
-                tree.add(child)
-                grew = True
-    return sum(rss for child, _, rss in rows if child in tree) / 1024
 
 
 def one_start(model_dir: Path, arm: str, mp_bind: str) -> dict:
     """Start a sampler in `arm`, time it to /health, measure its memory and tokens/s, stop it."""
     tmp = Path(tempfile.mkdtemp(prefix=f"sampler-start-{arm}-"))
-    port = free_port()
-    config = {"model_path": str(model_dir), "run_dir": str(tmp / "run"), "port": port, "engine": "vllm",
-              "max_model_len": 1024, "kv_cache_gib": 1, "max_num_seqs": 32,
-              "cpu_threads": 0 if arm == "uni_all" else 1}
-    (tmp / "sampler.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", SECRET_ENV: SECRET}
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    if arm == "mp":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = mp_bind
-    url = f"http://127.0.0.1:{port}"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": mp_bind} if arm == "mp" else {}
     started = time.perf_counter()
-    with open(tmp / "sampler.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "sampler", "--config", str(tmp / "sampler.yaml")], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    sampler = _start("vllm", model_dir, tmp, env=env, max_model_len=1024, kv_cache_gib=1, max_num_seqs=32,
+                     cpu_threads=0 if arm == "uni_all" else 1)
+    start_s = time.perf_counter() - started
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sampler exited {proc.returncode}: {(tmp / 'sampler.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=auth_headers(SECRET)),
-                                            timeout=5):
-                    break
-            except (OSError, urllib.error.URLError):
-                time.sleep(0.2)
-        start_s = time.perf_counter() - started
-        processes = int(subprocess.run(["pgrep", "-c", "-g", str(proc.pid)], capture_output=True, text=True).stdout)
-        rss_mib = _tree_rss_mib(proc.pid)
+        processes, rss_mib = tree_rss(sampler.proc.pid)
 
         def generate(seed: int) -> int:
-            out = _post(url + "/generate", {"prompt_token_ids": PROMPT, "n": 8, "max_tokens": 64, "seed": seed,
-                                            "ignore_eos": True})
+            out = sampler.generate(prompt_token_ids=PROMPT, n=8, max_tokens=64, seed=seed, ignore_eos=True)
             return sum(len(c["token_ids"]) for c in out["completions"])
 
         generate(0)
@@ -109,17 +59,12 @@ def one_start(model_dir: Path, arm: str, mp_bind: str) -> dict:
                 t0 = time.perf_counter()
                 tokens = sum(pool.map(generate, [1 + 4 * p + i for i in range(4)]))
                 rates.append(tokens / (time.perf_counter() - t0))
-        bound = [line for line in (tmp / "sampler.log").read_text(errors="replace").splitlines() if "core ids" in line]
+        bound = [line for line in sampler.log.read_text(errors="replace").splitlines() if "core ids" in line]
         return {"arm": arm, "start_s": round(start_s, 1), "processes": processes, "rss_mib": round(rss_mib),
                 "tok_s": round(statistics.median(rates), 1), "binding": bound[-1].split("]", 1)[-1].strip() if bound
                 else "none (no vLLM worker process)"}
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        _stop(sampler.proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -130,6 +75,8 @@ def main() -> None:
     parser.add_argument("--mp-bind", default="0", help="the mp arm's VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        parser.error("unset VLLM_CPU_OMP_THREADS_BIND: the mp arm sets it, and the uni arms need it unset")
     model_dir = resolve_model(args.model)
     rows = []
     arms = ("uni", "uni_all", "mp")
