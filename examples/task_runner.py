@@ -52,10 +52,9 @@ def parse_args(description: str, default_config: str | dict) -> argparse.Namespa
     in_code = isinstance(default_config, dict)
     parser.add_argument("--config", default=None if in_code else default_config, help="experiment YAML")
     parser.add_argument("--steps", type=int, default=30, help="stop after this many policy versions")
-    # 2 episodes at once: for the single-turn tasks a step's worth of groups (their batch_groups), so each step
-    # trains on groups its previous version sampled. With 4 in flight they came from versions up to 2 steps old,
-    # and alphabetize's race to 0.6 took 1.6x as long in median over 5 seeds (BENCHMARKS.md, "The defaults race").
-    parser.add_argument("--concurrency", type=int, default=2, help="groups in flight at once")
+    # 4 in flight. A lone experiment learned sooner with 2 (alphabetize's race to 0.6), but in the demo, two tasks
+    # at 2 each, every task made versions and groups more slowly (BENCHMARKS.md, "The defaults race").
+    parser.add_argument("--concurrency", type=int, default=4, help="groups in flight at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="reward curve CSV (default: runs/<experiment>-reward.csv)")
     args = parser.parse_args()

@@ -57,7 +57,7 @@ from .run_metrics import learning_summary
 
 ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
 SERVER_CONFIG = REPO / "configs" / "server.yaml"
-DEMO_CONCURRENCY = 2  # scripts/demo runs examples/alphabetize.py with task_runner's default --concurrency
+DEMO_CONCURRENCY = 4  # scripts/demo runs examples/alphabetize.py with task_runner's default --concurrency
 TRL_MODULE = "scripts.benchmarks.trl_side"
 
 
