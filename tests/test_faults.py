@@ -104,12 +104,15 @@ async def test_learner_crash_is_reported_and_training_resumes(server, client):
     await wait_for(restart_reported, timeout_s=300)
     await wait_for(lambda: all_ready(client), timeout_s=60)
     assert worker_pid(server, "learner") != old_pid
+    status = await client.status(name)
+    # Resumed from the newest version on disk: never behind what is served (ahead only while a push is under way).
+    assert status.learner_version >= status.policy_version, status
 
     async def settled():  # groups queued before the kill are trained again; a push may still be under way
         status = await client.status(name)
         return status if not status.queued_groups and status.learner_version == status.policy_version else None
 
-    status = await wait_for(settled, timeout_s=120)  # the learner resumed from the newest version on disk
+    status = await wait_for(settled, timeout_s=120)
     resumed_at = status.policy_version
     resumed_files = adapter_files(server, name, resumed_at)
     assert resumed_files  # the version the learner resumed from is on disk
