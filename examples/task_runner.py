@@ -52,9 +52,8 @@ def parse_args(description: str, default_config: str | dict) -> argparse.Namespa
     in_code = isinstance(default_config, dict)
     parser.add_argument("--config", default=None if in_code else default_config, help="experiment YAML")
     parser.add_argument("--steps", type=int, default=30, help="stop after this many policy versions")
-    # 4 in flight. A lone experiment learned sooner with 2 (alphabetize's race to 0.6), but in the demo, two tasks
-    # at 2 each, every task made versions and groups more slowly (BENCHMARKS.md, "The defaults race").
-    parser.add_argument("--concurrency", type=int, default=4, help="groups in flight at once")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="groups in flight at once (default: the server's suggested_groups_in_flight, followed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="reward curve CSV (default: runs/<experiment>-reward.csv)")
     args = parser.parse_args()
@@ -75,6 +74,49 @@ async def ensure_experiment(client: AsyncClient, config: dict) -> None:
     except GrpoServerError as exc:
         if exc.status != 409:
             raise  # 409: it exists already (a re-run continues it)
+
+
+class GroupsInFlight:
+    """How many groups a task keeps in flight: `fixed`, else (None) the server's `suggested_groups_in_flight` for the
+    experiment, re-read every POLL_S seconds: one batch while it samples alone, more while other experiments
+    sample too (grpo_server/runtime/status.py says why). Worker `i` of `workers` samples while `i` is below the
+    limit. Used as `async with`, which follows the server in the background."""
+
+    POLL_S = 5.0
+    MAX_FOLLOWED = 16  # workers started when following the server
+
+    def __init__(self, client: AsyncClient, name: str, fixed: int | None = None):
+        self.client, self.name, self.fixed = client, name, fixed
+        self.limit = fixed or 1
+        self.workers = fixed or self.MAX_FOLLOWED
+        self._follower: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "GroupsInFlight":
+        if self.fixed is None:
+            self._follower = asyncio.create_task(self._follow(), name=f"follow-{self.name}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+
+    async def _follow(self) -> None:
+        while True:
+            status = await retrying(lambda: self.client.status(self.name))
+            self.limit = max(1, min(status.suggested_groups_in_flight, self.MAX_FOLLOWED))
+            await asyncio.sleep(self.POLL_S)
+
+    async def turn(self, index: int, stop: Callable[[], bool]) -> bool:
+        """Wait until worker `index` may sample (True) or `stop()` (False); raise what ended following the server."""
+        while True:
+            if self._follower is not None and self._follower.done():
+                self._follower.result()
+            if stop():
+                return False
+            if index < self.limit:
+                return True
+            await asyncio.sleep(0.5)
 
 
 async def retrying(call: Callable[[], Awaitable[T]]) -> T:
@@ -118,8 +160,8 @@ async def run_episodes(args: argparse.Namespace, episode: Episode) -> dict:
         bar = tqdm(total=args.steps, desc=name, unit="version")
         done = asyncio.Event()
 
-        async def worker() -> None:
-            while not done.is_set():
+        async def worker(index: int) -> None:
+            while await in_flight.turn(index, done.is_set):
                 steps = await episode(client, name, rng)
                 rows.extend({"seconds": round(time.monotonic() - started, 2), **step} for step in steps)
                 recent = [r["reward"] for r in rows[-32:]]
@@ -129,7 +171,8 @@ async def run_episodes(args: argparse.Namespace, episode: Episode) -> dict:
                 if version >= goal:
                     done.set()
 
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        async with GroupsInFlight(client, name, args.concurrency) as in_flight:
+            await asyncio.gather(*(worker(i) for i in range(in_flight.workers)))
         bar.close()
         status = await client.status(name)
 

@@ -59,6 +59,7 @@ class Experiment:
     adapter_paths: dict[int, str] = field(default_factory=dict)  # versions loaded on the samplers
     inflight: Counter = field(default_factory=Counter)  # requests per version still being sampled
     sampling_requests: float = 0  # groups being sampled (sampling_request); an episode's turn is 1/n of one
+    last_sampling_at: float = -math.inf  # time.monotonic() when its latest sampler request was admitted
     staleness: Counter = field(default_factory=Counter)  # trained groups by optimizer steps behind the learner
     version_steps: dict[int, int] = field(default_factory=lambda: {0: 0})  # the learner step of each version
     counters: ExperimentCounters = field(default_factory=ExperimentCounters)
@@ -293,7 +294,7 @@ class Experiment:
     @contextlib.contextmanager
     def sampling_request(self, share: float = 1.0) -> Iterator[None]:
         """Counts a sampler request (`share` of a group) from its admission (it may await a turn) to its end."""
-        self.sampling_requests += share
+        self.sampling_requests, self.last_sampling_at = self.sampling_requests + share, time.monotonic()
         try:
             yield
         finally:
@@ -328,8 +329,7 @@ class Experiment:
 
     def resume_from(self, state: AdapterVersion) -> None:
         """Take the learner's durable position: every journalled group after it is queued (again)."""
-        self.step = state.step
-        self.learner_version, self.version_steps[state.version] = state.version, state.step
+        self.step, self.learner_version, self.version_steps[state.version] = state.step, state.version, state.step
         self.counters.groups_trained = state.groups_trained
         self.queue[:] = self.journal.pending(after_seq=state.journal_seq)
         self.queue_generation += 1

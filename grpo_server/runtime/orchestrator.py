@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import AsyncIterator, Literal
 
@@ -28,7 +29,7 @@ from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.runtime.loop_lag import LoopLag
 from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
-from grpo_server.runtime.status import experiment_status
+from grpo_server.runtime.status import experiment_status, is_sampling
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
@@ -81,8 +82,10 @@ class Orchestrator:
         return experiment
 
     def status(self, name: str) -> ExperimentStatus:
+        now = time.monotonic()  # the experiments sampling now set how many groups each had best keep in flight
+        sampling = sum(is_sampling(e, now) for e in self.experiments.values() if e.name != name) + 1
         return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
-                                 self.trackers.get(name))
+                                 self.trackers.get(name), experiments_sampling=sampling)
 
     async def create(self, config: ExperimentConfig, start: Start = "restart") -> ExperimentStatus:
         async with self._lock:

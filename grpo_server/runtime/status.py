@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import TYPE_CHECKING
 
 from grpo_server.api_models import ExperimentStatus, TrackerStatus
@@ -13,8 +14,11 @@ if TYPE_CHECKING:
     from grpo_server.trackers import TrackerSet
 
 
+SAMPLING_WINDOW_S = 30.0  # an experiment whose latest sampler request is this recent counts as sampling
+
+
 def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int,
-                      trackers: "TrackerSet | None" = None) -> ExperimentStatus:
+                      trackers: "TrackerSet | None" = None, experiments_sampling: int = 1) -> ExperimentStatus:
     verification_failed = exp.last_verification is not None and exp.last_verification.ok is False  # None: inconclusive
     training_stopped = exp.training_task is not None and exp.training_task.done() and not exp.training_task.cancelled()
     return ExperimentStatus(
@@ -34,12 +38,31 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         last_push_seconds=exp.last_push_seconds,
         last_verification=exp.last_verification,
         served_as=exp.last_served_as,
+        suggested_groups_in_flight=suggested_groups_in_flight(exp, experiments_sampling),
         # Descriptive (an exception's type and text may be there: runtime/tasks.py), but an experiment key is a
         # tenant's: no server path, worker URL or traceback (the log has the full text).
         errors=[public_message(error) for error in exp.errors],
         config=exp.config.public_dict(),
         trackers=tracker_status(trackers),
     )
+
+
+def is_sampling(exp: Experiment, now: float | None = None) -> bool:
+    now = time.monotonic() if now is None else now
+    return exp.sampling_requests > 0 or now - exp.last_sampling_at < SAMPLING_WINDOW_S
+
+
+def suggested_groups_in_flight(exp: Experiment, experiments_sampling: int) -> int:
+    """One batch in flight while `exp` samples alone; with others sampling, one batch per experiment, up to the
+    max_queued_batches the front end admits (Experiment.complete's 429 gate).
+
+    Measured (BENCHMARKS.md, "The defaults race"): alone, alphabetize (batch_groups 2) reached 0.6 1.62x sooner
+    with 2 groups in flight than with 4: its groups were sampled fewer steps behind the learner, so it needed
+    fewer (27 against 36 in median), and the sampler left the learner more of the CPU. In the two-task demo,
+    2 each made versions and groups more slowly than 4 each (probably: the learner trains the experiments in
+    turn, and with one batch in flight an experiment often has no batch ready when its turn comes)."""
+    batches = min(max(experiments_sampling, 1), exp.server.max_queued_batches if exp.server else 1)
+    return exp.config.algorithm.batch_groups * batches
 
 
 def tracker_status(trackers: "TrackerSet | None") -> dict[str, TrackerStatus]:

@@ -29,9 +29,9 @@ pushes of new adapter versions into the sampler.
 
 Server side: tests/serving.py's start_server with configs/server.yaml's settings (what scripts/demo
 runs), the experiment from configs/alphabetize.yaml, and examples/task_runner.py's own episode
-(`single_turn(make_prompt, score)`: completions, score, feedback, waiting out 429/503) run by
-`concurrency` workers at once, 4 as in scripts/demo. TRL side: trl_side.py in a fresh process,
-after the server has stopped.
+(`single_turn(make_prompt, score)`: completions, score, feedback, waiting out 429/503), as many groups at once
+as the server suggests (task_runner's default; `--concurrency N` fixes it). TRL side: trl_side.py in a fresh
+process, after the server has stopped.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from .run_metrics import learning_summary
 
 ALPHABETIZE_CONFIG = REPO / "configs" / "alphabetize.yaml"
 SERVER_CONFIG = REPO / "configs" / "server.yaml"
-DEMO_CONCURRENCY = 4  # scripts/demo runs examples/alphabetize.py with task_runner's default --concurrency
+DEMO_CONCURRENCY = None  # as scripts/demo's tasks: follow the server's suggested_groups_in_flight (task_runner)
 TRL_MODULE = "scripts.benchmarks.trl_side"
 
 
@@ -109,7 +109,7 @@ async def wait_healthy(client, timeout_s: float = 900.0) -> dict:
 
 
 async def server_side(model_dir: Path, target: float, window: int, time_limit_s: float,
-                      concurrency: int = DEMO_CONCURRENCY, seed: int = 0, keep: bool = False,
+                      concurrency: int | None = DEMO_CONCURRENCY, seed: int = 0, keep: bool = False,
                       server_settings: list[str] = (), experiment_settings: list[str] = ()) -> dict:
     from examples.task_runner import ensure_experiment
     from grpo_server.client import AsyncClient
@@ -122,7 +122,7 @@ async def server_side(model_dir: Path, target: float, window: int, time_limit_s:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     t0 = time.perf_counter()
     handle = await start(run_dir, model_dir, **overrides)
-    out: dict = {"side": "server", "concurrency": concurrency, "server_config": overrides,
+    out: dict = {"side": "server", "concurrency": concurrency or "suggested", "server_config": overrides,
                  "experiment_settings": list(experiment_settings)}
     try:
         async with AsyncClient(handle.url, handle.api_key, timeout_s=900) as client:
@@ -185,7 +185,7 @@ def trl_side(target: float, window: int, time_limit_s: float, seed: int = 0, ext
 async def race_both(model_dir: Path, target: float, window: int, time_limit_s: float, seed: int = 0,
                     keep: bool = False, sides: tuple[str, ...] = ("server", "trl"), others=None,
                     server_settings: list[str] = (), experiment_settings: list[str] = (),
-                    concurrency: int = DEMO_CONCURRENCY, trl_args: list[str] = ()) -> dict:
+                    concurrency: int | None = DEMO_CONCURRENCY, trl_args: list[str] = ()) -> dict:
     """Both sides, the server first. `others`: a function naming the other busy processes on the box
     (host.py's other_processes), called as each side starts. `trl_args`: more of trl_side.py's flags (`--bf16`)."""
     import importlib.util
@@ -225,7 +225,7 @@ def _brief(side: str, result: dict) -> None:
 async def race_runs(model_dir: Path, target: float, window: int, time_limit_s: float, runs: int,
                     keep: bool = False, others=None, server_settings: list[str] = (),
                     experiment_settings: list[str] = (), out_path: Path | None = None,
-                    concurrency: int = DEMO_CONCURRENCY, trl_args: list[str] = ()) -> dict:
+                    concurrency: int | None = DEMO_CONCURRENCY, trl_args: list[str] = ()) -> dict:
     """`runs` pairs, run i with seed i, and the summary over them at 0.35 and at the target. Written to
     `out_path` after every pair, so a long series that is stopped keeps the pairs it finished."""
     levels = tuple(sorted({0.35, target}))
@@ -265,7 +265,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1, help="pairs (both sides only), run i with seed i")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=DEMO_CONCURRENCY,
-                        help="server side: groups in flight (the client's workers)")
+                        help="server side: groups in flight (default: the server's suggestion, as in scripts/demo)")
     parser.add_argument("--trl-bf16", action="store_true", help="TRL side: bf16 autocast on the CPU (trl_side --bf16)")
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")

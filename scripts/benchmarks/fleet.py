@@ -14,9 +14,9 @@ The arrangements (experiment i of a fleet draws its prompts from `random.Random(
 pair i does, so "k = 4, seeds 0-3" means the same four tasks in every arrangement):
 
 - `at_once`: one server (configs/server.yaml, as scripts/demo serves), k experiments created together, each
-  driven by `concurrency` workers (examples/task_runner.py's episode, 4 as in the demo). An experiment whose
-  running mean reaches the target stops being driven (a team stops a run that has learned) and the others go
-  on. The fleet's time: from the first create to the last experiment's target.
+  driven by examples/task_runner.py's episode, as many at once as the server suggests (as in the demo). An
+  experiment whose running mean reaches the target stops being driven (a team stops a run that has learned) and
+  the others go on. The fleet's time: from the first create to the last experiment's target.
 - `one_by_one`: the same server, the same experiments in turn: the next one is created when the one before
   reached its target (or its own time limit). The fleet's time: the sum of each experiment's clock (each
   clock as end_to_end.py's: from its create to its target).
@@ -83,7 +83,7 @@ def _progress_printer():
 
 
 async def server_fleet(model_dir: Path, arrangement: str, seeds: list[int], target: float, window: int,
-                       time_limit_s: float, concurrency: int, settings: list[str]) -> dict:
+                       time_limit_s: float, concurrency: int | None, settings: list[str]) -> dict:
     """`at_once` or `one_by_one` on one server started for it."""
     from grpo_server.client import AsyncClient
 
@@ -94,7 +94,8 @@ async def server_fleet(model_dir: Path, arrangement: str, seeds: list[int], targ
     run_dir = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     t0 = time.perf_counter()
     handle = await start(run_dir, model_dir, **overrides)
-    out: dict = {"arrangement": arrangement, "seeds": seeds, "concurrency": concurrency, "server_config": overrides,
+    out: dict = {"arrangement": arrangement, "seeds": seeds, "concurrency": concurrency or "suggested",
+                 "server_config": overrides,
                  "others_at_start": await asyncio.to_thread(other_processes), "experiments": []}
     note = _progress_printer()
     try:
@@ -238,7 +239,8 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--time-limit-s", type=float, default=1200.0,
                         help="each experiment's clock at most (at once: the shared clock)")
-    parser.add_argument("--concurrency", type=int, default=DEMO_CONCURRENCY, help="groups in flight per experiment")
+    parser.add_argument("--concurrency", type=int, default=DEMO_CONCURRENCY,
+                        help="groups in flight per experiment (default: the server's suggestion)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="server setting")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", nargs="+", type=Path, metavar="JSON")

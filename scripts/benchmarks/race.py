@@ -18,25 +18,31 @@ from typing import Callable
 from .host import loadavg
 
 
-async def drive(client, name: str, race: Race, seed: int, concurrency: int, on_group: Callable[[], None]) -> None:
-    """The server side of a race (end_to_end.py's, and each experiment of fleet.py's): `concurrency` workers run
-    alphabetize episodes on experiment `name` (examples/task_runner.py's single turn: completions, score,
-    feedback, waiting out 429/503), prompts drawn from `random.Random(seed)`, until `race` is done; `on_group`
-    after each group added. A worker's error ends the race with it."""
+async def drive(client, name: str, race: Race, seed: int, concurrency: int | None,
+                on_group: Callable[[], None]) -> None:
+    """The server side of a race (end_to_end.py's, and each experiment of fleet.py's): alphabetize episodes on
+    experiment `name` (examples/task_runner.py's single turn: completions, score, feedback, waiting out 429/503),
+    `concurrency` at once (None: as many as the server suggests, as examples/task_runner.py does by default),
+    prompts drawn from `random.Random(seed)`, until `race` is done; `on_group` after each group added. A worker's
+    error ends the race with it."""
     from examples.alphabetize import make_prompt, score
-    from examples.task_runner import single_turn
+    from examples.task_runner import GroupsInFlight, single_turn
 
     episode = single_turn(make_prompt, score)
     rng = random.Random(seed)
 
-    async def worker() -> None:
-        while not race.done:
+    async def worker(index: int) -> None:
+        while await in_flight.turn(index, lambda: race.done):
             for row in await episode(client, name, rng):
                 if not race.done:
                     race.add(row["reward"], row["policy_version"])
                     on_group()
 
-    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    async with GroupsInFlight(client, name, concurrency) as in_flight:
+        await _until_done(race, [asyncio.create_task(worker(i)) for i in range(in_flight.workers)])
+
+
+async def _until_done(race: Race, tasks: list[asyncio.Task]) -> None:
     try:
         while not race.done:  # the time limit holds even while every worker waits on the server
             failed = [t for t in tasks if t.done() and t.exception() is not None]
