@@ -141,7 +141,7 @@ async def server_side(model_dir: Path, target: float, window: int, time_limit_s:
             status = await client.status(name)
             out["status"] = {"policy_version": status.policy_version, "step": status.step,
                              "counters": status.counters.model_dump(), "served_as": status.served_as,
-                             "errors": status.errors}
+                             "errors": status.errors, "suggested_groups_in_flight": status.suggested_groups_in_flight}
     finally:
         out["server_exit_code"] = await stop(handle)
         out["learning"] = learning_summary(run_dir / "metrics" / f"{name}.jsonl")
