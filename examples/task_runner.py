@@ -84,6 +84,7 @@ class GroupsInFlight:
 
     POLL_S = 5.0
     MAX_FOLLOWED = 16  # workers started when following the server
+    WITHOUT_SUGGESTION = 4  # a server older than suggested_groups_in_flight: this runner's fixed default before it
 
     def __init__(self, client: AsyncClient, name: str, fixed: int | None = None):
         self.client, self.name, self.fixed = client, name, fixed
@@ -104,7 +105,8 @@ class GroupsInFlight:
     async def _follow(self) -> None:
         while True:
             status = await retrying(lambda: self.client.status(self.name))
-            self.limit = max(1, min(status.suggested_groups_in_flight, self.MAX_FOLLOWED))
+            suggested = status.suggested_groups_in_flight or self.WITHOUT_SUGGESTION
+            self.limit = max(1, min(suggested, self.MAX_FOLLOWED))
             await asyncio.sleep(self.POLL_S)
 
     async def turn(self, index: int, stop: Callable[[], bool]) -> bool:

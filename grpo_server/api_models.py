@@ -321,10 +321,11 @@ class ExperimentStatus(ApiModel):
         "How the sampler ran the latest completions: 'merged' = the adapter folded into the base weights "
         "(vLLM on CPU while this is the only experiment; faster, same function), 'lora' = through the "
         "LoRA adapter; None before any"))
-    suggested_groups_in_flight: int = Field(1, description=(
+    suggested_groups_in_flight: int | None = Field(None, description=(
         "How many groups a client of this experiment had best keep in flight (completions asked for and not yet "
         "rated): batch_groups while it is the only experiment sampling, up to max_queued_batches x batch_groups "
-        "while others sample too. examples/task_runner.py follows it unless given --concurrency"))
+        "while others sample too. examples/task_runner.py follows it unless given --concurrency. Always set; "
+        "None only as read from a server older than the field"))
     errors: list[str]
     config: dict[str, Any]
     trackers: dict[str, TrackerStatus] = Field(default_factory=dict, description=(

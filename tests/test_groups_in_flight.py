@@ -90,6 +90,13 @@ async def test_the_task_runner_follows_the_servers_suggestion(monkeypatch):
     assert client.calls >= 3
 
 
+async def test_a_server_without_the_suggestion_gets_the_former_fixed_number(monkeypatch):
+    monkeypatch.setattr(GroupsInFlight, "POLL_S", 0.01)
+    async with GroupsInFlight(FakeClient(None), "a") as in_flight:  # older servers leave the field out
+        assert await asyncio.wait_for(in_flight.turn(GroupsInFlight.WITHOUT_SUGGESTION - 1, lambda: False), 5)
+        assert in_flight.limit == GroupsInFlight.WITHOUT_SUGGESTION == 4
+
+
 async def test_a_failure_to_follow_the_server_is_raised_not_hidden(monkeypatch):
     monkeypatch.setattr(GroupsInFlight, "POLL_S", 0.01)
     async with GroupsInFlight(FakeClient(1, GrpoServerError(403, "forbidden", "no")), "a") as in_flight:
