@@ -82,10 +82,16 @@ class Orchestrator:
         return experiment
 
     def status(self, name: str) -> ExperimentStatus:
-        now = time.monotonic()  # the experiments sampling now set how many groups each had best keep in flight
-        sampling = sum(is_sampling(e, now) for e in self.experiments.values() if e.name != name) + 1
-        return experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
-                                 self.trackers.get(name), experiments_sampling=sampling)
+        return self.statuses([name])[0]
+
+    def statuses(self, names: list[str]) -> list[ExperimentStatus]:
+        """Their statuses (404 for an unknown name). The experiments sampling now, counted once for all of them,
+        set how many groups each had best keep in flight (runtime/status.py)."""
+        now = time.monotonic()
+        sampling = {e.name for e in self.experiments.values() if is_sampling(e, now)}
+        return [experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
+                                  self.trackers.get(name), experiments_sampling=len(sampling - {name}) + 1)
+                for name in names]
 
     async def create(self, config: ExperimentConfig, start: Start = "restart") -> ExperimentStatus:
         async with self._lock:

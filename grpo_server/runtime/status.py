@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING
 
 from grpo_server.api_models import ExperimentStatus, TrackerStatus
@@ -47,8 +46,8 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
     )
 
 
-def is_sampling(exp: Experiment, now: float | None = None) -> bool:
-    now = time.monotonic() if now is None else now
+def is_sampling(exp: Experiment, now: float) -> bool:
+    """`now`: time.monotonic(), read once for every experiment a status compares."""
     return exp.sampling_requests > 0 or now - exp.last_sampling_at < SAMPLING_WINDOW_S
 
 

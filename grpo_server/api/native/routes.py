@@ -60,7 +60,7 @@ async def list_experiments(request: web.Request) -> web.Response:
     who = caller(request)
     orchestrator = request.app[ORCHESTRATOR]
     names = list(orchestrator.experiments) if who == ADMIN else [who]
-    return respond(request, ExperimentList(experiments=[orchestrator.status(n) for n in names]))
+    return respond(request, ExperimentList(experiments=orchestrator.statuses(names)))
 
 
 async def get_experiment(request: web.Request) -> web.Response:
