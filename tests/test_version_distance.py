@@ -65,8 +65,22 @@ def test_versions_too_close_for_the_noise_are_inconclusive_and_a_tiny_lr_shows_i
         assert found.ok is None and found.step_fraction_se > MAX_STEP_FRACTION_SE, found
     identical = nearest_version(_plus(learner, noise), learner, learner, noise_floor=0.1, tolerance=TOLERANCE)
     assert identical.ok is None and identical.step_fraction is None  # no step at all
-    no_floor = nearest_version(_plus(learner, noise), _scorings(0.3)[1], previous, None, TOLERANCE)
-    assert no_floor.ok is None and "noise floor" in no_floor.reason
+    no_floor = nearest_version(_plus(learner, noise), learner, learner, None, TOLERANCE)
+    assert no_floor.ok is None and no_floor.noise_floor is None and "noise floor" in no_floor.reason
+
+
+def test_without_a_measured_floor_the_probe_fit_gives_one_and_still_tells_right_missing_and_wrong():
+    # A learner under bf16 autocast has no free check, so no floor is measured: the fit's residual is the floor.
+    previous, learner, noise = _scorings(step_size=0.3)
+    right = nearest_version(_plus(learner, noise), learner, previous, None, TOLERANCE)
+    assert right.ok is True, right
+    assert 0.5 * NOISE < right.noise_floor < NOISE  # mean |gauss(0, sigma)| = 0.8 sigma
+    missing = nearest_version(_plus(previous, noise), learner, previous, None, TOLERANCE)
+    assert missing.ok is False and abs(missing.step_fraction) < 0.2, missing
+    rng = random.Random(11)
+    other = [[x + rng.gauss(0.0, 1.2) for x in row] for row in learner]
+    wrong = nearest_version(other, learner, previous, None, TOLERANCE)
+    assert wrong.ok is False and "other weights" in wrong.reason, wrong
 
 
 def test_with_float32_noise_the_band_is_the_tolerance_so_it_fails_what_the_tolerance_fails():

@@ -23,7 +23,8 @@ Two verdicts (`verify_method`). tolerance: the mean gap within `verify_tolerance
 what the learner does (float32 both: 1e-5). nearest_version (grpo_server/runtime/version_distance.py), for
 numerics that differ (bf16 beside a float32 learner: 0.07-0.13 nats of noise; bf16 both, as `dtype` auto gives
 on a GPU: 0.05-0.08 on an H200, BENCHMARKS.md "GPU check"), chosen by `nearest_version_needed`: the first free check
-(of the version the experiment started from) measures the noise floor; a later free check fails a version
+(of the version the experiment started from) measures the noise floor (without one, as under the learner's bf16
+autocast, which has no free check, the probe's fit gives its own: version_distance.py); a later free check fails a version
 only when its gap is above the noise band, and otherwise leaves it to the probe, whose learner side then also
 holds the previous version's logprobs (`score_previous`), so the verdict can say which of the two the sampler
 is nearer, or that they are too close to tell (inconclusive: neither passed nor an error).
@@ -226,7 +227,7 @@ class VersionChecks:
             version=pushed.version, mean_abs_diff=found.mean_abs_diff, max_abs_diff=found.max_abs_diff,
             tokens=found.tokens, ok=found.ok, checked_on="probe", method="nearest_version",
             previous_version=pushed.previous_version, previous_mean_abs_diff=found.previous_mean_abs_diff,
-            step_fraction=found.step_fraction, step_fraction_se=found.step_fraction_se, noise_floor=self.noise_floor,
+            step_fraction=found.step_fraction, step_fraction_se=found.step_fraction_se, noise_floor=found.noise_floor,
             reason=found.reason)
 
     def _done(self, pushed: Pushed, result: VerificationResult | None) -> None:

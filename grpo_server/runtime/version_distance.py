@@ -20,9 +20,13 @@ The verdict, in this order:
    gap, measured for free by the first train step: runtime/verification.py), and never below the tolerance:
    other weights altogether (a wrong adapter gives ~1 nat a token, 8-20x a bf16 floor). With float32's floor
    (1e-5) the band is the tolerance, so this alone fails whatever the tolerance check fails.
-2. inconclusive when no noise floor is known yet, or the step is too small against the noise for the fit to
-   tell N from N-1 (standard error above `MAX_STEP_FRACTION_SE`: a tiny learning rate, a probe of few tokens):
-   neither passed nor an error.
+   Without a measured floor (a learner training under bf16 autocast has no free check: its forward is not the
+   samplers'; or the probe came before the first step) the floor is the probe's own: the mean |r - a d| the fit
+   leaves, which is the noise e whether the sampler serves N or N-1. Above `MAX_NOISE_FLOOR` it is no dtype's
+   noise, and the check fails: other weights.
+2. inconclusive when the step is too small against the noise for the fit to tell N from N-1 (standard error
+   above `MAX_STEP_FRACTION_SE`: a tiny learning rate, a probe of few tokens), or when there is no step at all
+   and no floor: neither passed nor an error.
 3. failed when a is further than `STEP_FRACTION_MARGIN` from 1 (nearer N-1, or past N), ok otherwise. At the
    largest standard error allowed, a right push fails and a missing one passes each at 3.3 standard errors.
 """
@@ -49,6 +53,7 @@ class VersionDistance:
     step_fraction: float | None  # None when the step is exactly 0
     step_fraction_se: float | None
     band: float | None  # None without a noise floor
+    noise_floor: float | None  # the one used: the measured floor given, or the probe fit's own (None: neither)
     tokens: int
     reason: str  # what decided the verdict, in words
 
@@ -66,20 +71,26 @@ def nearest_version(sampler: list[list[float]], learner: list[list[float]], prev
     residual = [a - b for a, b in zip(s, before)]
     step_sq = sum(x * x for x in step)
     fraction = se = None
+    floor_source = "the noise floor"
     if step_sq > 0:
         fraction = sum(r * d for r, d in zip(residual, step)) / step_sq
         misfit = [r - fraction * d for r, d in zip(residual, step)]
         se = math.sqrt(sum(x * x for x in misfit) / len(misfit)) / math.sqrt(step_sq)
+        if noise_floor is None:
+            noise_floor, floor_source = sum(abs(x) for x in misfit) / len(misfit), "the probe fit's noise floor"
     band = None if noise_floor is None else max(NOISE_BAND * noise_floor, tolerance)
 
     def verdict(ok: bool | None, reason: str) -> VersionDistance:
-        return VersionDistance(ok, mean_gap, max_gap, previous_gap, fraction, se, band, len(s), reason)
+        return VersionDistance(ok, mean_gap, max_gap, previous_gap, fraction, se, band, noise_floor, len(s), reason)
 
+    if noise_floor is not None and noise_floor > MAX_NOISE_FLOOR:
+        return verdict(False, f"the probe's noise after the fit, {noise_floor:.4f} nats a token, is above any "
+                              f"dtype's noise ({MAX_NOISE_FLOOR}): other weights")
     if band is not None and mean_gap > band:
         return verdict(False, f"mean gap to the pushed version {mean_gap:.4f} nats is above the noise band {band:.4f} "
-                              f"({NOISE_BAND:g}x the noise floor {noise_floor:.4f}, at least the tolerance)")
+                              f"({NOISE_BAND:g}x {floor_source} {noise_floor:.4f}, at least the tolerance)")
     if band is None:
-        return verdict(None, "no noise floor measured yet (the start version's free check)")
+        return verdict(None, "no noise floor measured, and no step between the versions to fit one on")
     if fraction is None or se is None or se > MAX_STEP_FRACTION_SE:
         return verdict(None, f"the versions are too close to tell apart: step fraction {_fmt(fraction)} +- {_fmt(se)} "
                              f"(at most +- {MAX_STEP_FRACTION_SE} decides)")
