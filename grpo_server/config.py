@@ -126,10 +126,11 @@ class SamplerSettings(SamplerOptions):
 
     replicas: int = Field(1, ge=1, le=64, description="Sampler processes (one per GPU on a GPU host).")
     dtype: DTypeName | None = Field(None, description=(
-        "The samplers' dtype, when it differs from the server's `dtype` (which the learner keeps): e.g. "
-        "bfloat16 sampling with a float32 learner on a CPU with bf16 instructions. The merge of a lone "
-        "experiment is recomputed from float32 weights at each version, so no update is rounded away twice; "
-        "the sampler/learner gap this makes is what `algorithm.rollout_correction` is for (README)."))
+        "The samplers' dtype, when it differs from the server's `dtype` (which the learner keeps). None: `dtype`, "
+        "but with `dtype` auto a vLLM sampler on a CPU with bf16 instructions samples in bfloat16 beside the "
+        "float32 learner (workers/launch.py `sampler_dtype`). The merge of a lone experiment is recomputed from "
+        "float32 weights at each version, so no update is rounded away twice; the sampler/learner gap this "
+        "makes is what `algorithm.rollout_correction` (auto: token_tis then) is for (README)."))
     base_port: int = Field(0, ge=0, le=65535, description="Port of replica 0 (0 = pick free ports).")
     devices: list[str] = Field(
         default_factory=list, description="CUDA device ids per replica, e.g. ['0', '1']; empty = inherit."
@@ -247,7 +248,9 @@ class ServerConfig(BaseSettings):
         "read it; never on a command line). Unset: the front end makes one per start for the workers it starts "
         "(<run_dir>/worker_secret, mode 0600). A split deployment (--role frontend / sampler / learner) must give "
         "every process the same one."))
-    dtype: DTypeName = Field("auto", description="Model dtype: auto = float32 on CPU, bfloat16 on GPU.")
+    dtype: DTypeName = Field("auto", description=(
+        "Model dtype. auto: bfloat16 on GPU; on CPU float32 weights, with bf16 sampling and bf16 autocast in the "
+        "learner's steps where the CPU has bf16 instructions (sampler.dtype, learner.autocast). float32: exact."))
     max_model_len: int = Field(2048, ge=16, le=MAX_CONTEXT,
                                description="Context length (prompt + completion) in tokens.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the workers' random generators.")
@@ -335,13 +338,6 @@ class ServerConfig(BaseSettings):
     def remote_workers(self) -> bool:
         """True when the workers run elsewhere (their URLs are configured) and the front end only connects."""
         return bool(self.sampler.urls)
-
-    @property
-    def checks_nearest_version(self) -> bool:
-        """By the configuration alone (auto: sampler.dtype differs); see verification.nearest_version_needed."""
-        if self.verify_method == "auto":
-            return self.sampler.dtype is not None and self.sampler.dtype != self.dtype
-        return self.verify_method == "nearest_version"
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "ServerConfig":

@@ -143,7 +143,8 @@ class LearnerHandler:
 
     async def status(self) -> LearnerStatus:
         # No lock: a snapshot of counters, so it answers during a train step.
-        return LearnerStatus(experiments=self.trainer.status(), dtype=str(self.trainer.dtype).removeprefix("torch."))
+        return LearnerStatus(experiments=self.trainer.status(), dtype=str(self.trainer.dtype).removeprefix("torch."),
+                             autocast=self.trainer.autocast)
 
     async def health(self) -> Healthy:
         return Healthy(status="ok")

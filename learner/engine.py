@@ -44,11 +44,12 @@ def ds_config(algorithm: AlgorithmConfig, zero_stage: int, dtype: torch.dtype) -
     }
 
 
-def uses_autocast(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether train steps run under bf16 autocast: LearnerOptions.autocast on a float32 CPU learner."""
+def uses_autocast(setting: str, device: torch.device, dtype: torch.dtype, dtype_setting: str = "auto") -> bool:
+    """Whether train steps run under bf16 autocast: LearnerOptions.autocast on a float32 CPU learner; `auto` only
+    where the CPU computes bf16 natively and the configured `dtype` (`dtype_setting`) is auto, not float32."""
     if setting == "off" or device.type != "cpu" or dtype != torch.float32:
         return False
-    return setting == "bfloat16" or read_cpu_features().bf16_native
+    return setting == "bfloat16" or (dtype_setting == "auto" and read_cpu_features().bf16_native)
 
 
 def make_engine(model: torch.nn.Module, params: list[torch.nn.Parameter], algorithm: AlgorithmConfig,

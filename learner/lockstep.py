@@ -214,6 +214,10 @@ class LockstepTrainer:
         """The same on every rank (one config): rank 0's answers for all (the status says it)."""
         return self.trainer.dtype
 
+    @property
+    def autocast(self) -> bool:
+        return self.trainer.autocast
+
     # --- Tinker's verbs (learner/steps.py): rank 0 alone. forward reads, the states are rank 0's files; the verbs
     # that move weights or optimizer state refuse themselves (409) with several ranks before touching anything,
     # so no follower is left waiting for a collective.

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig
+from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig, resolve_rollout_correction
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, checkpoint, rank_transfer, resume
@@ -89,11 +89,10 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
         self.dtype = torch_dtype_for(config.dtype, cuda)
         # Train steps under bf16 autocast (float32 weights and AdamW): their logprobs are not the samplers'
         # float32 ones, so the free check is off then; the push check's probe scoring stays float32.
-        self.autocast = uses_autocast(config.autocast, self.device, self.dtype)
+        self.autocast = uses_autocast(config.autocast, self.device, self.dtype, config.dtype)
         # Here, not at the first add_experiment: the first call JIT-builds DeepSpeed's shm comm op
         # (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
-        # (A no-op wrapper when learner/ranks.py set up the process group already.) Built first past a lock
-        # a killed build left (learner/op_build.py).
+        # (A no-op wrapper when learner/ranks.py set up the process group already; learner/op_build.py: stale locks.)
         build_shm_op()
         deepspeed.init_distributed(dist_backend=None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -128,6 +127,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
             raise BadRequest(f"target_modules {missing} are not linear layers of the model "
                              f"(it has {sorted(self.linear_names)})")
         peft_config = self._peft_config(lora)
+        algorithm = resolve_rollout_correction(algorithm, self.autocast)  # the front end sends it resolved
         # Read and checked before the model is touched, so that a bad folder fails cleanly.
         found = resume.find_for_every_rank(self.config.run_dir, name, peft_config, self.rank, self.world_size,
                                           self._cpu_group)

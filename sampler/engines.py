@@ -7,17 +7,8 @@ torch / vLLM import (sampler/engine.py, the interface, imports neither engine).
 
 from __future__ import annotations
 
-import importlib.util
-
-from grpo_server.protocol.worker_config import SamplerConfig
+from grpo_server.protocol.worker_config import SamplerConfig, pick_engine_name
 from sampler.engine import Engine
-
-
-def pick_engine_name(requested: str) -> str:
-    """`requested`, or for `auto` "vllm" when vLLM is importable, else "transformers"."""
-    if requested != "auto":
-        return requested
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 def create_engine(config: SamplerConfig) -> Engine:

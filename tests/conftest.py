@@ -38,7 +38,9 @@ def trainer(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from learner.trainer import MultiAdapterTrainer
 
     run_dir = tmp_path_factory.mktemp("learner-run")
-    return MultiAdapterTrainer(LearnerConfig(model_path=tiny_model_dir, run_dir=run_dir, port=1, max_model_len=64))
+    # float32 throughout, on either CPU generation: these tests compare logprobs with the samplers' exactly.
+    return MultiAdapterTrainer(LearnerConfig(model_path=tiny_model_dir, run_dir=run_dir, port=1, max_model_len=64,
+                                             dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,10 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         "group_ttl_s": 300,
         "startup_timeout_s": STARTUP_TIMEOUT_S,
         "worker_timeout_s": 120,
-        "verify_tolerance": 0.01,  # float32 on both sides: they should agree to ~1e-5
+        # float32 on both sides, on either CPU generation (auto is bf16 sampling on one with avx512_bf16): they
+        # should agree to ~1e-5. tests/test_version_check_server.py runs the auto defaults.
+        "dtype": "float32",
+        "verify_tolerance": 0.01,
         "sampler": {"engine": engine, "kv_cache_gib": 0.5, "max_num_seqs": 32, "max_lora_rank": 16},
         "learner": {"zero_stage": 2},
         # Tests send wrong keys on purpose, all from 127.0.0.1: that address is never slowed down, and

@@ -231,3 +231,4 @@ def test_autocast_is_for_a_float32_cpu_learner(setting, device, dtype, expected)
 
     assert uses_autocast(setting, torch.device(device), dtype) is expected
     assert uses_autocast("auto", torch.device("cpu"), torch.float32) is read_cpu_features().bf16_native
+    assert uses_autocast("auto", torch.device("cpu"), torch.float32, dtype_setting="float32") is False  # exact asked

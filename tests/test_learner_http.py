@@ -42,7 +42,7 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     config_path = tmp_path / "learner.yaml"
     config_path.write_text(yaml.safe_dump({"model_path": str(tiny_model_dir), "run_dir": str(run_dir),
-                                           "port": port, "max_model_len": 128}))
+                                           "port": port, "max_model_len": 128, "dtype": "float32"}))
     # The parent's rank / port variables (the in-process fixture's) must not leak into the child.
     env = {k: v for k, v in worker_env().items() if k not in DIST_ENV}
     log_file = open(tmp_path / "learner.log", "w")

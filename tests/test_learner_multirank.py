@@ -60,7 +60,8 @@ def _write_config(folder: Path, model_dir: Path, ranks: int) -> tuple[Path, int]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "learner.yaml"
     path.write_text(yaml.safe_dump({"model_path": str(model_dir), "run_dir": str(folder / "run"), "port": port,
-                                    "max_model_len": 128, "ranks": ranks, "collective_timeout_s": 60}))
+                                    "max_model_len": 128, "ranks": ranks, "collective_timeout_s": 60,
+                                    "dtype": "float32"}))
     return path, port
 
 

@@ -182,7 +182,7 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
     config.write_text(yaml.safe_dump({
         "model": str(tiny_model_dir), "host": "127.0.0.1", "port": front_port, "run_dir": str(run_dir),
         "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
-        "verify_tolerance": 0.01,
+        "dtype": "float32", "verify_tolerance": 0.01,  # exact on either CPU generation (auto: bf16 on one)
         "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": 0.5, "max_num_seqs": 16},
         "learner": {"url": f"http://127.0.0.1:{learner_port}", "zero_stage": 2},
     }))

@@ -110,10 +110,10 @@ def test_config_bounds(field, value):
         AlgorithmConfig(**{field: value})
 
 
-def test_default_is_none():
-    algo = AlgorithmConfig()
+def test_default_is_auto_resolved_at_creation():
+    algo = AlgorithmConfig()  # auto: token_tis or none by the workers' numerics (tests/test_fast_defaults.py)
     assert (algo.rollout_correction, algo.rollout_is_cap, algo.rollout_mask_low, algo.rollout_mask_high) == (
-        "none", 3.0, 0.5, 2.0)
+        "auto", 3.0, 0.5, 2.0)
 
 
 def _step(trainer, name: str, sampler: list[float], loss_mask: list[int] | None = None):

@@ -50,7 +50,7 @@ def host_config(host_dir: Path, model: Path, front_port: int, sampler_url: str, 
     path.write_text(yaml.safe_dump({
         "model": str(model), "host": "127.0.0.1", "port": front_port, "run_dir": str(host_dir / "run"),
         "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
-        "verify_tolerance": 0.01,
+        "dtype": "float32", "verify_tolerance": 0.01,  # exact on either CPU generation (auto: bf16 on one)
         "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": 0.5, "max_num_seqs": 16},
         "learner": {"url": learner_url, "zero_stage": 2},
     }))

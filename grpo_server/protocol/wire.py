@@ -392,3 +392,4 @@ class LearnerStatus(WireModel):
     status: Literal["ok"] = "ok"
     experiments: dict[str, dict[str, Any]]  # name -> {step, version}
     dtype: str | None = None  # the base weights' dtype, which its logprobs for a push's check are computed in
+    autocast: bool = False  # train steps under bf16 autocast: their forward is not the samplers' numerics

@@ -8,6 +8,7 @@ from the options. Nothing here imports an ML package.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -83,8 +84,12 @@ class AlgorithmConfig(StrictModel):
         "counters.completions_masked_truncated. Their group's advantages are unchanged."))
     # Rollout correction (learner/loss.py `rollout_weights`): the sampler's logprobs are the behaviour policy,
     # the learner's own pre-step logprobs the proximal one; they differ by numerics (bf16 vLLM) and staleness.
-    rollout_correction: Literal["none", "token_tis", "token_mask", "sequence_mask"] = Field(
-        "none", description=(
+    rollout_correction: Literal["auto", "none", "token_tis", "token_mask", "sequence_mask"] = Field(
+        "auto", description=(
+            "auto: token_tis where the samplers' numerics differ from the learner's training forward (a bfloat16 "
+            "sampler beside a float32 learner, the learner's bf16 autocast, bfloat16 on a GPU), none where all "
+            "compute in float32; made concrete when the experiment is created (`resolve_rollout_correction`), so "
+            "its status shows which. "
             "none: PPO ratio against the sampler's logprobs, which is itself the importance weight, bounded by "
             "the clip (verl's bypass mode, and its default). Otherwise the PPO ratio is taken "
             "against the learner's own pre-step logprobs and each token's loss is weighted by the behaviour "
@@ -109,8 +114,27 @@ class AlgorithmConfig(StrictModel):
         return self
 
 
+def resolve_rollout_correction(algorithm: AlgorithmConfig, numerics_differ: bool) -> AlgorithmConfig:
+    """`rollout_correction: auto` made concrete: token_tis when the samplers' logprobs are not the learner's
+    training forward's function (bf16 noise makes the PPO ratio start away from 1, and token_tis is what the
+    bf16 race was run with: BENCHMARKS.md), none when they are (float32 both: the ratio is exactly 1 on fresh
+    tokens). The front end resolves it at creation, knowing every worker's numerics; a learner called directly
+    resolves it by its own autocast."""
+    if algorithm.rollout_correction != "auto":
+        return algorithm
+    return algorithm.model_copy(update={"rollout_correction": "token_tis" if numerics_differ else "none"})
+
+
 EngineName = Literal["vllm", "transformers", "auto"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def pick_engine_name(requested: str) -> str:
+    """`requested`, or for `auto` "vllm" when vLLM is importable, else "transformers" (sampler/engines.py builds
+    it; the front end asks too, for the samplers' default dtype: workers/launch.py)."""
+    if requested != "auto":
+        return requested
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 class SamplerOptions(StrictModel):
@@ -161,10 +185,11 @@ class LearnerOptions(StrictModel):
         "Data-parallel DeepSpeed ranks of the learner (one per GPU on a GPU host). The front end still talks "
         "to one process, rank 0, which starts and drives the others; each trains on its share of a batch."))
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
-    autocast: Literal["auto", "bfloat16", "off"] = Field("off", description=(
+    autocast: Literal["auto", "bfloat16", "off"] = Field("auto", description=(
         "Train steps' forward and backward under bfloat16 autocast, weights and AdamW staying float32 (a "
-        "float32 learner only). auto: where the CPU has bf16 instructions (avx512_bf16 or amx_bf16). Scoring "
-        "for the push checks stays float32; the free check is skipped (README, 'bf16 learner')."))
+        "float32 learner only). auto: where the CPU has bf16 instructions (avx512_bf16 or amx_bf16) and `dtype` "
+        "is auto (an explicit float32 keeps every computation float32). Scoring for the push checks stays "
+        "float32; the free check is skipped (README, 'bf16 learner')."))
     # A learner option, not the front end's: the versions are the learner's files (on its own host in a split
     # deployment), and the learner alone knows its checkpoints; the front end only says which it still uses
     # (learner/retention.py). 8: twice the default max_loaded_versions (which are kept anyway), so a recent

@@ -22,6 +22,7 @@ from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import VersionPruned, fetch_version, holds
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.wire import AdapterRef
+from grpo_server.protocol.worker_config import resolve_rollout_correction
 from grpo_server.runtime.episodes import EpisodeStore
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import GroupStore
@@ -113,6 +114,11 @@ class Orchestrator:
                 await self._archive(config.name, archive.new_label(config.name))
             elif start == "resume":
                 await self._restore(config.name)
+            # The push check and the rollout correction follow the numerics of the workers (protocol/worker_config.py)
+            dtypes, learner_autocast = await self.workers.numerics()
+            nearest = nearest_version_needed(self.config, dtypes)
+            config = config.model_copy(update={"algorithm": resolve_rollout_correction(
+                config.algorithm, numerics_differ=nearest or learner_autocast)})
             # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
             first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
             try:
@@ -132,8 +138,6 @@ class Orchestrator:
             self.trackers[config.name] = tracker_set
             metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
             self.metrics_logs[config.name] = metrics_log
-            dtypes = await self.workers.dtypes()
-            nearest = nearest_version_needed(self.config, dtypes)
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
                                         nearest_version=nearest)
@@ -141,8 +145,10 @@ class Orchestrator:
             self.trainers[config.name] = trainer
             self.experiments[config.name] = exp
             log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
-                     "by %s (the workers compute in %s)", config.name, first.version, first.step, len(exp.queue),
-                     "nearest_version" if nearest else "tolerance", ", ".join(d or "?" for d in dtypes))
+                     "by %s, rollout correction %s (the workers compute in %s%s)", config.name, first.version,
+                     first.step, len(exp.queue), "nearest_version" if nearest else "tolerance",
+                     config.algorithm.rollout_correction, ", ".join(d or "?" for d in dtypes),
+                     "; the learner's steps in bf16 autocast" if learner_autocast else "")
             return self.status(config.name)
 
     async def delete(self, name: str) -> None:

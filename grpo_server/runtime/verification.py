@@ -70,10 +70,12 @@ def probe_of(group: Group | None) -> VersionProbe | None:
 def nearest_version_needed(config: ServerConfig, worker_dtypes: list[str | None]) -> bool:
     """`verify_method` auto: nearest_version when the configured dtypes differ (`sampler.dtype`), or when a worker
     says it computes in other than float32 (`worker_dtypes`: what `dtype` auto resolved to, e.g. bfloat16 on a
-    GPU, where the learner and the samplers agree only to bf16's noise); tolerance when all are float32."""
+    GPU or, for the samplers, on a CPU with bf16 instructions, where the learner and the samplers agree only to
+    bf16's noise); tolerance when all are float32."""
     if config.verify_method != "auto":
         return config.verify_method == "nearest_version"
-    return config.checks_nearest_version or any(d not in (None, "float32") for d in worker_dtypes)
+    configured = config.sampler.dtype is not None and config.sampler.dtype != config.dtype
+    return configured or any(d not in (None, "float32") for d in worker_dtypes)
 
 
 @dataclass(frozen=True)

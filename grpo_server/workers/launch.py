@@ -22,11 +22,13 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from grpo_server.config import ServerConfig
+from grpo_server.protocol.cpu_features import CpuFeatures, read_cpu_features
 from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient
 from grpo_server.protocol.wire import AdapterRef
 from grpo_server.protocol.worker_auth import SECRET_ENV
-from grpo_server.protocol.worker_config import LearnerConfig, SamplerConfig, fill, write_resolved
+from grpo_server.protocol.worker_config import (DTypeName, LearnerConfig, SamplerConfig, fill, pick_engine_name,
+                                                write_resolved)
 from grpo_server.workers.allocator import allocator_env, describe
 from grpo_server.workers.model_prep import resolve_model
 from grpo_server.workers.pool import ComputeTurns, Worker, WorkerConnection, WorkerPool, resolve_schedule
@@ -34,6 +36,21 @@ from grpo_server.workers.processes import WorkerProcess
 from grpo_server.workers.remote import RemoteWorker
 
 log = logging.getLogger(__name__)
+
+
+def sampler_dtype(config: ServerConfig, cpu: CpuFeatures) -> DTypeName:
+    """The samplers' dtype: `sampler.dtype` when set, else the server's `dtype`, except that `auto` means bfloat16
+    for a vLLM sampler on a CPU that computes bf16 natively (avx512_bf16 or AMX; this host's: the sampler runs
+    where this is called). That is the fast default: sooner to 0.6 than float32 on such a CPU (BENCHMARKS.md,
+    "Fast defaults"), with the learner's weights staying float32 (its steps under bf16 autocast,
+    learner.autocast auto), pushes checked by nearest_version and rollout_correction auto making token_tis. On
+    a GPU auto is bfloat16 anyway (sampler/engine.py); an explicit float32 keeps sampler and learner exact."""
+    s = config.sampler
+    if s.dtype is not None:
+        return s.dtype
+    if config.dtype == "auto" and cpu.bf16_native and pick_engine_name(s.engine) == "vllm":
+        return "bfloat16"
+    return config.dtype
 
 
 class WorkerSet:
@@ -80,7 +97,7 @@ class WorkerSet:
     def _sampler_process(self, replica: int, on_restart: Callable[[], Awaitable[None]] | None) -> WorkerProcess:
         c, s = self.config, self.config.sampler
         port = self._sampler_port(replica)
-        process = {**self._process_fields(port), **({"dtype": s.dtype} if s.dtype is not None else {})}
+        process = {**self._process_fields(port), "dtype": sampler_dtype(c, read_cpu_features())}
         worker = fill(SamplerConfig, s, **process, replica=replica, learner_url=self.learner_url())
         path = c.run_dir / "config" / f"sampler-{replica}.yaml"
         write_resolved(worker, path)

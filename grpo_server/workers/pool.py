@@ -269,14 +269,16 @@ class WorkerPool:
         await asyncio.gather(*(SamplerClient(s).unload_adapter(adapter, syncing_ok=True) for s in targets),
                              return_exceptions=True)
 
-    async def dtypes(self) -> list[str | None]:
-        """What the learner and each ready sampler compute in (their `dtype` resolved); None for a worker that
-        did not answer or say."""
+    async def numerics(self) -> tuple[list[str | None], bool]:
+        """What the learner and each ready sampler compute in (their `dtype` resolved; None for a worker that did
+        not answer or say), and whether the learner trains under bf16 autocast."""
         asks = [SamplerClient(s).health() for s in self.ready_samplers()]
         if self.learner is not None:
             asks.append(self.learner.status())
         answers = await asyncio.gather(*asks, return_exceptions=True)
-        return [None if isinstance(a, BaseException) else a.dtype for a in answers]
+        learner = answers[-1] if self.learner is not None and not isinstance(answers[-1], BaseException) else None
+        return ([None if isinstance(a, BaseException) else a.dtype for a in answers],
+                bool(getattr(learner, "autocast", False)))
 
     async def wait_learner_ready(self, timeout_s: float) -> None:
         """Let a restarting learner come back before a batch is sent (rather than losing the batch)."""
