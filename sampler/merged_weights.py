@@ -15,10 +15,14 @@ parameter, is what has to change.
 
 The CPU platform, float32 or bfloat16 weights, no tensor parallelism; anything else reports itself
 unsupported and the engine keeps serving through LoRA. In bfloat16 the merge is still computed in float32,
-from the float32 base copy, and rounded once to the engine's dtype: each version rounds W0 + delta afresh
-(round to nearest, unbiased over many weights), so small updates are not lost the way they are when
-they accumulate in a bfloat16 weight. Restoring the base rounds W0 as vLLM's loader did, to the same
-weights.
+from the float32 base copy, and rounded once to the engine's dtype: each version rounds W0 + delta afresh,
+so updates do not accumulate rounding in a bfloat16 weight. The rows an adapter changes are rounded
+stochastically (`stochastic_round_bf16`): a model stored in bf16, as SmolLM2 is, has every W0 on the bf16 grid,
+and round to nearest sends W0 + delta back to W0 wherever |delta| is under half a grid step, which early in
+training is most weights. The served model then moved only part of the way from one version to the next (the
+push check's step fraction 0.48-0.95 over a demo's first versions, BENCHMARKS.md "Fast defaults"); rounded
+stochastically each weight is W0 + delta in expectation. Rows without a delta, and the base restored, are
+rounded to nearest, as vLLM's loader did, to the same weights.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +105,26 @@ class MergeWorkerExtension:
                     if (b.shape[0], a.shape[1]) != (rows, layer.base.shape[1]) or b.shape[1] != a.shape[0]:
                         raise ValueError(f"{name}: LoRA B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit "
                                          f"{rows} x {layer.base.shape[1]}")
+        dtype = self.vllm_config.model_config.dtype
+        # Seeded by the version's folder: merged again (experiments in turns), a version is the same weights.
+        generator = torch.Generator().manual_seed(zlib.crc32(str(path).encode())) if path else None
         with torch.no_grad():
             for layer in layers:
                 weight = torch.empty_like(layer.base)
+                merged_rows = []
                 for name, start, rows in zip(layer.hf_names, layer.row_starts, layer.row_counts):
                     base, out = layer.base[start:start + rows], weight[start:start + rows]
                     if name in factors:
                         b, a, scale = factors[name]
                         torch.addmm(base, b, a, alpha=scale, out=out)  # W0 + scale * B @ A in one pass
+                        merged_rows.append((start, rows))
                     else:
                         out.copy_(base)
-                _install_weight(layer.module.base_layer, weight.to(self.vllm_config.model_config.dtype))
+                served = weight.to(dtype)
+                if dtype == torch.bfloat16 and generator is not None:
+                    for start, rows in merged_rows:
+                        served[start:start + rows] = stochastic_round_bf16(weight[start:start + rows], generator)
+                _install_weight(layer.module.base_layer, served)
         return time.perf_counter() - started
 
     def _mergeable_layers(self) -> list[_MergeableLayer]:
@@ -121,6 +135,19 @@ class MergeWorkerExtension:
             log.info("merged serving: %d linear layers, base copy %.0f MiB", len(cached),
                      sum(layer.base.numel() * 4 for layer in cached) / 2**20)
         return cached
+
+
+def stochastic_round_bf16(weight: Any, generator: Any) -> Any:
+    """float32 -> bfloat16, rounded up with probability equal to the distance to the lower neighbour (in grid
+    steps): unbiased per weight, where round to nearest is biased toward a grid point the weight sits next to. A
+    float32 keeps bf16's 8 exponent and top 7 mantissa bits and adds 16 lower ones: add a uniform 16-bit integer to
+    the bits and truncate them (the carry is the rounding up; for a negative weight it raises the magnitude, as
+    sign-magnitude wants). A weight already on the grid has no lower bits and stays exactly itself."""
+    import torch
+
+    bits = weight.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: the lower bits are 0
 
 
 def _find_layers(model: Any, model_dir: Path) -> list[_MergeableLayer]:
