@@ -90,6 +90,16 @@ def test_with_float32_noise_the_band_is_the_tolerance_so_it_fails_what_the_toler
     assert found.band == TOLERANCE and found.ok is False
 
 
+def test_a_gap_within_the_tolerance_passes_whatever_the_fraction_says():
+    # Late in a run: near-certain tokens, a step of thousandths of a nat, a sampler 0.004 nats from the pushed
+    # version whose fit reads 1.57 of the step (seen in a bf16 race): the tolerance check would pass it too.
+    previous, learner, _ = _scorings(step_size=0.008)
+    sampler = [[p + 1.57 * (n - p) for p, n in zip(rp, rn)] for rp, rn in zip(previous, learner)]
+    found = nearest_version(sampler, learner, previous, noise_floor=0.05, tolerance=TOLERANCE)
+    assert found.step_fraction > 1.5 and found.mean_abs_diff < TOLERANCE
+    assert found.ok is True and "within the tolerance" in found.reason
+
+
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError):
         nearest_version([[-1.0]], [[-1.0, -2.0]], [[-1.0]], 0.1, TOLERANCE)
