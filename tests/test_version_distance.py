@@ -101,9 +101,10 @@ def test_a_gap_within_the_tolerance_passes_whatever_the_fraction_says():
 
 
 @pytest.mark.parametrize("fraction, ok", [(0.44, True), (0.2, False), (1.4, True), (1.7, False)])
-def test_a_partial_answer_to_the_step_passes_and_none_or_a_double_one_fails(fraction, ok):
+@pytest.mark.parametrize("step_size", [0.3, 1.0])  # 1.0: the gap to N, 0.56 nats, is above the band
+def test_a_partial_answer_to_the_step_passes_and_none_or_a_double_one_fails(fraction, ok, step_size):
     # bf16 serving answers a small update only in part (0.44 at a demo's v1 through vLLM's LoRA path).
-    previous, learner, noise = _scorings(step_size=0.3)
+    previous, learner, noise = _scorings(step_size=step_size)
     small = [[x * 0.05 for x in row] for row in noise]  # little noise: the fit reads the fraction given
     sampler = [[p + fraction * (n - p) + e for p, n, e in zip(rp, rn, re)]
                for rp, rn, re in zip(previous, learner, small)]

@@ -16,10 +16,12 @@ On the probe's tokens, with s the sampler's logprobs under N and l_N, l_prev the
 
 The verdict, in this order:
 
-1. failed when the mean gap to N is above the band, `NOISE_BAND` times the noise floor (the start version's
-   gap, measured for free by the first train step: runtime/verification.py), and never below the tolerance:
-   other weights altogether (a wrong adapter gives ~1 nat a token, 8-20x a bf16 floor). With float32's floor
-   (1e-5) the band is the tolerance, so this alone fails whatever the tolerance check fails.
+1. failed when what neither version explains, the mean |r - a d| the fit leaves (the mean gap to N when there is
+   no step to fit), is above the band, `NOISE_BAND` times the noise floor (the start version's gap, measured for
+   free by the first train step: runtime/verification.py), and never below the tolerance: other weights
+   altogether (a wrong adapter gives ~1 nat a token, 8-20x a bf16 floor). With float32's floor (1e-5) the band
+   is the tolerance, so this alone fails a sampler the tolerance check fails by a constant offset. The fit's
+   residual, not the gap to N, so that a partial answer to a large step (below) is judged by its fraction.
    Without a measured floor (a learner training under bf16 autocast has no free check: its forward is not the
    samplers'; or the probe came before the first step) the floor is the probe's own: the mean |r - a d| the fit
    leaves, which is the noise e whether the sampler serves N or N-1. Above `MAX_NOISE_FLOOR` it is no dtype's
@@ -79,13 +81,14 @@ def nearest_version(sampler: list[list[float]], learner: list[list[float]], prev
     residual = [a - b for a, b in zip(s, before)]
     step_sq = sum(x * x for x in step)
     fraction = se = None
-    floor_source = "the noise floor"
+    floor_source, unexplained = "the noise floor", mean_gap
     if step_sq > 0:
         fraction = sum(r * d for r, d in zip(residual, step)) / step_sq
         misfit = [r - fraction * d for r, d in zip(residual, step)]
         se = math.sqrt(sum(x * x for x in misfit) / len(misfit)) / math.sqrt(step_sq)
+        unexplained = sum(abs(x) for x in misfit) / len(misfit)
         if noise_floor is None:
-            noise_floor, floor_source = sum(abs(x) for x in misfit) / len(misfit), "the probe fit's noise floor"
+            noise_floor, floor_source = unexplained, "the probe fit's noise floor"
     band = None if noise_floor is None else max(NOISE_BAND * noise_floor, tolerance)
 
     def verdict(ok: bool | None, reason: str) -> VersionDistance:
@@ -94,9 +97,10 @@ def nearest_version(sampler: list[list[float]], learner: list[list[float]], prev
     if noise_floor is not None and noise_floor > MAX_NOISE_FLOOR:
         return verdict(False, f"the probe's noise after the fit, {noise_floor:.4f} nats a token, is above any "
                               f"dtype's noise ({MAX_NOISE_FLOOR}): other weights")
-    if band is not None and mean_gap > band:
-        return verdict(False, f"mean gap to the pushed version {mean_gap:.4f} nats is above the noise band {band:.4f} "
-                              f"({NOISE_BAND:g}x {floor_source} {noise_floor:.4f}, at least the tolerance)")
+    if band is not None and unexplained > band:
+        return verdict(False, f"what neither version explains, {unexplained:.4f} nats a token (mean gap to the "
+                              f"pushed version {mean_gap:.4f}), is above the noise band {band:.4f} ({NOISE_BAND:g}x "
+                              f"{floor_source} {noise_floor:.4f}, at least the tolerance)")
     if mean_gap <= tolerance:
         return verdict(True, f"mean gap to the pushed version {mean_gap:.4f} nats is within the tolerance {tolerance}")
     if band is None:
