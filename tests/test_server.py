@@ -32,11 +32,13 @@ async def test_health_lists_ready_workers(client):
 
 
 def test_the_push_check_follows_what_the_workers_say_they_compute_in(server, experiment):
-    # dtype auto on a CPU: the learner and the sampler report float32, so pushes get the exact tolerance check
-    # (on a GPU they report bfloat16: nearest_version; tests/test_version_distance.py has the rule).
+    # dtype float32 (tests/serving.py): the learner and the sampler report float32, so pushes get the exact tolerance
+    # check and rollout_correction auto is none (a bf16 sampler or learner autocast: nearest_version and token_tis,
+    # tests/test_version_check_server.py; the rules: tests/test_version_distance.py, tests/test_fast_defaults.py).
     created = [line for line in server.log_path.read_text(errors="replace").splitlines()
                if f"experiment {experiment} created" in line]
-    assert created and "pushes checked by tolerance (the workers compute in float32, float32)" in created[-1]
+    assert created and ("pushes checked by tolerance, rollout correction none (the workers compute in float32, "
+                        "float32)") in created[-1]
 
 
 async def test_completions_honour_n_and_max_tokens(client, experiment, tokenizer):
