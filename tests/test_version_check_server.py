@@ -3,7 +3,8 @@ computes bf16 natively (`dtype: auto`): the sampler computes in bf16, the learne
 under bf16 autocast, so the experiment's `rollout_correction: auto` is token_tis and pushes get the nearest_version
 check. The learner's autocast leaves no free check to measure the noise floor, so each push's probe fits its own;
 the pushes pass though every gap is above verify_tolerance (the check these pushes failed before). The verdict
-itself: tests/test_version_check_bf16.py, tests/test_version_distance.py; the resolution: tests/test_fast_defaults.py."""
+itself: tests/test_version_check_bf16.py, tests/test_version_distance.py; the resolution:
+tests/test_fast_defaults.py."""
 
 from __future__ import annotations
 
