@@ -35,7 +35,7 @@ The verdict, in this order:
 4. failed when a is below `MIN_STEP_FRACTION` (a missing push: 0 +- its standard error) or above
    `MAX_STEP_FRACTION` (past N: an update applied twice), ok otherwise. The window is not centred on 1: bf16
    serving answers a small update only in part where the served weights or activations sit on the bf16 grid and
-   round to nearest returns them to it (SmolLM2 is stored in bf16): first versions read 0.44-0.95 through vLLM's
+   round to nearest returns them to it (SmolLM2 is stored in bf16): first versions read 0.44-0.82 through vLLM's
    LoRA path and round-to-nearest merges (merges now round stochastically: sampler/merged_weights.py). At the
    largest standard error allowed, a missing push passes at 1.7 standard errors, a right one fails at 3.3.
 """
