@@ -277,8 +277,7 @@ class WorkerPool:
             asks.append(self.learner.status())
         answers = await asyncio.gather(*asks, return_exceptions=True)
         learner = answers[-1] if self.learner is not None and not isinstance(answers[-1], BaseException) else None
-        return ([None if isinstance(a, BaseException) else a.dtype for a in answers],
-                bool(getattr(learner, "autocast", False)))
+        return [None if isinstance(a, BaseException) else a.dtype for a in answers], bool(learner and learner.autocast)
 
     async def wait_learner_ready(self, timeout_s: float) -> None:
         """Let a restarting learner come back before a batch is sent (rather than losing the batch)."""
