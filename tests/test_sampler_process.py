@@ -1,5 +1,5 @@
 """The sampler process itself: the requests it refuses (400 with an error code), its health answer and
-resolved config, its vLLM worker inside the engine core (sampler/vllm_start.py), and a bad config failing fast
+resolved config, its vLLM worker inside a forked engine core (sampler/vllm_start.py), and a bad config failing fast
 before torch or vLLM is imported.
 
 The engines are the shared session-scoped `sampler_*` fixtures of `tests/conftest.py`.
@@ -67,6 +67,38 @@ def test_a_cpu_vllm_sampler_runs_its_worker_inside_the_engine_core(sampler_vllm:
     names = [args.strip() for pgid, _, args in parsed if pgid == group]
     assert names.count("VLLM::EngineCore") == 1, names
     assert not [name for name in names if name.startswith("VLLM::Worker")], names
+
+
+def test_the_engine_core_is_forked_without_the_port_and_with_the_kv_cache_asked_for(sampler_vllm: Sampler) -> None:
+    # sampler/vllm_start.py: forked, not spawned (no second import of torch and vLLM); the sampler's listening
+    # socket stays the sampler's alone; the KV cache is the config's 1/16 GiB, not vLLM's whole-GiB variable's 1.
+    text = sampler_vllm.log.read_text(errors="replace")
+    assert "vLLM's engine core: forked from this process" in text
+    assert "Explicitly set (0.06/" in text, "the KV cache is not the configured 0.0625 GiB"
+    holders = socket_holders(listening_inode(sampler_vllm.port))
+    assert holders == [sampler_vllm.proc.pid], holders
+
+
+def listening_inode(port: int) -> str:
+    """The inode of the socket listening on 127.0.0.1:`port` (/proc/net/tcp: state 0A is LISTEN)."""
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":
+            return fields[9]
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def socket_holders(inode: str) -> list[int]:
+    """Pids with a file descriptor on socket `inode`."""
+    holders = []
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        if f"socket:[{inode}]" in links:
+            holders.append(pid)
+    return holders
 
 
 @pytest.mark.parametrize(("bind", "threads", "omp"), [

@@ -150,7 +150,9 @@ class SamplerOptions(StrictModel):
     gpu_memory_utilization: float = Field(
         0.15, gt=0, le=1, description="Share of device memory vLLM reserves (of RAM on CPU)."
     )
-    kv_cache_gib: float = Field(2.0, gt=0, le=4096, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float = Field(2.0, gt=0, le=4096, description=(
+        "KV cache size on CPU, fractions of a GiB included (vLLM's kv_cache_memory_bytes; a "
+        "VLLM_CPU_KVCACHE_SPACE in the environment, whole GiB, overrides it, as in vLLM)."))
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences the engine runs at once.")
     tool_parser: str = Field("hermes", description=(
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
@@ -175,6 +177,10 @@ class SamplerOptions(StrictModel):
         "on 2 cores, alone; no sooner to 0.6 in 2 races: BENCHMARKS.md \"A sampler's start\"). The model's worker "
         "runs inside vLLM's engine-core process unless VLLM_CPU_OMP_THREADS_BIND is set (then vLLM's own "
         "worker process and binding, and this is ignored)."))
+    engine_core_start: Literal["fork", "spawn"] = Field("fork", description=(
+        "vLLM on CPU, its worker inside the engine core: how that process starts. fork = from the sampler, with "
+        "torch and vLLM already imported (10 s sooner on 2 cores: BENCHMARKS.md \"A sampler's start\"); spawn = "
+        "a fresh interpreter, as vLLM itself does on CPU."))
 
 
 class LearnerOptions(StrictModel):

@@ -4,10 +4,11 @@ host: sampler/vllm_start.py) or in a process of its own (`mp`, vLLM's own CPU de
 
     .venv/bin/python -m scripts.benchmarks.sampler_start [--rounds 3] [--model smollm2-135m-instruct]
 
-Three arms, in a rotating order, a fresh sampler process each start (tests/sampler_helpers.py's, with
+Four arms, in a rotating order, a fresh sampler process each start (tests/sampler_helpers.py's, with
 max_model_len 1024, a 1 GiB KV cache and 32 sequences at once):
 - `uni`: the default (the worker in the engine core, `sampler.cpu_threads` 1: one compute thread);
 - `uni_all`: the same with `cpu_threads` 0 (a thread per core);
+- `uni_spawn`: `uni` with its engine-core process spawned, as vLLM does on CPU, not forked (`engine_core_start`);
 - `mp`: what a sampler ran before `uni`. It sets VLLM_CPU_OMP_THREADS_BIND to the core vLLM's automatic binding
   picks for its one worker on a 2-CPU box (`--mp-bind`, 0; the sampler log's "core ids" line says which it
   took), which keeps vLLM's spawned worker process.
@@ -43,7 +44,8 @@ def one_start(model_dir: Path, arm: str, mp_bind: str) -> dict:
     env = {"VLLM_CPU_OMP_THREADS_BIND": mp_bind} if arm == "mp" else {}
     started = time.perf_counter()
     sampler = _start("vllm", model_dir, tmp, env=env, max_model_len=1024, kv_cache_gib=1, max_num_seqs=32,
-                     cpu_threads=0 if arm == "uni_all" else 1)
+                     cpu_threads=0 if arm == "uni_all" else 1,
+                     engine_core_start="spawn" if arm == "uni_spawn" else "fork")
     start_s = time.perf_counter() - started
     try:
         processes, rss_mib = tree_rss(sampler.proc.pid)
@@ -79,9 +81,9 @@ def main() -> None:
         parser.error("unset VLLM_CPU_OMP_THREADS_BIND: the mp arm sets it, and the uni arms need it unset")
     model_dir = resolve_model(args.model)
     rows = []
-    arms = ("uni", "uni_all", "mp")
+    arms = ("uni", "uni_spawn", "uni_all", "mp")
     for r in range(args.rounds):
-        for arm in arms[r % 3:] + arms[:r % 3]:
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
             rows.append({"round": r, **one_start(model_dir, arm, args.mp_bind)})
             print(json.dumps(rows[-1]), flush=True)
     summary = {arm: {key: statistics.median(row[key] for row in rows if row["arm"] == arm)
