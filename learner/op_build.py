@@ -21,17 +21,23 @@ log = logging.getLogger(__name__)
 FLOCK_NAME = ".grpo_server_build.flock"
 
 
-def build_shm_op() -> None:
-    """Build (or load the cached build of) the op now, so that `init_distributed` finds it ready."""
+def build_shm_op(ranks: int) -> None:
+    """Build (or load the cached build of) the op now, so that `init_distributed` finds it ready. A job of one
+    rank has nothing to reduce between ranks: DeepSpeed is told the op is unavailable, so the first start on a
+    fresh machine (the demo's, a CI run's first server) does not wait ~50 s for a compiler."""
     import torch
 
     if torch.cuda.is_available():
         return  # NCCL: no shared-memory op
+    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm.torch, as an attribute, is torch
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None:
+        return
+    if ranks == 1:  # DeepSpeed's own build_shm_op returns None for an op its table calls incompatible
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
         return
     folder = build_folder(builder.name)
     folder.mkdir(parents=True, exist_ok=True)
