@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,10 +31,16 @@ def test_a_hung_phase_is_stopped_with_its_children(tmp_path):
     code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
             "time.sleep(120)']); print('child', child.pid, flush=True); time.sleep(120)")
     started = time.monotonic()
-    with open(tmp_path / "log", "w") as log:
-        out = run_phase([sys.executable, "-c", code], 3, {}, log, "hang")
+    # As a shell starts a background job: SIGINT ignored, which the phase must not inherit.
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with open(tmp_path / "log", "w") as log:
+            out = run_phase([sys.executable, "-c", code], 3, {}, log, "hang")
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert time.monotonic() - started < 90  # its 3 s limit, not the 120 s sleep (a loaded box is slow)
     assert out["timed_out"] and not out["ok"] and "no result within 3 s" in out["error"]
+    assert out["rc"] == -signal.SIGINT, out["rc"]  # stopped by the SIGINT (its `finally` ran), not the SIGKILL
     child = int(re.search(r"child (\d+)", out["log_tail"]).group(1))
     time.sleep(0.5)
     assert not alive(child)

@@ -124,8 +124,11 @@ def run_phase(cmd: list[str], timeout_s: float, env: dict, log, label: str, need
     """One phase in its own process (own session): its output goes to `log` and to our stdout with a label;
     returns rc, seconds, timed_out, its result (the last RESULT_PREFIX line) and, on failure, its last lines."""
     started = time.perf_counter()
+    # SIGINT back to its default in the phase: a shell ignores it in what it starts in the background, and the
+    # phase would inherit that, skip its `finally` and wait GRACE_S for the SIGKILL.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
+                            errors="replace", start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     found: list[dict] = []
 
