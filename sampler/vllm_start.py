@@ -17,8 +17,8 @@ That engine-core process is forked from the sampler, not spawned: a spawned one 
 insists on spawn on CPU for the worker process it no longer starts here. The fork is safe as made: the sampler
 is one thread when it forks (else it spawns, as vLLM would), it has run no torch compute yet, the thread count
 is set before the fork for the child to inherit, and the child closes the sampler's listening socket
-(sampler/__main__.py). The child holds what the sampler's memory holds, the workers' secret too; it runs
-vLLM and this project's worker extension only, as the same user.
+(sampler/__main__.py). The child holds what the sampler's memory holds, the workers' secret too (not in its
+/proc environ: grpo_server/protocol/worker_auth.py); it runs vLLM and this project's worker extension only.
 """
 
 from __future__ import annotations

@@ -179,8 +179,8 @@ class SamplerOptions(StrictModel):
         "worker process and binding, and this is ignored)."))
     engine_core_start: Literal["fork", "spawn"] = Field("fork", description=(
         "vLLM on CPU, its worker inside the engine core: how that process starts. fork = from the sampler, with "
-        "torch and vLLM already imported (10 s sooner on 2 cores: BENCHMARKS.md \"A sampler's start\"); spawn = "
-        "a fresh interpreter, as vLLM itself does on CPU."))
+        "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: BENCHMARKS.md "
+        "\"The test suite\"); spawn = a fresh interpreter, as vLLM itself does on CPU."))
 
 
 class LearnerOptions(StrictModel):
