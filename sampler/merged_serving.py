@@ -7,12 +7,16 @@ refused, the base model) needs the base weights, its adapter through LoRA. While
 sample at once (any of their requests waiting or running here, or done within `lone_after_s`: a client
 pauses between its groups), `several_experiments` decides:
 
-- `lora_batch` (default): their requests all need the base weights, so vLLM batches them together, each
-  through its own adapter. With sampler/lora_cpu_ops.py's grouped ops that beats merged turns on this
+- `lora_batch` (auto in float32): their requests all need the base weights, so vLLM batches them together,
+  each through its own adapter. With sampler/lora_cpu_ops.py's grouped ops that beats merged turns on this
   CPU in total tok/s and in latency alike (BENCHMARKS.md, "Several experiments on one sampler"): a batch
   of k experiments' sequences costs far less than k batches of one. Once the others' requests are done,
   the remaining experiment's next ones need its merge again.
-- `turns`: each experiment's newest version still needs its own merge, and the states take turns.
+- `turns` (auto in bf16): each experiment's newest version still needs its own merge, and the states take
+  turns. In bf16 vLLM adds a LoRA update to a layer output already rounded to bf16, so a small update
+  applies only in part (the push check read a first step at 0.44 of itself), where a merge rounds it
+  stochastically into the weights (sampler/merged_weights.py). In the fleet race on the bf16 defaults, four
+  experiments at once reached 0.6 2.25x sooner in turns (BENCHMARKS.md, "The fleet race on the bf16 defaults").
 
 Either way the weight states change through sampler/weight_turns.py: requests needing the state held now
 run, batched together, and the weights change between turns only, with the gate held exclusively (no
@@ -37,6 +41,13 @@ from sampler.engine import adapter_not_loaded
 from sampler.weight_turns import WeightTurns
 
 log = logging.getLogger(__name__)
+
+
+def several_experiments_policy(setting: str, dtype: str) -> str:
+    """`several_experiments` as it applies to a sampler computing in `dtype` (its resolved config's)."""
+    if setting != "auto":
+        return setting
+    return "turns" if dtype in ("bfloat16", "float16") else "lora_batch"
 
 # Tries of reset_prefix_cache after a weight change: it refuses while blocks are still held by a
 # request the scheduler has not freed yet.
@@ -98,6 +109,10 @@ class MergedServing:
             sampling = self._experiments_sampling = ExperimentsSampling()
         return sampling
 
+    @property
+    def several_policy(self) -> str:
+        return several_experiments_policy(self.config.several_experiments, self.config.dtype)
+
     def _merge_target(self, adapter: AdapterRef | None) -> str | None:
         """The weight state a request on `adapter` needs: its own key when it is its experiment's newest
         loaded version, merging works here, and (with `lora_batch`) no other experiment samples now; else
@@ -107,7 +122,7 @@ class MergedServing:
         newest = max(entry.ref.version for entry in self._adapters.values() if entry.ref.name == adapter.name)
         if adapter.version != newest:
             return None
-        if self.config.several_experiments == "lora_batch" and self._sampling_now.others_than(
+        if self.several_policy == "lora_batch" and self._sampling_now.others_than(
                 adapter.name, self.config.lone_after_s):
             return None
         return adapter.key

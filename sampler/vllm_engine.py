@@ -105,7 +105,9 @@ class VllmEngine(MergedServing, Engine):
         else:
             self.merge_unsupported = (await self._llm.collective_rpc("merge_support"))[0]
         log.info("merged serving (experiments in turns on the weights): %s",
-                 "on" if self.merge_unsupported is None else f"off ({self.merge_unsupported})")
+                 f"on; several experiments at once: {self.several_policy} (several_experiments "
+                 f"{self.config.several_experiments}, dtype {self.config.dtype})"
+                 if self.merge_unsupported is None else f"off ({self.merge_unsupported})")
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -260,8 +260,8 @@ async def test_many_requests_for_random_states_each_run_on_their_own_weights(see
 class FakeSampler(MergedServing):
     """sampler/merged_serving.py's policy on a fake engine: merges are recorded, not made."""
 
-    def __init__(self, several_experiments: str, lone_after_s: float = 0.0) -> None:
-        self.config = SimpleNamespace(several_experiments=several_experiments, lone_after_s=lone_after_s)
+    def __init__(self, several_experiments: str, lone_after_s: float = 0.0, dtype: str = "float32") -> None:
+        self.config = SimpleNamespace(several_experiments=several_experiments, lone_after_s=lone_after_s, dtype=dtype)
         self._gate = Gate()
         self.merged: str | None = None
         self.merge_unsupported: str | None = None
@@ -283,9 +283,14 @@ class FakeSampler(MergedServing):
             return served_as
 
 
-@pytest.mark.parametrize("policy, served_as", [("lora_batch", "lora"), ("turns", "merged")])
-async def test_several_experiments_at_once_batch_through_lora_or_take_turns(policy: str, served_as: str) -> None:
-    sampler = FakeSampler(policy)
+@pytest.mark.parametrize("policy, dtype, served_as", [
+    ("lora_batch", "float32", "lora"), ("turns", "float32", "merged"), ("lora_batch", "bfloat16", "lora"),
+    ("auto", "float32", "lora"), ("auto", "auto", "lora"), ("auto", "bfloat16", "merged")])
+async def test_several_experiments_at_once_batch_through_lora_or_take_turns(policy: str, dtype: str,
+                                                                             served_as: str) -> None:
+    # auto: turns where the sampler computes in bf16 (its LoRA path applies small updates only in part), else
+    # lora_batch; a resolved CPU sampler's dtype is bfloat16, float32 or auto (float32 on a CPU).
+    sampler = FakeSampler(policy, dtype=dtype)
     assert await asyncio.gather(sampler.sample("a"), sampler.sample("b"), sampler.sample("a")) == [served_as] * 3
     assert await sampler.sample("b") == "merged"  # alone: merged either way
     assert sampler.merges[-1] == "b@v1" and sum(sampler._sampling_now.requests.values()) == 0

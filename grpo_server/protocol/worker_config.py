@@ -161,10 +161,11 @@ class SamplerOptions(StrictModel):
         "vLLM on CPU: serve an experiment's newest version with its adapter folded into the base weights "
         "(base-model speed) while it samples alone; several at once: `several_experiments`. Older versions "
         "and the base model go through LoRA. false: everything through LoRA."))
-    several_experiments: Literal["lora_batch", "turns"] = Field("lora_batch", description=(
+    several_experiments: Literal["auto", "lora_batch", "turns"] = Field("auto", description=(
         "vLLM on CPU with merging on, while several experiments sample at once: lora_batch = all of them in "
-        "one batch through LoRA, a lone experiment merged (fastest here with the grouped LoRA ops: BENCHMARKS.md); "
-        "turns = each in its turn with its newest version merged (sampler/weight_turns.py)."))
+        "one batch through LoRA, a lone experiment merged (fastest in float32 with the grouped LoRA ops: "
+        "BENCHMARKS.md); turns = each in its turn with its newest version merged (sampler/weight_turns.py); "
+        "auto = turns where the sampler computes in bf16, else lora_batch (sampler/merged_serving.py)."))
     lone_after_s: float = Field(5.0, ge=0, le=3600, description=(
         "lora_batch: an experiment counts as sampling alone (merged) once no other experiment has had a "
         "request here for this long; shorter, a client's pause between groups would trade the weights."))
