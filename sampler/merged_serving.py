@@ -49,6 +49,7 @@ def several_experiments_policy(setting: str, dtype: str) -> str:
         return setting
     return "turns" if dtype in ("bfloat16", "float16") else "lora_batch"
 
+
 # Tries of reset_prefix_cache after a weight change: it refuses while blocks are still held by a
 # request the scheduler has not freed yet.
 PREFIX_RESET_TRIES = 50

@@ -1,8 +1,9 @@
 """Score token sequences with vLLM's offline `LLM` on a plain model folder, in a process of its own (run by
 tests/test_export.py: vLLM is heavy to keep in the pytest process). Its engine core and model worker run in
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), as the sampler's worker does
-(sampler/vllm_start.py): vLLM's CPU defaults spawn two more processes, each importing torch and vLLM again. Usage: `python -m tests.export_vllm_score MODEL_DIR < pairs.json`, where the JSON is
-`[[prompt_ids, completion_ids], ...]`; the last stdout line is `RESULT <json>`: each completion's token
+(sampler/vllm_start.py): vLLM's CPU defaults spawn two more processes, each importing torch and vLLM again.
+Usage: `python -m tests.export_vllm_score MODEL_DIR < pairs.json`, where the JSON is `[[prompt_ids,
+completion_ids], ...]`; the last stdout line is `RESULT <json>`: each completion's token
 logprobs, as prompt logprobs at T = 1, the way the sampler scores (sampler/vllm_engine.py
 `_score_untempered`), on float32 weights as the CPU sampler runs them.
 """
