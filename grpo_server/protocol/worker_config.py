@@ -161,7 +161,7 @@ class SamplerOptions(StrictModel):
         "vLLM on CPU: serve an experiment's newest version with its adapter folded into the base weights "
         "(base-model speed) while it samples alone; several at once: `several_experiments`. Older versions "
         "and the base model go through LoRA. false: everything through LoRA."))
-    several_experiments: Literal["auto", "lora_batch", "turns"] = Field("auto", description=(
+    several_experiments: Literal["lora_batch", "turns", "auto"] = Field("lora_batch", description=(
         "vLLM on CPU with merging on, while several experiments sample at once: lora_batch = all of them in "
         "one batch through LoRA, a lone experiment merged (fastest in float32 with the grouped LoRA ops: "
         "BENCHMARKS.md); turns = each in its turn with its newest version merged (sampler/weight_turns.py); "
