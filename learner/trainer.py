@@ -42,7 +42,7 @@ from learner.engine import make_engine, optimizer_step, release_engine, uses_aut
 from learner.loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
                           token_logprobs)
 from learner.metrics import StepStats
-from learner.op_build import build_shm_op
+from learner.shm_op import skip_shm_op
 from learner.previous_version import PreviousVersionScoring, SavedWeights
 from learner.sharding import RankShare, rank_share
 from learner.steps import TinkerSteps
@@ -90,10 +90,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
         # Train steps under bf16 autocast (float32 weights and AdamW): their logprobs are not the samplers'
         # float32 ones, so the free check is off then; the push check's probe scoring stays float32.
         self.autocast = uses_autocast(config.autocast, self.device, self.dtype, config.dtype)
-        # Here, not at the first add_experiment: a job of several ranks JIT-builds DeepSpeed's shm comm op the
-        # first time (~50 s on CPU), and the learner only reports healthy once it can answer verbs promptly.
-        # (A no-op wrapper when learner/ranks.py set up the process group already; learner/op_build.py: stale locks.)
-        build_shm_op(config.ranks)
+        skip_shm_op()  # an op for tensor-parallel inference, which would cost a g++ build (learner/shm_op.py)
         deepspeed.init_distributed(dist_backend=None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # Barriers and the checkpoint's optimizer shards go over gloo whatever the training backend is:
