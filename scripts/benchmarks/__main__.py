@@ -193,7 +193,6 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown figures {sorted(unknown)}; choose from {FIGURES + EXTRA_FIGURES}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     mode = QUICK if args.quick else FULL
     mode = replace(mode, **{f: getattr(args, f) for f in ("e2e_target", "e2e_window", "e2e_time_limit_s", "e2e_runs")
                             if getattr(args, f) is not None})

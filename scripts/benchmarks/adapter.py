@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import statistics
 import subprocess
@@ -183,7 +182,6 @@ def main() -> None:
     parser.add_argument("--lora-ops", default="grouped", help=argparse.SUPPRESS)
     parser.add_argument("--passes", type=int, default=5, help="timed passes in each process (their median)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = resolve_model(args.model)
     if args.one:  # a child run: one configuration
         dtype, adapter = args.one

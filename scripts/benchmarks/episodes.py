@@ -284,7 +284,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from .server import stop_on_signals
 
     stop_on_signals()

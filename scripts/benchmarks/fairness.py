@@ -271,7 +271,6 @@ def main() -> None:
 
     sampler_settings = with_settings({}, args.sampler)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from .server import bench_model, stop_on_signals
 
     stop_on_signals()

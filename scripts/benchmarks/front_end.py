@@ -191,7 +191,6 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from .server import stop_on_signals
 
     stop_on_signals()
