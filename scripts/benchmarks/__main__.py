@@ -64,7 +64,7 @@ from . import REPO
 from .adapter import adapter_figure
 from .end_to_end import end_to_end_figure, end_to_end_minutes, with_settings
 from .fairness import own_server_figure
-from .host import figure, loadavg
+from .host import default_sampler_dtype, figure, loadavg
 from .learner_vs_peft import learner_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import render, replace_block
@@ -91,7 +91,7 @@ class Mode:
     learner_sequences: int
     learner_max_completion: int
     learner_steps: int
-    adapter_dtypes: tuple[str, ...]
+    adapter_dtypes: tuple[str, ...]  # "default": the samplers' default on this CPU (its row has the verdict)
     adapter_requests: int
     adapter_n: int
     adapter_max_tokens: int
@@ -119,12 +119,12 @@ class Mode:
 # shared box moves by 10-20% with the load, and 2 rounds gave verdicts that the next run reversed.
 QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4),
              exp_requests=1, exp_concurrency=1, exp_n=4, exp_max_tokens=16, push_rounds=5, server_push_rounds=5,
-             learner_sequences=16, learner_max_completion=32, learner_steps=5, adapter_dtypes=("float32",),
+             learner_sequences=16, learner_max_completion=32, learner_steps=5, adapter_dtypes=("default",),
              adapter_requests=2, adapter_n=8, adapter_max_tokens=32, adapter_passes=5, ep_episodes=16, ep_rounds=5)
 FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4, 8),
             exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=5,
             learner_sequences=32, learner_max_completion=128, learner_steps=5,
-            adapter_dtypes=("float32", "bfloat16"), adapter_requests=4, adapter_n=8, adapter_max_tokens=64,
+            adapter_dtypes=("default", "float32", "bfloat16"), adapter_requests=4, adapter_n=8, adapter_max_tokens=64,
             adapter_passes=5, end_to_end=True, ep_rounds=5)
 
 
@@ -203,6 +203,11 @@ def main() -> int:
         SamplerSettings(**sampler_settings)
     except (ValueError, ValidationError) as error:
         parser.error(f"--sampler: {error}")
+    # Every figure runs the default path on this CPU: the samplers' default dtype (bf16 where the CPU has it), the
+    # learner's default autocast, and the adapter figure's first dtype (the verdict's) the same.
+    dtype = sampler_settings.get("dtype") or default_sampler_dtype()
+    dtypes = [dtype if d == "default" else d for d in mode.adapter_dtypes]
+    mode = replace(mode, adapter_dtypes=tuple(dict.fromkeys(dtypes)))
     started = time.perf_counter()
     command = "scripts/bench" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     mem_kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
@@ -210,7 +215,7 @@ def main() -> int:
                               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                               "host": platform.node() or "this machine", "cpus": os.cpu_count(),
                               "mem_gib": mem_kib / 2**20, "python": platform.python_version(),
-                              "model": EMBEDDED_MODEL_NAME, "versions": versions(), "load_start": loadavg(), "out": os.path.relpath(args.out, REPO),
+                              "model": EMBEDDED_MODEL_NAME, "dtype": dtype, "versions": versions(), "load_start": loadavg(), "out": os.path.relpath(args.out, REPO),
                               "sampler_settings": sampler_settings},
                      "figures": {}}
     stop_on_signals()

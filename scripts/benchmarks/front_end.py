@@ -92,12 +92,13 @@ async def through_server(model_dir: Path, run_dir: Path, args) -> tuple[float, l
     return tokens / seconds, prompt_ids, adapter
 
 
-def direct_engine(model_dir: Path, args):
-    """vLLM's AsyncLLM in this process, with the sampler's own engine arguments (sampler.vllm_start)."""
+def direct_engine(model_dir: Path, args, dtype: str = "auto"):
+    """vLLM's AsyncLLM in this process, with the sampler's own engine arguments (sampler.vllm_start) and the
+    dtype the server's sampler runs (`auto` is float32 for a sampler on a CPU: the front end picks bf16)."""
     from sampler.vllm_start import start_async_llm
 
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
-                           kv_cache_gib=2, max_num_seqs=args.max_num_seqs)
+                           kv_cache_gib=2, max_num_seqs=args.max_num_seqs, dtype=dtype)
     return start_async_llm(config, config.max_model_len)
 
 

@@ -14,6 +14,16 @@ import traceback
 from pathlib import Path
 
 
+def default_sampler_dtype() -> str:
+    """The samplers' dtype a server on its defaults picks on this CPU (bfloat16 where it computes bf16 natively,
+    else float32): the path whose figures get verdicts (issue 28, item 4)."""
+    from grpo_server.config import ServerConfig
+    from grpo_server.protocol.cpu_features import read_cpu_features
+    from grpo_server.workers.launch import sampler_dtype
+
+    return sampler_dtype(ServerConfig(), read_cpu_features())
+
+
 def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 

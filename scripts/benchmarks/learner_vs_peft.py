@@ -10,6 +10,9 @@ AdamW over the adapter and the same loop: the learner's own micro-batches (`lear
 forward (`logits_to_keep`), the same loss (`learner.loss.policy_loss`), gradient clipping, one step.
 Steps alternate (learner, plain, learner, ...) after one warm-up step each, so both see the same load.
 
+Both sides run the learner's defaults on this CPU: float32 weights, and train steps under bf16 autocast where
+the CPU computes bf16 natively (learner.autocast auto), the plain loop under the same autocast.
+
 The learner checkpoints after every step by default (`checkpoint_every` 1). That write is timed on
 its own here (the experiment is created with checkpoint_every large, and `trainer.checkpoint` is called
 and timed after each measured step), so the ratio can be read with and without it.
@@ -159,10 +162,11 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
     from grpo_server.protocol.worker_config import LearnerConfig
     from learner.trainer import MultiAdapterTrainer
 
-    trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=run_dir, port=1, max_model_len=1024,
-                                                dtype="float32"))
+    # The learner's defaults (dtype and autocast auto): float32 weights, train steps under bf16 autocast on a CPU
+    # that computes bf16 natively. The plain loop runs the same autocast, so the ratio is the learner's overhead.
+    trainer = MultiAdapterTrainer(LearnerConfig(model_path=model_dir, run_dir=run_dir, port=1, max_model_len=1024))
     trainer.add_experiment("learn", lora, algorithm)
-    plain = PlainLoop(model_dir, lora, algorithm)
+    plain = PlainLoop(model_dir, lora, algorithm, autocast=trainer.autocast)
     setup_s = time.perf_counter() - started
     request = make_batch(sequences, group_size, max_completion, seed)
     tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in request.samples)
@@ -187,6 +191,7 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
         "sequences": len(request.samples), "group_size": group_size, "max_completion": max_completion,
         "tokens_per_step": tokens, "steps": steps, "micro_batch_size": algorithm.micro_batch_size,
         "lora": lora.model_dump(), "torch_threads": torch.get_num_threads(), "setup_s": round(setup_s, 1),
+        "autocast": trainer.autocast, "dtype": str(trainer.dtype).removeprefix("torch."),
         "learner_step_s": [round(x, 3) for x in learner_s], "plain_step_s": [round(x, 3) for x in plain_s],
         "checkpoint_s": [round(x, 3) for x in checkpoint_s], "save_adapter_in_process_s": [round(x, 3) for x in save_s],
         "learner_tok_s": round(learner_tps, 1), "learner_with_checkpoint_tok_s": round(with_ckpt_tps, 1),

@@ -89,13 +89,15 @@ async def server_figures(model_dir: Path, mode, only: set[str], results: dict) -
                **results["meta"].get("sampler_settings", {}), "base_port": sampler_port}
     started = time.perf_counter()
     # The front end figure's in-process engine starts beside the server (each is ~1 minute here).
+    dtype = results["meta"]["dtype"]  # the default's: the server below resolves `auto` to it
     llm_task = (asyncio.ensure_future(asyncio.to_thread(front_end.direct_engine, model_dir,
-                                                        front_end.front_end_args(mode))) if "front_end" in only
+                                                        front_end.front_end_args(mode), dtype)) if "front_end" in only
                 else None)
     try:
         # max_queued_batches 16: the experiments train every group (batch_groups 1), and admission must not
         # refuse the figures' concurrent requests (2 x batch_groups by default).
-        handle = await start(run_dir, model_dir, engine="vllm", max_model_len=1024, sampler=sampler,
+        # dtype auto: the server's default (start_server pins the tests to float32), bf16 on a CPU that has it.
+        handle = await start(run_dir, model_dir, engine="vllm", max_model_len=1024, sampler=sampler, dtype="auto",
                              learner={"zero_stage": 2, "port": learner_port}, max_queued_batches=16)
     except BaseException:
         if llm_task is not None:

@@ -254,7 +254,7 @@ def _learner_rows(le: dict | None) -> list[tuple[str, str, str, str, str]]:
     what = (f"training tok/s (prompt + completion) of `MultiAdapterTrainer.train` (DeepSpeed ZeRO-2) vs plain peft + "
             f"torch AdamW on the same micro-batches and loss; {le['sequences']} sequences (groups of "
             f"{le['group_size']}, completions 4-{le['max_completion']} tokens), {le['steps']} alternating steps each, "
-            f"float32")
+            f"{'under bf16 autocast (the default on this CPU), float32 weights' if le.get('autocast') else 'float32'}")
     main = ("learner", f"{what}; the learner with its default per-step checkpoint",
             f"{_f(le['learner_with_checkpoint_tok_s'], 1)} vs {_f(le['plain_tok_s'], 1)} tok/s: "
             f"**{_f(le['ratio_with_checkpoint'], 3)}** (checkpoint {_f(le['checkpoint_median_s'], 3)} s a step; per "
@@ -346,7 +346,8 @@ def render(results: dict) -> str:
         f"## Summary: `scripts/bench{' --quick' if meta['mode'] == 'quick' else ''}` ({meta['mode']} mode)",
         "",
         f"Command ({meta['date']}, {meta['host']}): `{meta['command']}`, {meta['runtime_s']:.0f} s. "
-        f"{meta['cpus']} CPUs, {meta['mem_gib']:.0f} GiB; model {meta['model']} (float32), "
+        f"{meta['cpus']} CPUs, {meta['mem_gib']:.0f} GiB; model {meta['model']} (samplers in "
+        f"{meta.get('dtype', 'float32')}, the default on this CPU), "
         f"{meta['versions']}. Load average (1 min) at the start / end of each figure: {meta['load_note']}. "
         f"Other processes busy when a figure started (not this benchmark; most busy share of a core): "
         f"{meta['others'] or 'none seen'}. "
