@@ -33,9 +33,7 @@ def test_the_op_is_called_only_by_tensor_parallel_inference():
     routes training's all_reduce through it, this fails and the skip must be looked at again."""
     import inspect
 
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    source = inspect.getsource(ds_comm_torch.TorchBackend)
-    users = [name for name, member in inspect.getmembers(ds_comm_torch.TorchBackend, inspect.isfunction)
+    backend = importlib.import_module("deepspeed.comm.torch").TorchBackend
+    users = [name for name, member in inspect.getmembers(backend, inspect.isfunction)
              if "inference_all_reduce_" in inspect.getsource(member) or "shm_comm_op" in inspect.getsource(member)]
-    assert sorted(users) == ["__init__", "inference_all_reduce"], users
-    assert "shm_comm_op" in source
+    assert sorted(users) == ["__init__", "inference_all_reduce"], users  # __init__ builds it, the other calls it

@@ -142,6 +142,21 @@ def front_end_args(mode) -> SimpleNamespace:
                            concurrency=mode.fe_concurrency, max_num_seqs=MAX_NUM_SEQS)
 
 
+async def settled_serving(client, server_side, settle_s: float = 15.0) -> str:
+    """How the server serves bench1 once that has settled. A lone experiment is served merged only when no
+    other has sampled for the sampler's `lone_after_s` (5 s by default), and the figure before this one sampled
+    an experiment of its own: read at once, the server said "lora" and went merged by the second round (a
+    2026-12-05 run's rounds: 0.99, then 1.35-1.44). So it is asked again, a request at a time, for up to
+    `settle_s`, until it says "merged" (a sampler that cannot merge keeps "lora", which the direct side follows)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        served_as = (await client.status("bench1")).served_as
+        if served_as == "merged" or time.monotonic() > deadline:
+            return served_as
+        await asyncio.sleep(1.0)
+        await run_mix(server_side, 1, 1)
+
+
 async def front_end_figure(client, llm_task: asyncio.Future, adapter_dir: Path, mode) -> dict:
     """Server rounds and direct rounds, alternating (S D D S ...), after one warm-up of each. `llm_task`
     gives the in-process engine (started beside the server, to save a startup)."""
@@ -154,7 +169,7 @@ async def front_end_figure(client, llm_task: asyncio.Future, adapter_dir: Path, 
         await run_mix(sides["server"], min(2, args.requests), args.concurrency)  # warm-up
         # The same engine path on both sides: where the sampler serves the lone experiment merged into its
         # weights (vLLM-cpu), the in-process engine merges the same folder and sends no LoRA either.
-        served_as = (await client.status("bench1")).served_as
+        served_as = await settled_serving(client, sides["server"])
         if served_as == "merged":
             await llm.collective_rpc("merge_adapter", args=(str(adapter_dir),))
             await llm.reset_prefix_cache()
