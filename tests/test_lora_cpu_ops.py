@@ -23,8 +23,12 @@ def _reference(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> t
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("all_slots_max", [lora_cpu_ops.ALL_SLOTS_MAX, 0], ids=["one_matmul", "per_slot"])
 @pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [0, 2, 0, 1, 2], [2, -1, 0, -1, 2], [-1, -1, -1, -1, -1]])
-def test_product_is_each_tokens_own_adapter(slots: list[int]) -> None:
+def test_product_is_each_tokens_own_adapter(slots: list[int], all_slots_max: int, monkeypatch) -> None:
+    """Both ways of running a batch of several adapters: every slot in one matmul (a decode-sized batch) and a
+    matmul per slot (a larger one)."""
+    monkeypatch.setattr(lora_cpu_ops, "ALL_SLOTS_MAX", all_slots_max)
     x = _weights((len(slots), IN))
     a = _weights((SLOTS, 1, RANK, IN))
     index = torch.tensor(slots)
