@@ -22,13 +22,17 @@ and round to nearest sends W0 + delta back to W0 wherever |delta| is under half 
 training is most weights. The served model then moved only part of the way from one version to the next (the
 push check's step fraction 0.48-0.95 over a demo's first versions, BENCHMARKS.md "Fast defaults"); rounded
 stochastically each weight is W0 + delta in expectation. Rows without a delta, and the base restored, are
-rounded to nearest, as vLLM's loader did, to the same weights.
+rounded to nearest, as vLLM's loader did, to the same weights. The rounding's noise is a window of one table of
+uniform 16-bit integers drawn once (`RoundingNoise`), at an offset drawn per version and layer: a fresh draw for
+every weight took 0.2 of a merge's 0.4 s (SmolLM2, one thread; BENCHMARKS.md "The weight push"), on the path
+from a push to its first completion.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import zlib
 from pathlib import Path
@@ -108,24 +112,30 @@ class MergeWorkerExtension:
         dtype = self.vllm_config.model_config.dtype
         # Seeded by the version's folder: merged again (experiments in turns), a version is the same weights.
         generator = torch.Generator().manual_seed(zlib.crc32(str(path).encode())) if path else None
+        noise = self._rounding_noise(layers) if dtype == torch.bfloat16 and generator is not None else None
         with torch.no_grad():
             for layer in layers:
-                weight = torch.empty_like(layer.base)
-                merged_rows = []
+                merged = torch.empty_like(layer.base)  # W0 + delta in float32
+                served = merged if dtype == torch.float32 else torch.empty(layer.base.shape, dtype=dtype)
                 for name, start, rows in zip(layer.hf_names, layer.row_starts, layer.row_counts):
-                    base, out = layer.base[start:start + rows], weight[start:start + rows]
-                    if name in factors:
-                        b, a, scale = factors[name]
-                        torch.addmm(base, b, a, alpha=scale, out=out)  # W0 + scale * B @ A in one pass
-                        merged_rows.append((start, rows))
-                    else:
-                        out.copy_(base)
-                served = weight.to(dtype)
-                if dtype == torch.bfloat16 and generator is not None:
-                    for start, rows in merged_rows:
-                        served[start:start + rows] = stochastic_round_bf16(weight[start:start + rows], generator)
+                    base, out = layer.base[start:start + rows], merged[start:start + rows]
+                    if name not in factors:
+                        served[start:start + rows] = base  # rounded to nearest, as vLLM's loader did
+                        continue
+                    b, a, scale = factors[name]
+                    torch.addmm(base, b, a, alpha=scale, out=out)  # W0 + scale * B @ A in one pass
+                    if noise is not None:
+                        served[start:start + rows] = stochastic_round_bf16(out, noise.take(out.shape, generator))
+                    elif served is not merged:
+                        served[start:start + rows] = out
                 _install_weight(layer.module.base_layer, served)
         return time.perf_counter() - started
+
+    def _rounding_noise(self, layers: list[_MergeableLayer]) -> RoundingNoise:
+        noise = getattr(self, "_grpo_rounding_noise", None)
+        if noise is None:
+            noise = self._grpo_rounding_noise = RoundingNoise(2 * max(layer.base.numel() for layer in layers))
+        return noise
 
     def _mergeable_layers(self) -> list[_MergeableLayer]:
         cached = getattr(self, "_grpo_mergeable", None)
@@ -137,17 +147,39 @@ class MergeWorkerExtension:
         return cached
 
 
-def stochastic_round_bf16(weight: Any, generator: Any) -> Any:
+class RoundingNoise:
+    """Uniform integers in [0, 2**16), `size` of them drawn once (seeded: the same in every sampler); `take` gives
+    a window of them at an offset drawn from the caller's generator. Within a window every weight has its own
+    draw, and the windows of two versions are independent wherever their offsets differ, which is what unbiased
+    rounding asks of its noise: it must not depend on the weights, and each version rounds afresh."""
+
+    def __init__(self, size: int, seed: int = 0):
+        import torch
+
+        self.table = torch.randint(0, 1 << 16, (size,), dtype=torch.int32,
+                                   generator=torch.Generator().manual_seed(seed))
+
+    def take(self, shape: Any, generator: Any) -> Any:
+        import torch
+
+        count = math.prod(shape)
+        if count > self.table.numel():
+            raise ValueError(f"{count} weights, a rounding-noise table of {self.table.numel()}")
+        offset = int(torch.randint(0, self.table.numel() - count + 1, (1,), generator=generator))
+        return self.table[offset:offset + count].view(shape)
+
+
+def stochastic_round_bf16(weight: Any, noise: Any) -> Any:
     """float32 -> bfloat16, rounded up with probability equal to the distance to the lower neighbour (in grid
     steps): unbiased per weight, where round to nearest is biased toward a grid point the weight sits next to. A
-    float32 keeps bf16's 8 exponent and top 7 mantissa bits and adds 16 lower ones: add a uniform 16-bit integer to
-    the bits and truncate them (the carry is the rounding up; for a negative weight it raises the magnitude, as
-    sign-magnitude wants). A weight already on the grid has no lower bits and stays exactly itself."""
+    float32 keeps bf16's 8 exponent and top 7 mantissa bits and adds 16 lower ones: add a uniform 16-bit integer
+    (`noise`, an int32 tensor of the weight's shape: `RoundingNoise.take`) to the bits and truncate them (the carry
+    is the rounding up; for a negative weight it raises the magnitude, as sign-magnitude wants). A weight already
+    on the grid has no lower bits and stays exactly itself."""
     import torch
 
-    bits = weight.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator)
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: the lower bits are 0
+    bits = weight.contiguous().view(torch.int32) + noise
+    return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # exact: the lower bits are 0
 
 
 def _find_layers(model: Any, model_dir: Path) -> list[_MergeableLayer]:

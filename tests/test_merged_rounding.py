@@ -4,9 +4,15 @@ drops each one under half a grid step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from sampler.merged_weights import stochastic_round_bf16
+from sampler.merged_weights import RoundingNoise, stochastic_round_bf16
+
+
+def _rounded(weight: torch.Tensor, seed: int, noise: RoundingNoise | None = None) -> torch.Tensor:
+    noise = noise or RoundingNoise(2 * weight.numel())
+    return stochastic_round_bf16(weight, noise.take(weight.shape, torch.Generator().manual_seed(seed)))
 
 
 def _on_grid(n: int, seed: int) -> torch.Tensor:
@@ -21,7 +27,7 @@ def test_a_small_update_survives_stochastic_rounding_in_expectation_where_round_
     merged = base + delta
     nearest = merged.to(torch.bfloat16).float()
     assert torch.equal(nearest, base)  # every update is under half a step: round to nearest loses all of them
-    served = stochastic_round_bf16(merged, torch.Generator().manual_seed(2)).float()
+    served = _rounded(merged, seed=2).float()
     moved = served - base
     # Each weight lands on one of its two neighbours (the step itself for the ones rounded up) ...
     assert torch.all((moved == 0) | torch.isclose(moved.abs(), ulp, rtol=1e-3))
@@ -32,8 +38,23 @@ def test_a_small_update_survives_stochastic_rounding_in_expectation_where_round_
 
 def test_weights_on_the_grid_stay_exact_and_a_seed_gives_the_same_weights():
     base = _on_grid(10_000, seed=3)
-    assert torch.equal(stochastic_round_bf16(base, torch.Generator().manual_seed(4)).float(), base)
+    assert torch.equal(_rounded(base, seed=4).float(), base)
     merged = base + 1e-4 * torch.randn(base.shape, generator=torch.Generator().manual_seed(5))
-    one = stochastic_round_bf16(merged, torch.Generator().manual_seed(6))
-    assert torch.equal(one, stochastic_round_bf16(merged, torch.Generator().manual_seed(6)))
+    one = _rounded(merged, seed=6)
+    assert torch.equal(one, _rounded(merged, seed=6))  # a version merged again is the same weights
     assert torch.all((one.float() - merged).abs() <= merged.abs() * 2.0**-7 + 1e-30)  # within one grid step
+
+
+def test_each_version_takes_independent_noise_from_the_one_table():
+    """The noise is a window of one table drawn once (a merge's cost: sampler/merged_weights.py), at an offset
+    drawn per version: two versions' roundings of weights half a step off the grid disagree about half the time,
+    as two independent draws would."""
+    noise = RoundingNoise(1_000_000)
+    base = _on_grid(100_000, seed=7)
+    ulp = 2.0 ** (torch.floor(torch.log2(base.abs())) - 7)
+    merged = base + 0.5 * ulp * base.sign()
+    one, other = _rounded(merged, seed=8, noise=noise), _rounded(merged, seed=9, noise=noise)
+    disagree = (one != other).float().mean().item()
+    assert 0.47 < disagree < 0.53, disagree
+    with pytest.raises(ValueError):
+        noise.take((1_000_001,), torch.Generator())  # a window larger than the table
