@@ -98,8 +98,10 @@ class LearnerHandler:
 
     async def prune_versions(self, req: PruneVersionsRequest) -> PrunedVersions:
         def prune() -> PrunedVersions:
-            # Under the lock: no save or checkpoint of this experiment writes meanwhile, and its live version
-            # (kept whatever the front end says) is the one on disk. Only rank 0 writes the run directory.
+            # Under the lock: no save or checkpoint of this experiment writes meanwhile (the one written beside
+            # the steps is waited for), and its live version (kept whatever the front end says) is the one on
+            # disk. Only rank 0 writes the run directory.
+            self.trainer.wait_for_checkpoints()
             live = self.trainer.status().get(req.name)
             if live is None:  # a removed experiment's files are the archive's to move, not ours to thin out
                 raise NotFound(f"experiment {req.name!r} is not loaded in the learner")

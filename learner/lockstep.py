@@ -209,6 +209,10 @@ class LockstepTrainer:
     def status(self) -> Any:
         return self.trainer.status()
 
+    def wait_for_checkpoints(self) -> None:
+        """Rank 0 alone: it writes every checkpoint."""
+        self.trainer.wait_for_checkpoints()
+
     @property
     def dtype(self) -> Any:
         """The same on every rank (one config): rank 0's answers for all (the status says it)."""

@@ -6,9 +6,10 @@ shares the module, so the active adapter and the trainable flags are set again b
 
 Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (learner/checkpoint.py):
 weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps
-and at shutdown. Adding an experiment whose name has either on disk resumes it (learner/resume.py: from
-its newest checkpoint exactly, else from its newest version's weights); version numbers always continue
-past the newest on disk (a deleted experiment's are archived: learner/app.py).
+(written beside the next step: learner/checkpoint_writer.py) and at shutdown. Adding an experiment whose
+name has either on disk resumes it (learner/resume.py: from its newest checkpoint exactly, else from its
+newest version's weights); version numbers always continue past the newest on disk (a deleted experiment's
+are archived: learner/app.py).
 
 With N ranks (learner/ranks.py, learner/lockstep.py) every rank holds the same trainer and runs the same
 state-changing verbs in the same order; a train step splits the batch's sequences over the ranks
@@ -35,7 +36,8 @@ from transformers import AutoModelForCausalLM
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig, resolve_rollout_correction
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
-from learner import adapter_io, checkpoint, rank_transfer, resume
+from learner import adapter_io, resume
+from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
@@ -79,7 +81,8 @@ def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's verbs; the previous version's logprobs
+class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):  # Tinker's verbs, the previous
+    # version's logprobs, the checkpoints
     def __init__(self, config: LearnerConfig):
         import deepspeed
 
@@ -108,6 +111,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
         self.experiments: dict[str, AdapterUnderTraining] = {}
         self._lora_configs: dict[str, LoraConfig] = {}
         self._saved: dict[str, SavedWeights] = {}  # each experiment's last two saved versions' weights
+        self._checkpoints = CheckpointWriter(config.run_dir)  # rank 0's; the others only send it their shards
         log.info("base model %s on %s in %s%s, vocabulary %d, ZeRO stage %d, rank %d of %d", config.model_path,
                  self.device, self.dtype, " (train steps in bf16 autocast)" if self.autocast else "",
                  self.vocab_size, config.zero_stage, self.rank, self.world_size)
@@ -119,6 +123,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
             raise BadRequest(f"experiment name {name!r} must match {_NAME_RE.pattern}")
         if name in self.experiments:
             raise ApiError(f"experiment {name!r} is already loaded in the learner", code="exists", status=409)
+        self.wait_for_checkpoints()  # a resume reads the newest one
         missing = sorted(set(lora.target_modules) - self.linear_names)
         if missing:
             raise BadRequest(f"target_modules {missing} are not linear layers of the model "
@@ -204,36 +209,14 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
         exp.groups_trained += request.num_groups
         exp.journal_seq = max(exp.journal_seq, request.journal_seq)
         if exp.step % algo.checkpoint_every == 0:
-            self.checkpoint(exp.name)
+            self._start_checkpoint(exp.name)  # written beside what follows (learner/checkpoint_writer.py)
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
                                 time.perf_counter() - started, checked_version=checked, kl_computed=algo.beta > 0)
-        metrics.checkpointed_journal_seq = exp.journal_seq if exp.checkpointed_step == exp.step else None
+        metrics.checkpointed_journal_seq = self._checkpoints.newly_durable(exp.name)
         log.info("%s: step %d, %d sequences in %d micro-batches (+%d padding) on rank %d of %d, loss %.4f, grad "
                  "norm %.4f, %.2f s", exp.name, exp.step, len(seqs), len(share.micro_batches), share.padding_passes,
                  self.rank, self.world_size, metrics.loss, metrics.grad_norm, metrics.seconds)
         return metrics
-
-    def checkpoint(self, name: str) -> None:
-        """Write the experiment's durable state (see learner/checkpoint.py)."""
-        from peft import get_peft_model_state_dict
-
-        exp = self._get(name)
-        shards = self._gather_shards(checkpoint.RankShard(exp.engine.optimizer.state_dict(), torch.get_rng_state()))
-        if self.rank == 0:
-            weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
-            state = checkpoint.CheckpointState(
-                step=exp.step, version=exp.version, journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
-                lora=self._lora_configs[name].model_dump(mode="json"), algorithm=exp.algorithm.model_dump(mode="json"),
-                ranks=self.world_size)
-            checkpoint.write(self.config.run_dir, name, state, weights, shards)
-        exp.checkpointed_step = exp.step
-
-    def checkpoint_all(self) -> None:
-        """At shutdown: every experiment that trained since its last checkpoint."""
-        for name, exp in list(self.experiments.items()):
-            if exp.checkpointed_step != exp.step:
-                self.checkpoint(name)
-                log.info("%s: checkpoint at step %d on shutdown", name, exp.step)
 
     def save_adapter(self, name: str) -> AdapterVersion:
         exp = self._get(name)
@@ -264,6 +247,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
     def remove_experiment(self, name: str) -> None:
         """Forget the adapter, its engine and optimizer; its files stay on disk (archived next, on a delete)."""
         exp = self._get(name)
+        self.wait_for_checkpoints()  # its files are whole before anything moves them
         del self.experiments[name]
         self._lora_configs.pop(name, None)
         self._forget_saved(name)
@@ -355,16 +339,6 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring):  # + Tinker's ve
     def _all_ranks_here(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self._cpu_group)
-
-    def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:
-        """Every rank's shard on rank 0 (in rank order; an empty list elsewhere). They cross as bytes, read
-        back as data (checkpoint.decode_shard), not pickled objects: no code runs on rank 0 from what crossed
-        the wire. Rank 0 keeps its own as it is (it sends nothing); the others' arrive on the CPU."""
-        if self.world_size == 1:
-            return [own]
-        payload = b"" if self.rank == 0 else checkpoint.encode_shard(own)
-        received = rank_transfer.gather_to_first(payload, self.rank, self.world_size, self._cpu_group)
-        return [own, *map(checkpoint.decode_shard, received[1:])] if self.rank == 0 else []
 
     def _reset_engine(self, exp: AdapterUnderTraining) -> None:
         release_engine(exp.engine)

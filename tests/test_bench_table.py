@@ -166,13 +166,14 @@ def test_end_to_end_over_runs():
 
 
 def test_verdicts_judge_the_default_path():
-    """The learner with its per-step checkpoint, the push through the front end (checkpoint included) and LoRA
-    sampling on the grouped ops carry the verdicts; the faster variants get rows of their own, without one."""
+    """The learner with its per-step checkpoint, the push through the front end (the checkpoint's part of the step
+    included) and LoRA sampling on the grouped ops carry the verdicts; the faster variants get rows of their own,
+    without one."""
     table = _load("table")
-    le = {"sequences": 16, "group_size": 8, "max_completion": 32, "steps": 5, "micro_batch_size": 16,
-          "learner_step_s": [1.0] * 5, "plain_step_s": [0.95] * 5, "checkpoint_s": [0.2] * 5,
+    le = {"sequences": 16, "group_size": 8, "max_completion": 32, "steps": 5, "block": 2, "micro_batch_size": 16,
+          "learner_step_s": [1.2] * 5, "plain_step_s": [0.95] * 5, "learner_no_checkpoint_step_s": [1.0] * 5,
           "learner_tok_s": 100.0, "learner_with_checkpoint_tok_s": 83.3, "plain_tok_s": 105.0, "ratio": 0.952,
-          "ratio_with_checkpoint": 0.794, "checkpoint_median_s": 0.2, "ratio_fastest_steps": 0.95,
+          "ratio_with_checkpoint": 0.794, "checkpoint_in_step_median_s": 0.2, "ratio_fastest_steps": 0.95,
           "padding": {"padded_tokens": 10, "real_tokens": 100, "padded_over_real": 0.1, "micro_batches": 1}}
     push = {"direct": {"rounds": 5, "probe_tokens": 8, "median_s": {"push_total": 0.9, "save_adapter": 0.1,
                                                                      "load_adapter": 0.05, "first_completion": 0.75,

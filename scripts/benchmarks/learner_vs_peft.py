@@ -13,9 +13,11 @@ Steps alternate (learner, plain, learner, ...) after one warm-up step each, so b
 Both sides run the learner's defaults on this CPU: float32 weights, and train steps under bf16 autocast where
 the CPU computes bf16 natively (learner.autocast auto), the plain loop under the same autocast.
 
-The learner checkpoints after every step by default (`checkpoint_every` 1). That write is timed on
-its own here (the experiment is created with checkpoint_every large, and `trainer.checkpoint` is called
-and timed after each measured step), so the ratio can be read with and without it.
+The learner checkpoints after every step by default (`checkpoint_every` 1): the step copies the checkpoint's
+state and a thread writes it beside what follows (learner/checkpoint_writer.py). The default path is timed as a
+block of steps back to back, the last write waited for at the block's end, so the writes' cost, in the step or
+beside the next, is in its time; the checkpoint's part of a step (its copy, and any wait for the write before it)
+is reported apart. A block of the same steps with checkpoints off is the variant row.
 
 With `--autocast`, the learner's steps alternate between float32 and bf16 autocast (the same trainer, its
 `autocast` switched between steps), and the plain loop runs under the same autocast: learner bf16 vs float32,
@@ -46,6 +48,8 @@ from pathlib import Path
 from grpo_server.config import EMBEDDED_MODEL_NAME
 
 from . import REPO
+
+BLOCK = 2  # steps back to back per side and round: a checkpoint's write runs beside the step after it
 
 
 def make_batch(sequences: int, group_size: int, max_completion: int, seed: int = 0):
@@ -130,7 +134,7 @@ class PlainLoop:
 
 def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completion: int = 48, steps: int = 2,
         seed: int = 0, autocast: bool = False) -> dict:
-    """Warm-up one step each, then `steps` alternating steps of each; tokens/s of both and the ratio."""
+    """Warm-up one step each, then `steps` rounds of alternating blocks; tokens/s of each side and the ratios."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "0", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}.items():
         os.environ.setdefault(key, value)
@@ -143,13 +147,13 @@ def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completio
     ds_logger.setLevel(logging.WARNING)
     started = time.perf_counter()
     lora = LoraConfig()  # r=16, alpha 32, the 7 linear layers: an experiment's default
-    # checkpoint_every large: the checkpoint write is timed on its own below.
-    algorithm = AlgorithmConfig(checkpoint_every=1_000_000)
+    algorithm = AlgorithmConfig()  # a checkpoint after every step, as by default
     run_dir = Path(tempfile.mkdtemp(prefix="bench-learner-"))  # versions and checkpoints; removed at the end
     try:
         if autocast:
-            return _run_autocast(model_dir, run_dir, lora, algorithm, sequences, group_size, max_completion, steps,
-                                 seed)
+            no_checkpoints = algorithm.model_copy(update={"checkpoint_every": 1_000_000})  # steps alone here
+            return _run_autocast(model_dir, run_dir, lora, no_checkpoints, sequences, group_size, max_completion,
+                                 steps, seed)
         return _run(model_dir, run_dir, lora, algorithm, started, sequences, group_size, max_completion, steps, seed)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -176,29 +180,48 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
         fn()
         return time.perf_counter() - t0
 
-    trainer.train(request)  # warm-up
+    exp = trainer.experiments["learn"]
+    checkpointing, no_checkpoints = exp.algorithm, exp.algorithm.model_copy(update={"checkpoint_every": 1_000_000})
+    in_step_s: list[float] = []  # the checkpoint's part of each default step: its copy, any wait for the write before
+
+    def learner_block(checkpoints: bool) -> None:
+        exp.algorithm = checkpointing if checkpoints else no_checkpoints
+        for _ in range(BLOCK):
+            trainer.train(request)
+            if checkpoints:
+                in_step_s.append(trainer._checkpoints.last_submit_s)
+        trainer.wait_for_checkpoints()  # the block's last write, in its time
+
+    def plain_block() -> None:
+        for _ in range(BLOCK):
+            plain.train(request)
+
+    trainer.train(request)  # warm-up (and a first checkpoint)
+    trainer.wait_for_checkpoints()
     plain.train(request)
-    learner_s, plain_s, checkpoint_s, save_s = [], [], [], []
-    for _ in range(steps):
-        learner_s.append(timed(lambda: trainer.train(request)))
-        checkpoint_s.append(timed(lambda: trainer.checkpoint("learn")))
+    learner_s, no_ckpt_s, plain_s, save_s = [], [], [], []
+    for _ in range(steps):  # rounds of blocks, alternating sides: per-step seconds of each block
+        learner_s.append(timed(lambda: learner_block(True)) / BLOCK)
+        plain_s.append(timed(plain_block) / BLOCK)
+        no_ckpt_s.append(timed(lambda: learner_block(False)) / BLOCK)
         save_s.append(timed(lambda: trainer.save_adapter("learn")))
-        plain_s.append(timed(lambda: plain.train(request)))
-    learner_tps = tokens * steps / sum(learner_s)
-    with_ckpt_tps = tokens * steps / (sum(learner_s) + sum(checkpoint_s))
+    with_ckpt_tps = tokens * steps / sum(learner_s)
+    learner_tps = tokens * steps / sum(no_ckpt_s)
     plain_tps = tokens * steps / sum(plain_s)
     return {
         "sequences": len(request.samples), "group_size": group_size, "max_completion": max_completion,
-        "tokens_per_step": tokens, "steps": steps, "micro_batch_size": algorithm.micro_batch_size,
+        "tokens_per_step": tokens, "steps": steps, "block": BLOCK, "micro_batch_size": algorithm.micro_batch_size,
         "lora": lora.model_dump(), "torch_threads": torch.get_num_threads(), "setup_s": round(setup_s, 1),
         "autocast": trainer.autocast, "dtype": str(trainer.dtype).removeprefix("torch."),
-        "learner_step_s": [round(x, 3) for x in learner_s], "plain_step_s": [round(x, 3) for x in plain_s],
-        "checkpoint_s": [round(x, 3) for x in checkpoint_s], "save_adapter_in_process_s": [round(x, 3) for x in save_s],
+        "learner_step_s": [round(x, 3) for x in learner_s],
+        "learner_no_checkpoint_step_s": [round(x, 3) for x in no_ckpt_s],
+        "plain_step_s": [round(x, 3) for x in plain_s], "checkpoint_in_step_s": [round(x, 3) for x in in_step_s],
+        "save_adapter_in_process_s": [round(x, 3) for x in save_s],
         "learner_tok_s": round(learner_tps, 1), "learner_with_checkpoint_tok_s": round(with_ckpt_tps, 1),
         "plain_tok_s": round(plain_tps, 1), "ratio": round(learner_tps / plain_tps, 3),
         "ratio_with_checkpoint": round(with_ckpt_tps / plain_tps, 3),
-        "checkpoint_median_s": round(statistics.median(checkpoint_s), 3),
-        # Each side's fastest step: on a shared box other jobs only ever add time, so this is the steadier ratio.
+        "checkpoint_in_step_median_s": round(statistics.median(in_step_s), 3),
+        # Each side's fastest block: on a shared box other jobs only ever add time, so this is the steadier ratio.
         "ratio_fastest_steps": round(min(plain_s) / min(learner_s), 3),
         "padding": padding_waste(request, algorithm.micro_batch_size),
     }

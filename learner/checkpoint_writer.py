@@ -1,0 +1,142 @@
+"""Checkpoints written beside the next step: the train verb copies what a checkpoint holds (the adapter's weights,
+the optimizer state, the RNG: ~25 ms for SmolLM2's r=16 adapter) and answers; a thread of its own writes and
+fsyncs the files (learner/checkpoint.py) while the learner goes on to the push and the next step. Written in the
+verb, the checkpoint took 0.2-0.6 s of every 2-3 s step on the CPU box (BENCHMARKS.md, "The learner's
+checkpoint"), most of it the kernel's work for 73 MiB of fresh files and their fsync; DeepSpeed, torch's DCP
+(`async_save`) and Megatron write theirs beside training for the same reason.
+
+One write at a time: a new copy waits for the write before it (which had a whole step to finish), so at most
+one checkpoint is in flight and its copy is the only memory this costs.
+
+A checkpoint counts once it is on disk: `newly_durable` hands its journal position to the train step that
+finds it written (TrainMetrics.checkpointed_journal_seq), and the front end forgets journal entries only up to
+there. A crash while a write is in flight leaves the checkpoint before it, and the journal since.
+
+Whatever reads or moves an experiment's checkpoint folder waits for the write in flight first (`wait`): resume
+in add_experiment, remove_experiment, the checkpoint verb and the shutdown's checkpoint_all, prune_versions.
+A failed write (a full disk) is raised by the next wait, as the write in the verb raised it from train.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from learner import checkpoint, rank_transfer
+
+log = logging.getLogger(__name__)
+
+
+def copied(tree: Any) -> Any:
+    """`tree` with every tensor copied and its dicts, lists and tuples rebuilt; other objects (a DeepSpeed loss
+    scaler) shared. An optimizer's `state_dict()` holds its live tensors, which the next step changes."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: copied(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(copied(value) for value in tree)
+    return tree
+
+
+class CheckpointWriter:
+    """Rank 0's writer of checkpoints (the other ranks only send it their shards)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._in_flight: Future | None = None
+        self._durable: dict[str, int] = {}  # experiment -> journal position of its newest written checkpoint
+        self.last_submit_s = 0.0  # what the newest submit cost its caller: the wait for the write before, the copy
+
+    def submit(self, name: str, state: checkpoint.CheckpointState, weights: dict[str, torch.Tensor],
+               shards: list[checkpoint.RankShard]) -> None:
+        """Copy the live `weights` and rank 0's shard (`shards[0]`; the others arrived as bytes and are
+        copies already) and write them on the writer's thread."""
+        started = time.perf_counter()
+        self.wait()
+        own = checkpoint.RankShard(copied(shards[0].optimizer), shards[0].rng.clone())
+        weights = copied(weights)
+        self._in_flight = self._pool.submit(self._write, name, state, weights, [own, *shards[1:]])
+        self.last_submit_s = time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk; its failure is raised here, once."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def newly_durable(self, name: str) -> int | None:
+        """The journal position of `name`'s newest checkpoint written since the last call, else None."""
+        return self._durable.pop(name, None)
+
+    def _write(self, name: str, state: checkpoint.CheckpointState, weights: dict[str, torch.Tensor],
+               shards: list[checkpoint.RankShard]) -> None:
+        started = time.perf_counter()
+        try:
+            checkpoint.write(self.run_dir, name, state, weights, shards)
+        except BaseException:
+            log.exception("%s: the checkpoint at step %d was not written", name, state.step)
+            raise
+        self._durable[name] = state.journal_seq
+        log.debug("%s: checkpoint at step %d written (%.2f s)", name, state.step, time.perf_counter() - started)
+
+
+class Checkpointing:
+    """A mixin of MultiAdapterTrainer: its checkpoints, started in a verb and written by `_checkpoints`."""
+
+    experiments: dict[str, Any]
+    _lora_configs: dict[str, Any]
+    _checkpoints: CheckpointWriter
+    _cpu_group: Any
+    model: Any
+    rank: int
+    world_size: int
+    _get: Callable[[str], Any]
+
+    def checkpoint(self, name: str) -> None:
+        """Write the experiment's durable state (see learner/checkpoint.py); on disk when this returns."""
+        self._start_checkpoint(name)
+        self._checkpoints.wait()
+
+    def checkpoint_all(self) -> None:
+        """At shutdown: every experiment that trained since its last checkpoint; on disk when this returns."""
+        for name, exp in list(self.experiments.items()):
+            if exp.checkpointed_step != exp.step:
+                self._start_checkpoint(name)
+                log.info("%s: checkpoint at step %d on shutdown", name, exp.step)
+        self._checkpoints.wait()
+
+    def wait_for_checkpoints(self) -> None:
+        """Until the checkpoint in flight is on disk (before anything reads or moves checkpoint folders)."""
+        self._checkpoints.wait()
+
+    def _start_checkpoint(self, name: str) -> None:
+        """Every rank sends its shard to rank 0, which copies them and hands them to the writer."""
+        from peft import get_peft_model_state_dict
+
+        exp = self._get(name)
+        shards = self._gather_shards(checkpoint.RankShard(exp.engine.optimizer.state_dict(), torch.get_rng_state()))
+        if self.rank == 0:
+            weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
+            state = checkpoint.CheckpointState(
+                step=exp.step, version=exp.version, journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
+                lora=self._lora_configs[name].model_dump(mode="json"), algorithm=exp.algorithm.model_dump(mode="json"),
+                ranks=self.world_size)
+            self._checkpoints.submit(name, state, weights, shards)
+        exp.checkpointed_step = exp.step
+
+    def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:
+        """Every rank's shard on rank 0 (in rank order; an empty list elsewhere). They cross as bytes, read
+        back as data (checkpoint.decode_shard), not pickled objects: no code runs on rank 0 from what crossed
+        the wire. Rank 0 keeps its own as it is (it sends nothing); the others' arrive on the CPU."""
+        if self.world_size == 1:
+            return [own]
+        payload = b"" if self.rank == 0 else checkpoint.encode_shard(own)
+        received = rank_transfer.gather_to_first(payload, self.rank, self.world_size, self._cpu_group)
+        return [own, *map(checkpoint.decode_shard, received[1:])] if self.rank == 0 else []
