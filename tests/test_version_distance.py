@@ -5,6 +5,7 @@ tests/test_training.py. The real bf16 sampler and learner run it in tests/test_v
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -216,3 +217,20 @@ def test_the_check_follows_what_the_workers_compute_in(settings, worker_dtypes, 
     from grpo_server.runtime.verification import nearest_version_needed
 
     assert nearest_version_needed(ServerConfig(**settings), worker_dtypes) is expected
+
+
+def test_one_token_carrying_the_fit_leaves_it_inconclusive():
+    """bf16's error is largest on unlikely tokens, where a step moves the logprob most too: one such token whose
+    error happens to lie along the step pulls a right push's fraction past 1.5. Least squares alone called that a
+    failure (its error comes from the other tokens' small misfit); the jackknife's error leaves it inconclusive."""
+    rng = random.Random(5)
+    before = [-rng.uniform(0.5, 4.0) for _ in range(31)] + [-14.9]  # a probe of 32 tokens, the last unlikely
+    step = [rng.choice((-1, 1)) * rng.uniform(0.02, 0.06) for _ in range(31)] + [0.3]
+    error = [rng.gauss(0.0, 0.01) for _ in range(31)] + [0.45]  # bf16's error on the unlikely token, along the step
+    now = [b + d for b, d in zip(before, step)]
+    sampler = [n + e for n, e in zip(now, error)]
+    found = nearest_version([sampler], [now], [before], noise_floor=0.05, tolerance=0.01)
+    least_squares = math.sqrt(sum((s - b - found.step_fraction * d) ** 2 for s, b, d in zip(sampler, before, step))
+                              / 32) / math.sqrt(sum(d * d for d in step))
+    assert found.step_fraction > 1.5 and least_squares < MAX_STEP_FRACTION_SE  # decisive by least squares alone
+    assert found.step_fraction_se > MAX_STEP_FRACTION_SE and found.ok is None and "few tokens" in found.reason, found
