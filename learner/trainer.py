@@ -37,9 +37,9 @@ from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, L
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, resume
-from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
+from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
 from learner.loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
                           token_logprobs)
@@ -81,8 +81,8 @@ def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):  # Tinker's verbs, the previous
-    # version's logprobs, the checkpoints
+# Mixins: Tinker's verbs (learner/steps.py), the previous version's logprobs, the checkpoints.
+class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
     def __init__(self, config: LearnerConfig):
         import deepspeed
 

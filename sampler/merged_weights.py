@@ -23,9 +23,9 @@ training is most weights. The served model then moved only part of the way from 
 push check's step fraction 0.48-0.95 over a demo's first versions, BENCHMARKS.md "Fast defaults"); rounded
 stochastically each weight is W0 + delta in expectation. Rows without a delta, and the base restored, are
 rounded to nearest, as vLLM's loader did, to the same weights. The rounding's noise is a window of one table of
-uniform 16-bit integers drawn once (`RoundingNoise`), at an offset drawn per version and layer: a fresh draw for
-every weight took 0.2 of a merge's 0.4 s (SmolLM2, one thread; BENCHMARKS.md "The weight push"), on the path
-from a push to its first completion.
+uniform 16-bit integers drawn once (`RoundingNoise`), at an offset drawn per version and layer. With a fresh
+draw for every weight a merge took 0.31-0.38 s for SmolLM2 on one thread, against 0.10-0.11 s so (BENCHMARKS.md,
+"The learner's checkpoint and the weight push"), on the path from a push to its first completion.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ model, its micro-batches, its GRPO loss), in this process. The plain side is a s
 base model wrapped by `peft.get_peft_model` with the same LoRA (r, alpha, the 7 linear layers), a torch
 AdamW over the adapter and the same loop: the learner's own micro-batches (`learner.batching`), the same
 forward (`logits_to_keep`), the same loss (`learner.loss.policy_loss`), gradient clipping, one step.
-Steps alternate (learner, plain, learner, ...) after one warm-up step each, so both see the same load.
+After one warm-up step each, blocks of `BLOCK` steps alternate (learner, plain, learner without checkpoints,
+...), so all see the same load (`--autocast`: single steps alternate).
 
 Both sides run the learner's defaults on this CPU: float32 weights, and train steps under bf16 autocast where
 the CPU computes bf16 natively (learner.autocast auto), the plain loop under the same autocast.
