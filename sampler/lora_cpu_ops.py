@@ -42,13 +42,14 @@ ALL_SLOTS_MAX = 512
 
 
 def lora_product(x: torch.Tensor, weights: torch.Tensor, slot_per_token: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, bounds: tuple[int, int] | None = None) -> torch.Tensor:
     """[tokens, out]: x[t] @ weights[slot_per_token[t]].T, in `dtype`, and zero where the slot is < 0.
-    `weights` is [slots, out, in] or [slots, 1, out, in] (vLLM's stacked LoRA matrices)."""
+    `weights` is [slots, out, in] or [slots, 1, out, in] (vLLM's stacked LoRA matrices); `bounds`, the lowest and
+    highest slot, when the caller has them already."""
     if weights.dim() == 4:
         weights = weights.squeeze(1)
     x = x.to(dtype)
-    lowest, highest = (int(v) for v in torch.aminmax(slot_per_token))
+    lowest, highest = bounds if bounds is not None else (int(v) for v in torch.aminmax(slot_per_token))
     if lowest == highest >= 0:  # one adapter for the whole batch: one matmul
         return x @ weights[lowest].to(dtype).T
     if highest < 0:
@@ -76,6 +77,36 @@ def _every_slot_then_own(x: torch.Tensor, weights: torch.Tensor, slot_per_token:
     if some_without:
         own_T_O[slot_per_token < 0] = 0
     return own_T_O
+
+
+def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
+                    **kwargs) -> None:
+    """`PunicaWrapperCPU.add_lora_linear` with one shrink for all of a layer's slices (q, k and v packed in one
+    projection are 3): their A matrices side by side, one product into a float32 buffer as vLLM's, then each
+    slice's expand. vLLM's wrapper zeroes a buffer and shrinks and expands slice by slice: about ten small torch
+    calls a slice (punica_cpu.py), some 2,000 a SmolLM2 decode step (30 layers of 7 slices), each costing more
+    than its product at decode sizes (BENCHMARKS.md, "Adapter sampling: one shrink a layer"). Same numerics as the
+    slice-by-slice ops above. A caller's own buffer, or a batch whose tokens the wrapper's per-token slots do not
+    match, goes the slice-by-slice way."""
+    x = x.view(-1, x.shape[-1])
+    slot_per_token = wrapper.token_lora_indices
+    if buffer is not None or x.shape[0] != slot_per_token.shape[0]:
+        _vllm_add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
+                              **kwargs)
+        return
+    bounds = tuple(int(v) for v in torch.aminmax(slot_per_token))
+    if bounds[1] < 0:
+        return  # no token has an adapter
+    a = lora_a_stacked[0] if len(lora_a_stacked) == 1 else torch.cat(lora_a_stacked, dim=-2)
+    shrunk = lora_product(x, a, slot_per_token, torch.float32, bounds)
+    shrunk *= scale
+    out = y.view(-1, y.shape[-1])
+    offset = column = 0
+    for b, size in zip(lora_b_stacked, output_slices):
+        rank = b.shape[-1]
+        out[:, offset:offset + size] += lora_product(shrunk[:, column:column + rank], b, slot_per_token, out.dtype,
+                                                     bounds)
+        offset, column = offset + size, column + rank
 
 
 def _per_token(slots: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
@@ -129,13 +160,20 @@ def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, se
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
 
 
+_vllm_add_lora_linear = None  # the wrapper's own method, kept by install() for what add_lora_linear hands back
+
+
 def install() -> None:
-    """Put these ops into vLLM's punica CPU wrapper, in this process."""
+    """Put these ops into vLLM's punica CPU wrapper, and its add_lora_linear, in this process."""
+    global _vllm_add_lora_linear
     from vllm.lora.punica_wrapper import punica_cpu
 
     for name in OPS:
         setattr(punica_cpu, name, globals()[name])
-    log.info("LoRA on CPU: grouped by adapter (sampler/lora_cpu_ops.py)")
+    if _vllm_add_lora_linear is None:
+        _vllm_add_lora_linear = punica_cpu.PunicaWrapperCPU.add_lora_linear
+        punica_cpu.PunicaWrapperCPU.add_lora_linear = add_lora_linear
+    log.info("LoRA on CPU: grouped by adapter, one shrink a layer (sampler/lora_cpu_ops.py)")
 
 
 def install_from_env() -> None:

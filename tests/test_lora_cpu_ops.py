@@ -80,3 +80,42 @@ def test_install_from_env_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(lora_cpu_ops.ENV, "grouped")
     lora_cpu_ops.install_from_env()
     assert all(getattr(punica_cpu, name) is getattr(lora_cpu_ops, name) for name in lora_cpu_ops.OPS)
+
+
+class _Wrapper:
+    """What add_lora_linear reads of vLLM's PunicaWrapperCPU: each token's adapter slot."""
+
+    def __init__(self, slots: list[int]):
+        self.token_lora_indices = torch.tensor(slots)
+
+
+@pytest.mark.parametrize("all_slots_max", [lora_cpu_ops.ALL_SLOTS_MAX, 0], ids=["one_matmul", "per_slot"])
+@pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [0, 2, 0, 1, 2], [2, -1, 0, -1, 2], [-1, -1, -1, -1, -1]])
+def test_one_shrink_a_layer_adds_each_tokens_own_update_to_every_slice(slots, all_slots_max, monkeypatch) -> None:
+    """A packed projection (q, k, v: three slices of the output) through add_lora_linear's single shrink, against
+    the update token by token and slice by slice: y[t, slice i] += (x[t] @ A_i[s].T * scale) @ B_i[s].T."""
+    monkeypatch.setattr(lora_cpu_ops, "ALL_SLOTS_MAX", all_slots_max)
+    sizes = (OUT, OUT // 2, OUT // 2)
+    x = _weights((len(slots), IN))
+    a = tuple(_weights((SLOTS, 1, RANK, IN)) * (i + 1) for i in range(3))
+    b = tuple(_weights((SLOTS, 1, size, RANK)) - i for i, size in enumerate(sizes))
+    y = torch.ones(len(slots), sum(sizes))
+    expected = y.clone()
+    for t, s in enumerate(slots):
+        offset = 0
+        for a_i, b_i, size in zip(a, b, sizes):
+            if s >= 0:
+                expected[t, offset:offset + size] += (x[t] @ a_i[s, 0].T * 0.5) @ b_i[s, 0].T
+            offset += size
+    lora_cpu_ops.add_lora_linear(_Wrapper(slots), y, x, a, b, 0.5, sizes)
+    torch.testing.assert_close(y, expected)
+
+
+def test_a_batch_the_slots_do_not_describe_goes_the_slice_by_slice_way(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(lora_cpu_ops, "_vllm_add_lora_linear", lambda *args, **kwargs: calls.append(kwargs))
+    x, y = _weights((4, IN)), torch.zeros(4, OUT)
+    a, b = (_weights((SLOTS, 1, RANK, IN)),), (_weights((SLOTS, 1, OUT, RANK)),)
+    lora_cpu_ops.add_lora_linear(_Wrapper([0, 1, 2]), y, x, a, b, 1.0, (OUT,))  # 4 tokens, 3 slots known
+    lora_cpu_ops.add_lora_linear(_Wrapper([0, 1, 2, 0]), y, x, a, b, 1.0, (OUT,), buffer=(torch.zeros(4, RANK),))
+    assert len(calls) == 2 and torch.count_nonzero(y) == 0
