@@ -17,7 +17,7 @@ too: grpo_server/protocol/durable.py), so a crash mid-write leaves the previous 
 one, and one the front end was told about (it then forgets the journal entries it holds) stays after a power
 cut. The newest `KEEP` are kept; once there are that many, the oldest one's folder becomes the next one's
 temporary folder and its files are written over (0.07 s against 0.33 s for new files in the learner, median of
-15 each: BENCHMARKS.md, "The learner's checkpoint").
+15 each: BENCHMARKS.md, "The learner's checkpoint and the weight push").
 
 The `.pt` files are read with `torch.load(weights_only=True)` (`load_data`): tensors and plain containers
 only, plus the few DeepSpeed classes its optimizer state holds (`_optimizer_classes`), so a file put in the run

@@ -4,7 +4,7 @@ fsyncs the files (learner/checkpoint.py) while the learner goes on to the push a
 push waits for a disk. torch's DCP (`async_save`) and Megatron write theirs beside training for the same reason:
 on a GPU host the write of a large adapter's optimizer state would hold the accelerator idle. On the 2-core CPU
 box, where the write takes 0.07 s of a 2-3 s step, the two ways measured within the box's noise (BENCHMARKS.md,
-"The learner's checkpoint").
+"The learner's checkpoint and the weight push").
 
 One write at a time: a new copy waits for the write before it (which had a whole step to finish), so at most
 one checkpoint is in flight and its copy is the only memory this costs.
