@@ -171,8 +171,8 @@ class SamplerOptions(StrictModel):
         "request here for this long; shorter, a client's pause between groups would trade the weights."))
     cpu_lora_ops: Literal["grouped", "vllm"] = Field("grouped", description=(
         "vLLM on CPU, requests through LoRA: grouped = one matmul per adapter in the batch, or one for all of "
-        "them in a decode-sized batch (sampler/lora_cpu_ops.py); vllm = vLLM's own torch ops, which copy an "
-        "adapter matrix per token."))
+        "them in a decode-sized batch, and one shrink for all of a layer's slices (sampler/lora_cpu_ops.py); "
+        "vllm = vLLM's own torch ops, which copy an adapter matrix per token."))
     cpu_threads: int = Field(1, ge=0, le=4096, description=(
         "vLLM on CPU: its compute threads. 1 = one, as vLLM's own CPU default serves, leaving the other cores "
         "to the front end and the learner; 0 = a thread per core the process may use (1.46x the tok/s of one "
