@@ -138,8 +138,9 @@ def write_folder(final: Path, state: CheckpointState, weights: dict[str, torch.T
     else:
         tmp.mkdir()
     try:
-        cpu_weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}
-        written: dict[str, Any] = {WEIGHTS_FILE: save_tensors(cpu_weights)}
+        # Serialized here, before anything returns: live tensors need no copy of their own.
+        written: dict[str, Any] = {WEIGHTS_FILE: save_tensors({k: v.detach().to("cpu").contiguous()
+                                                               for k, v in weights.items()})}
         for rank, shard in enumerate(shards or []):
             written[shard_file(OPTIMIZER_FILE, rank)] = shard.optimizer
             written[shard_file(RNG_FILE, rank)] = shard.rng
