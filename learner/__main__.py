@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
+from grpo_server.protocol.process_exit import exit_now
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import LearnerConfig, load_yaml, write_resolved
 
@@ -85,13 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     ds_logger.setLevel(logging.WARNING)  # initialize() logs its whole config at INFO, per experiment
 
     from learner.job import run_follower, run_rank0
-    from learner.lockstep import exit_now
 
     if follower:
-        # Not a normal interpreter exit: nothing here needs one, and joining threads could hang.
-        exit_now(run_follower(config, rank, launched))
+        return run_follower(config, rank, launched)
     return run_rank0(config, secret, listening, followers, launched)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # not a normal interpreter exit: grpo_server/protocol/process_exit.py says why

@@ -17,8 +17,9 @@ import socket
 import threading
 from typing import Any, Callable
 
+from grpo_server.protocol.process_exit import exit_now
 from grpo_server.protocol.worker_config import LearnerConfig
-from learner.lockstep import CommandChannel, LockstepTrainer, exit_now, follow
+from learner.lockstep import CommandChannel, LockstepTrainer, follow
 from learner.ranks import (Followers, LaunchedFollowers, RankEnv, host_store, init_process_group, join_store,
                            launcher_store, read_master_port)
 

@@ -21,7 +21,6 @@ Failures:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -356,9 +355,3 @@ def follow(trainer: Any, channel: CommandChannel, rank: int) -> int:
         else:
             channel.post(seq, Outcome(rank))
         seq += 1
-
-
-def exit_now(code: int) -> None:
-    """Leave without joining threads: one may be blocked in a collective with a dead peer for good."""
-    logging.shutdown()
-    os._exit(code)

@@ -5,6 +5,7 @@ the port opens, stopped when the app stops)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from pathlib import Path
 from typing import AsyncIterator
@@ -90,6 +91,10 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             app[TINKER].restore()
             orchestrator.start_upkeep()
             log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)
+            # What exists now (imports, tokenizers, the route table) lives as long as the process: out of the
+            # collector's sight, its full collections stay short while serving, and the interpreter's final
+            # one at exit took 0.7 s of every stop (faulthandler stacks of a test server's stop).
+            gc.freeze()
             yield
         finally:
             if TINKER in app:
