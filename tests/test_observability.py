@@ -214,7 +214,7 @@ async def trained(server):
         group = await client.complete(EXP, prompt="Name a fruit:")
         await client.feedback(EXP, group.group_id, [1.0, 0.0, 0.5, 0.0])
         status = await wait_for(lambda: _trained(client), timeout_s=180)
-        # The push line is written once the version is checked: with no next batch, after IDLE_CHECK_S.
+        # The push line is written once the version is checked: with no next batch, after verify_idle_s.
         await wait_for(_log_has(metrics_log_path(server.run_dir, EXP), "push"), timeout_s=60)
         # The throughput line comes at the next tick of the sampling log.
         await wait_for(_log_has(metrics_log_path(server.run_dir, EXP), "sampling"), timeout_s=60)

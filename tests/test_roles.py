@@ -27,7 +27,7 @@ from grpo_server.workers.pool import WorkerConnection
 from grpo_server.protocol.codec import unpack
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 from scripts.compose_check import compose_command
-from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, WORKER_SECRET, free_port,
+from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, VERIFY_IDLE_S, WORKER_SECRET, free_port,
                            train_one_version, wait_for, worker_env)
 
 # --- wrong role for the config: a message that says what to set, before anything starts ----------------
@@ -183,6 +183,7 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
         "model": str(tiny_model_dir), "host": "127.0.0.1", "port": front_port, "run_dir": str(run_dir),
         "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
         "dtype": "float32", "verify_tolerance": 0.01,  # exact on either CPU generation (auto: bf16 on one)
+        "verify_idle_s": VERIFY_IDLE_S,
         "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16},
         "learner": {"url": f"http://127.0.0.1:{learner_port}", "zero_stage": 2},
     }))

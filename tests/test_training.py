@@ -15,7 +15,6 @@ from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.status import experiment_status
-from grpo_server.runtime import training
 from grpo_server.runtime.training import ExperimentTrainer
 from grpo_server.workers.pool import ComputeTurns
 from grpo_server.protocol.wire import AdapterVersion, Completion, SaveAdapterRequest, ScoreResponse, TrainMetrics
@@ -102,13 +101,13 @@ def rated_group(seq: int, policy_version: int = 0) -> Group:
                  journal_seq=seq)
 
 
-def trainer_for(tmp_path, workers: FakeWorkers) -> tuple[Experiment, ExperimentTrainer]:
+def trainer_for(tmp_path, workers: FakeWorkers, idle_check_s: float = 5.0) -> tuple[Experiment, ExperimentTrainer]:
     exp = Experiment(config=ExperimentConfig.model_validate(
         {"name": "exp", "algorithm": {"batch_groups": 1, "max_staleness": 100}}), workers=workers)
     exp.adapter_paths[0] = "/adapters/v0"
     log = MetricsLog(tmp_path / "metrics" / "exp.jsonl")
     return exp, ExperimentTrainer(exp, workers, verify_tolerance=0.05, train_timeout_s=5.0, max_loaded_versions=8,
-                                  metrics_log=log)
+                                  metrics_log=log, idle_check_s=idle_check_s)
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:
@@ -147,10 +146,9 @@ async def test_the_batch_a_version_sampled_checks_it_without_the_sampler(tmp_pat
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(training, "IDLE_CHECK_S", 0.2)
+async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_path):
     workers = FakeWorkers()
-    exp, trainer = trainer_for(tmp_path, workers)
+    exp, trainer = trainer_for(tmp_path, workers, idle_check_s=0.2)
     task = asyncio.create_task(trainer.run())
     try:
         queue(exp, rated_group(1))  # sampled by v0, and the learner is at v0: checked free
@@ -172,7 +170,7 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
         await wait_until(lambda: exp.last_verification.version == 1)
         assert exp.last_verification.checked_on == "probe" and exp.last_verification.ok
         await wait_until(lambda: 1 not in workers.loaded)  # retired once checked
-        # Training idle: the newest version is probed after IDLE_CHECK_S.
+        # Training idle: the newest version is probed after idle_check_s.
         await wait_until(lambda: exp.last_verification.version == 3)
         assert push_lines(trainer) == [(2, None, None), (1, True, "probe"), (3, True, "probe")]
         assert list(exp.errors) == [] and experiment_status(exp, 0, 0).state == "active"

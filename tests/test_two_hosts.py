@@ -20,7 +20,8 @@ import yaml
 
 from grpo_server.client import AsyncClient
 from grpo_server.protocol.adapter_files import holds, read_fingerprint
-from tests.serving import ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, free_port, wait_for, worker_env
+from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, VERIFY_IDLE_S, free_port, wait_for,
+                           worker_env)
 from tests.test_roles import end, sampler_adapters, served_again, wait_for_port
 
 HIDE = ["unshare", "--mount", "--map-root-user", "--propagation", "private", "sh", "-c",
@@ -51,6 +52,7 @@ def host_config(host_dir: Path, model: Path, front_port: int, sampler_url: str, 
         "model": str(model), "host": "127.0.0.1", "port": front_port, "run_dir": str(host_dir / "run"),
         "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
         "dtype": "float32", "verify_tolerance": 0.01,  # exact on either CPU generation (auto: bf16 on one)
+        "verify_idle_s": VERIFY_IDLE_S,
         "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16},
         "learner": {"url": learner_url, "zero_stage": 2},
     }))

@@ -140,7 +140,7 @@ class Orchestrator:
             self.metrics_logs[config.name] = metrics_log
             trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
                                         self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
-                                        nearest_version=nearest)
+                                        nearest_version=nearest, idle_check_s=self.config.verify_idle_s)
             exp.start_training(trainer.run())
             self.trainers[config.name] = trainer
             self.experiments[config.name] = exp

@@ -15,7 +15,7 @@ from grpo_server.protocol.wire import (AdapterRef, Completion, TrainMetrics, Tra
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
-from grpo_server.runtime.verification import IDLE_CHECK_S, VersionChecks, probe_of
+from grpo_server.runtime.verification import VersionChecks, probe_of
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,11 @@ class ExperimentTrainer:
 
     def __init__(self, experiment: Experiment, workers: WorkerPool, verify_tolerance: float,
                  train_timeout_s: float, max_loaded_versions: int, metrics_log: MetricsLog,
-                 nearest_version: bool = False):
+                 nearest_version: bool = False, idle_check_s: float = 5.0):
+        """`idle_check_s`: ServerConfig.verify_idle_s, how long training is idle before the newest version is
+        probed."""
         self.exp = experiment
+        self.idle_check_s = idle_check_s
         self.metrics_log = metrics_log
         self.workers = workers
         self.train_timeout_s = train_timeout_s
@@ -85,7 +88,7 @@ class ExperimentTrainer:
         while True:
             # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
             while exp.drop_stale() < batch_groups:
-                if not await exp.queue_grew(IDLE_CHECK_S):  # no step soon to check the newest version
+                if not await exp.queue_grew(self.idle_check_s):  # no step soon to check the newest version
                     if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
                         self.checks.probe_unchecked()
             # One id for the step, its push and its check: the same in the learner's and samplers' lines; the

