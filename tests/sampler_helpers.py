@@ -133,7 +133,7 @@ def _start(engine: str, model_dir: Path, tmp: Path, env: dict[str, str] | None =
             sampler.health()
             return sampler
         except OSError:
-            time.sleep(0.5)
+            time.sleep(0.1)
     _stop(proc)
     raise RuntimeError(f"{engine} sampler not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
 

@@ -105,7 +105,7 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return handle
         except OSError:
-            time.sleep(1)
+            time.sleep(0.1)  # the port opens once the workers are healthy: each start waited half a second more
     stop_server(handle)
     raise TimeoutError(f"server not up after {STARTUP_TIMEOUT_S} s:\n{handle.log_tail()}")
 
@@ -119,7 +119,7 @@ def stop_server(handle: ServerHandle) -> int:
         return handle.process.wait()
 
 
-async def wait_for(predicate, timeout_s: float, interval_s: float = 0.5):
+async def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
     """Poll an async predicate until it returns a truthy value (returned) or the time runs out."""
     import asyncio
 

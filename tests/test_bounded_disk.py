@@ -63,7 +63,7 @@ async def settled(client, run_dir, accepted: list[int]) -> tuple[int, set[int]]:
         return newest, extra
 
     await wait_for(done, timeout_s=120)
-    await asyncio.sleep(2.0)  # the prune follows the push at once (milliseconds): it is done by now
+    await asyncio.sleep(1.0)  # the prune follows the push at once (milliseconds): it is done by now
     return await wait_for(done, timeout_s=1)
 
 

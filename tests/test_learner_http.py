@@ -60,7 +60,7 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
             except OSError:
                 pass
             assert time.monotonic() < deadline, "learner not healthy in 240 s"
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert yaml.safe_load((run_dir / "config" / "learner.resolved.yaml").read_text())["port"] == port
 
         lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}

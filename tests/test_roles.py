@@ -151,7 +151,7 @@ def wait_for_port(port: int, process: subprocess.Popen, log: Path) -> None:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return
         except OSError:
-            time.sleep(1)
+            time.sleep(0.1)
     raise TimeoutError(f"port {port} not open after {STARTUP_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-4000:]}")
 
 

@@ -138,7 +138,7 @@ def test_rl_step_raises_rewarded_tokens_and_sampling_matches_compute_logprobs(se
     deadline = time.monotonic() + 120
     while (checked := _status(server, experiment)["last_verification"]) is None:
         assert time.monotonic() < deadline, "no check of a Tinker push within 120 s"
-        time.sleep(1)
+        time.sleep(0.2)
     assert checked["ok"] and checked["checked_on"] == "probe" and checked["tokens"] > 0, checked
     assert newer.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences
     assert sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences
