@@ -29,7 +29,7 @@ from grpo_server.protocol.wire import (
     AdapterVersion, AddExperimentRequest, DeleteStateRequest, ForwardBackwardOutput, ForwardBackwardRequest,
     LearnerStatus, LoadStateRequest, LogprobsRequest, LogprobsResponse, OptimStepRequest, OptimStepResponse,
     PrunedVersions, PruneVersionsRequest, RemoveExperimentRequest, SaveAdapterRequest, SavedState, SavedStates,
-    SaveStateRequest, StatesRequest, TrainMetrics, TrainRequest,
+    SaveStateRequest, ScoredVersion, ScoreVersionRequest, StatesRequest, TrainMetrics, TrainRequest,
 )
 from learner import adapter_io, checkpoint, retention
 
@@ -58,18 +58,10 @@ class LearnerHandler:
         return await self._run(self.trainer.train, req)
 
     async def save_adapter(self, req: SaveAdapterRequest) -> AdapterVersion:
-        saved: AdapterVersion = await self._run(self.trainer.save_adapter, req.name)
-        if req.probe is not None:
-            # Under exactly the saved weights: only this experiment's own next step could move them, and its
-            # front end waits for this answer before sending one.
-            saved.probe_logprobs = await self._run(self.trainer.logprobs,
-                                                   LogprobsRequest(name=req.name, **req.probe.model_dump()))
-            if req.score_previous:  # in the same way: no step of this experiment can come in between
-                previous = await self._run(self.trainer.previous_logprobs,
-                                           LogprobsRequest(name=req.name, **req.probe.model_dump()))
-                if previous is not None:
-                    saved.previous_version, saved.probe_previous_logprobs = previous
-        return saved
+        return await self._run(self.trainer.save_adapter, req.name)
+
+    async def score_version(self, req: ScoreVersionRequest) -> ScoredVersion:
+        return await self._run(self.trainer.score_version, req)
 
     async def logprobs(self, req: LogprobsRequest) -> LogprobsResponse:
         return LogprobsResponse(logprobs=await self._run(self.trainer.logprobs, req))

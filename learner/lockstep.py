@@ -205,6 +205,10 @@ class LockstepTrainer:
         """Rank 0 alone: it moves its own weights to the previous version and back within the call."""
         return self.trainer.previous_logprobs(request)
 
+    def score_version(self, request: Any) -> Any:
+        """Rank 0 alone, as previous_logprobs."""
+        return self.trainer.score_version(request)
+
     def status(self) -> Any:
         return self.trainer.status()
 

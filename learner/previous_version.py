@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from grpo_server.protocol.errors import Conflict
-from grpo_server.protocol.wire import LogprobsRequest
+from grpo_server.protocol.wire import LogprobsRequest, ScoredVersion, ScoreVersionRequest
 
 
 @dataclass
@@ -58,6 +58,21 @@ class PreviousVersionScoring:
             return saved.previous_version, self.logprobs(request)  # type: ignore[attr-defined]
         finally:
             self._copy_into(exp.params, saved.weights)
+
+    def score_version(self, request: ScoreVersionRequest) -> ScoredVersion:
+        """The push check's learner side: the probe under the version just saved, and with `previous` under the one
+        before. The front end asks right after the push, before the experiment's next step."""
+        exp = self._get(request.name)  # type: ignore[attr-defined]
+        if exp.weights_version != request.version:
+            raise Conflict(f"experiment {request.name!r} holds other weights than v{request.version} (v"
+                           f"{exp.weights_version} or trained past it): a version is scored only right after its save",
+                           code="weights_moved")
+        scored = ScoredVersion(version=request.version, logprobs=self.logprobs(request))  # type: ignore[attr-defined]
+        if request.previous:
+            previous = self.previous_logprobs(request)
+            if previous is not None:
+                scored.previous_version, scored.previous_logprobs = previous
+        return scored
 
     def _forget_saved(self, name: str) -> None:
         self._saved.pop(name, None)

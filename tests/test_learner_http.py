@@ -74,14 +74,19 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         for step in (1, 2):
             status, body = _post(url, "train", train)
             assert status == 200 and body["step"] == step and body["tokens"] == len(COMPLETION), body
-        # A probe to score under the saved weights (the front end's check of the version) comes back with it.
-        probe = {"prompt_token_ids": PROMPT, "completions_token_ids": [COMPLETION, COMPLETION[:2]]}
-        status, body = _post(url, "save_adapter", {"name": "web", "probe": probe})
+        status, body = _post(url, "save_adapter", {"name": "web"})
         assert status == 200 and body["version"] == 1 and body["path"].endswith("v000001"), body
-        saved_probe = body["probe_logprobs"]
+        # The front end's check of the version: a probe scored under the saved weights, and the version before.
+        probe = {"prompt_token_ids": PROMPT, "completions_token_ids": [COMPLETION, COMPLETION[:2]]}
+        status, scored = _post(url, "score_version", {"name": "web", "version": 1, "previous": True, **probe})
+        assert status == 200 and scored["version"] == 1 and scored["previous_version"] == 0, scored
         status, body = _post(url, "logprobs", {"name": "web", **probe})
         assert sum(body["logprobs"][0]) > sum(before)
-        assert saved_probe == body["logprobs"]
+        assert scored["logprobs"] == body["logprobs"]
+        assert scored["previous_logprobs"][0] == before  # v0's weights, copied in for the call and back out
+        # Only right after the save: a version whose weights a step has moved since is refused, not scored wrong.
+        status, body = _post(url, "score_version", {"name": "web", "version": 0, **probe})
+        assert status == 409 and body["error"]["code"] == "weights_moved", body
         status_request = urllib.request.Request(f"{url}/status", headers=auth_headers(WORKER_SECRET))
         with urllib.request.urlopen(status_request, timeout=10) as response:
             learner_status = unpack(response.read())

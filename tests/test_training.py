@@ -17,7 +17,8 @@ from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.status import experiment_status
 from grpo_server.runtime.training import ExperimentTrainer
 from grpo_server.workers.pool import ComputeTurns
-from grpo_server.protocol.wire import AdapterVersion, Completion, SaveAdapterRequest, ScoreResponse, TrainMetrics
+from grpo_server.protocol.wire import (AdapterVersion, Completion, SaveAdapterRequest, ScoredVersion, ScoreResponse,
+                                       ScoreVersionRequest, TrainMetrics)
 
 LOGPROBS = [[-0.5, -1.0], [-0.25, -2.0]]
 
@@ -35,8 +36,12 @@ class FakeLearner:
     async def prune_versions(self, name, in_use):
         self.pruned.append(in_use)
 
-    async def save_adapter(self, name, probe=None, score_previous=False):
-        return await self.call("save_adapter", SaveAdapterRequest(name=name, probe=probe))
+    async def save_adapter(self, name):
+        return await self.call("save_adapter", SaveAdapterRequest(name=name))
+
+    async def score_version(self, name, version, probe, previous=False):
+        return await self.call("score_version", ScoreVersionRequest(name=name, version=version, previous=previous,
+                                                                    **probe.model_dump()))
 
     async def call(self, verb, request):
         self.calls.append(verb)
@@ -52,9 +57,12 @@ class FakeLearner:
         if verb == "save_adapter":
             self.version += 1
             self.weights_version = self.version
-            assert request.probe is not None and request.probe.completions_token_ids == [[5, 6], [7, 8]]
             return AdapterVersion(name=request.name, version=self.version, path=f"/adapters/v{self.version}",
-                                  step=self.step, probe_logprobs=LOGPROBS)
+                                  step=self.step)
+        if verb == "score_version":  # as the learner: only under the version just saved (else 409 weights_moved)
+            assert request.version == self.weights_version, (request.version, self.weights_version)
+            assert request.completions_token_ids == [[5, 6], [7, 8]]
+            return ScoredVersion(version=request.version, logprobs=LOGPROBS)
         raise AssertionError(verb)
 
 
@@ -137,10 +145,11 @@ async def test_the_batch_a_version_sampled_checks_it_without_the_sampler(tmp_pat
             await wait_until(lambda: exp.step == version + 1)
         await wait_until(lambda: exp.last_verification is not None and exp.last_verification.version == 2)
         assert exp.last_verification.checked_on == "trained_batch" and exp.last_verification.tokens == 4
-        assert "score" not in " ".join(workers.calls)  # no sampler pass
+        assert not [call for call in workers.calls if call.startswith("score v")]  # no sampler pass
         # v1 and v2 were checked by the next step; v3 waits for a step (or for the idle probe).
         assert push_lines(trainer) == [(1, True, "trained_batch"), (2, True, "trained_batch")]
-        assert workers.calls[:3] == ["train", "save_adapter", "train"]
+        # The push's check is scored by the learner before the next step moves the weights.
+        assert workers.calls[:4] == ["train", "save_adapter", "score_version", "train"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -155,8 +164,9 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
         await wait_until(lambda: exp.serving_version == 1)
         queue(exp, rated_group(2))  # still v0's groups: v1 is not in this batch, so a probe checks it
         await wait_until(lambda: "score v1" in workers.calls)
-        # The learner's side came with the save (the probe scored under the saved weights).
-        assert workers.calls[:4] == ["train", "save_adapter", "train", "save_adapter"]
+        # The learner's side was scored right after each push, before the next step (under the saved weights).
+        assert workers.calls[:6] == ["train", "save_adapter", "score_version", "train", "save_adapter",
+                                     "score_version"]
         queue(exp, rated_group(3))  # the sampler holds v1's probe; training goes on regardless
         await wait_until(lambda: exp.serving_version == 3)
         assert workers.calls.count("score v1") == 1 and "score v2" not in workers.calls  # one probe at a time

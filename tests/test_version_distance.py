@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from grpo_server.protocol.wire import AdapterVersion, ScoreResponse
+from grpo_server.protocol.wire import ScoredVersion, ScoreResponse
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.status import experiment_status
@@ -128,14 +128,14 @@ class DistanceWorkers(FakeWorkers):
         sampler_rows = LOGPROBS if serves == "pushed" else self.previous
         noisy = [[x + (0.1 if i % 2 else -0.1) for i, x in enumerate(row)] for row in sampler_rows]
         self.the_sampler.score = self._score(noisy)
-        save = self.learner.save_adapter
+        score_version = self.learner.score_version
 
-        async def save_with_previous(name, probe=None, score_previous=False):
-            saved: AdapterVersion = await save(name, probe)
-            assert score_previous  # the nearest_version check asks for it
-            saved.previous_version, saved.probe_previous_logprobs = saved.version - 1, self.previous
-            return saved
-        self.learner.save_adapter = save_with_previous
+        async def score_with_previous(name, version, probe, previous=False):
+            scored: ScoredVersion = await score_version(name, version, probe, previous)
+            assert previous  # the nearest_version check asks for it
+            scored.previous_version, scored.previous_logprobs = version - 1, self.previous
+            return scored
+        self.learner.score_version = score_with_previous
 
     def _score(self, rows):
         async def score(request):

@@ -19,8 +19,9 @@ from grpo_server.protocol.wire import (AdamParams, AdapterRef, AdapterVersion, A
                                        LoadAdapterRequest, LoadStateRequest, LogprobsRequest, LogprobsResponse,
                                        OptimStepRequest, OptimStepResponse, PrunedVersions, PruneVersionsRequest,
                                        RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest, SavedState,
-                                       SavedStates, SaveStateRequest, ScoreRequest, ScoreResponse, StatesRequest,
-                                       TrainMetrics, TrainRequest, UnloadAdapterRequest, VersionProbe, WireModel)
+                                       SavedStates, SaveStateRequest, ScoredVersion, ScoreRequest, ScoreResponse,
+                                       ScoreVersionRequest, StatesRequest, TrainMetrics, TrainRequest,
+                                       UnloadAdapterRequest, VersionProbe, WireModel)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -80,6 +81,7 @@ class LearnerVerbs:
     add_experiment = Verb("add_experiment", AddExperimentRequest, AdapterVersion)
     train = Verb("train", TrainRequest, TrainMetrics)
     save_adapter = Verb("save_adapter", SaveAdapterRequest, AdapterVersion)
+    score_version = Verb("score_version", ScoreVersionRequest, ScoredVersion)
     logprobs = Verb("logprobs", LogprobsRequest, LogprobsResponse)
     remove_experiment = Verb("remove_experiment", RemoveExperimentRequest, Removed)
     archive_experiment = Verb("archive_experiment", ArchiveRequest, Archived)
@@ -95,9 +97,9 @@ class LearnerVerbs:
     load_state = Verb("load_state", LoadStateRequest, SavedState)
     list_states = Verb("list_states", StatesRequest, SavedStates)
     delete_state = Verb("delete_state", DeleteStateRequest, SavedState)
-    ALL = (add_experiment, train, save_adapter, logprobs, remove_experiment, archive_experiment, restore_experiment,
-           prune_versions, status, health, forward, forward_backward, optim_step, save_state, load_state, list_states,
-           delete_state)
+    ALL = (add_experiment, train, save_adapter, score_version, logprobs, remove_experiment, archive_experiment,
+           restore_experiment, prune_versions, status, health, forward, forward_backward, optim_step, save_state,
+           load_state, list_states, delete_state)
 
 
 class Transport(Protocol):
@@ -155,12 +157,15 @@ class LearnerClient(_Client):
     async def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainMetrics:
         return await self.transport.request(LearnerVerbs.train, request, timeout_s=timeout_s)
 
-    async def save_adapter(self, name: str, probe: VersionProbe | None = None,
-                           score_previous: bool = False) -> AdapterVersion:
-        """Write the next version; with `probe`, also its logprobs under exactly the saved weights (and, with
-        `score_previous`, under the version saved before)."""
-        return await self.transport.request(LearnerVerbs.save_adapter, SaveAdapterRequest(
-            name=name, probe=probe, score_previous=score_previous))
+    async def save_adapter(self, name: str) -> AdapterVersion:
+        """Write the experiment's weights as its next version."""
+        return await self.transport.request(LearnerVerbs.save_adapter, SaveAdapterRequest(name=name))
+
+    async def score_version(self, name: str, version: int, probe: VersionProbe,
+                            previous: bool = False) -> ScoredVersion:
+        """The push check's probe under `version`, just saved (and, with `previous`, under the version before)."""
+        return await self.transport.request(LearnerVerbs.score_version, ScoreVersionRequest(
+            name=name, version=version, previous=previous, **probe.model_dump()))
 
     async def logprobs(self, request: LogprobsRequest) -> LogprobsResponse:
         return await self.transport.request(LearnerVerbs.logprobs, request)

@@ -182,11 +182,6 @@ class AdapterVersion(WireModel):
     step: int = 0
     journal_seq: int = 0  # the newest feedback-journal entry the learner's weights include
     groups_trained: int = 0  # over the experiment's whole life (kept in its checkpoints)
-    probe_logprobs: list[list[float]] | None = None  # SaveAdapterRequest.probe's, one list per completion
-    # With SaveAdapterRequest.score_previous: the probe's logprobs under the version saved before this one, and its
-    # number (None when this experiment saved no version before: its first since it started or resumed).
-    previous_version: int | None = None
-    probe_previous_logprobs: list[list[float]] | None = None
 
 
 class TrainSample(WireModel):
@@ -262,19 +257,28 @@ class VersionProbe(WireModel):
 
 class SaveAdapterRequest(WireModel):
     name: ExperimentName
-    probe: VersionProbe | None = None  # also score these under the saved weights (AdapterVersion.probe_logprobs)
-    score_previous: bool = False  # and under the version saved before (the nearest_version check)
 
 
-class LogprobsRequest(WireModel):
+class LogprobsRequest(VersionProbe):
+    """Completions of one prompt, scored under the adapter of experiment `name`."""
     name: ExperimentName
-    prompt_token_ids: list[int]
-    completions_token_ids: list[list[int]] = Field(min_length=1)
-    temperature: float = 1.0
 
 
 class LogprobsResponse(WireModel):
     logprobs: list[list[float]]
+
+
+class ScoreVersionRequest(LogprobsRequest):
+    """The push check's learner side: these logprobs under `version`, just saved and still the experiment's weights
+    (else 409 weights_moved), and with `previous` under the version saved before it (nearest_version)."""
+    version: int
+    previous: bool = False
+
+
+class ScoredVersion(LogprobsResponse):
+    version: int
+    previous_version: int | None = None  # with `previous`; None: no version saved before (since start or resume)
+    previous_logprobs: list[list[float]] | None = None
 
 
 class RemoveExperimentRequest(WireModel):

