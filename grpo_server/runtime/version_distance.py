@@ -45,6 +45,15 @@ The verdict, in this order:
    read 2.19 +- 0.11 and 1.73 +- 0.11 at the quick bench's third version (BENCHMARKS.md, "The learner's
    checkpoint and the weight push"). On 18 probes of that bench dumped since, the jackknife's error was 0.7-4.7x
    the least-squares one, 1.6x in the median.
+   Nor can either error see noise that moves every token alike: the sampler's rounded weights are one
+   perturbation, whose effect on the probe's logprobs lines up with the step's (both are largest on unlikely
+   tokens). On those 18 probes of right pushes the step, mean |d|, was 0.2-1.9x the noise the fit leaves, and
+   the fractions read -0.11 to 1.65 at least-squares errors of 0.08-0.73 (0.33 +- 0.09 among them); the bench
+   failed right pushes at 1.85, 1.60 and 0.15 of the step since. So a failure also needs a step of at least
+   `STEP_OVER_NOISE` times that noise; below it the versions are too close to tell, and the verdict is
+   inconclusive. The 18 probes' fractions outside the window all had steps of 0.25-1.06 times their noise. The
+   real bf16 test's missing push (tests/test_version_check_bf16.py: gaps of 0.26-0.31 nats to the pushed version,
+   0.08-0.15 to the previous) failed, as it must, in 3 runs of 3 at 1.5; at 2.0 it was inconclusive once in 2.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ MAX_STEP_FRACTION_SE = 0.15
 MIN_STEP_FRACTION = 0.25  # a quarter of the way from N-1 (0) to N (1); bf16's partial answer reads 0.44 and up
 MAX_STEP_FRACTION = 1.5
 ALARM_STANDARD_ERRORS = 3.0  # a failure's fraction is this many jackknife standard errors from the pushed version
+STEP_OVER_NOISE = 1.5  # and its step, mean |d|, is this many times the noise the fit leaves (mean |r - a d|)
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,11 @@ def nearest_version(sampler: list[list[float]], learner: list[list[float]], prev
         return verdict(None, f"the versions are too close to tell apart: step fraction {_fmt(fraction)} +- {_fmt(se)} "
                              f"(at most +- {MAX_STEP_FRACTION_SE} decides)")
     if not MIN_STEP_FRACTION <= fraction <= MAX_STEP_FRACTION:
+        step_size = sum(abs(d) for d in step) / len(step)
+        if step_size < STEP_OVER_NOISE * unexplained:
+            return verdict(None, f"the step between the versions, {step_size:.4f} nats a token, is within "
+                                 f"{STEP_OVER_NOISE:g}x the noise the fit leaves ({unexplained:.4f}): too close to "
+                                 f"tell apart (step fraction {fraction:.2f} +- {alarm_se:.2f})", alarm_se)
         if abs(fraction - 1.0) < ALARM_STANDARD_ERRORS * alarm_se:
             return verdict(None, f"the step fraction {fraction:.2f} rests on a few tokens: within "
                                  f"{ALARM_STANDARD_ERRORS:g} standard errors of the pushed version (+- {alarm_se:.2f} "
