@@ -64,9 +64,9 @@ class PreviousVersionScoring:
         before. The front end asks right after the push, before the experiment's next step."""
         exp = self._get(request.name)  # type: ignore[attr-defined]
         if exp.weights_version != request.version:
-            raise Conflict(f"experiment {request.name!r} holds other weights than v{request.version} (v"
-                           f"{exp.weights_version} or trained past it): a version is scored only right after its save",
-                           code="weights_moved")
+            holds = "has trained past its last save" if exp.weights_version is None else f"holds v{exp.weights_version}"
+            raise Conflict(f"experiment {request.name!r} {holds}, not v{request.version}: a version is scored only "
+                           "right after its save", code="weights_moved")
         scored = ScoredVersion(version=request.version, logprobs=self.logprobs(request))  # type: ignore[attr-defined]
         if request.previous:
             previous = self.previous_logprobs(request)
