@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -29,18 +27,6 @@ log = logging.getLogger("sampler")
 # At import, not in main(): vLLM's engine core is a child process that re-imports this module (spawn) or
 # inherits it (fork), and must load the same kernel library as this one.
 CPU = limit_kernels()
-
-
-def _leave_to_the_sampler(listening: socket.socket) -> None:
-    """In vLLM's engine core, forked from here (sampler/vllm_start.py): let go of what is the sampler's.
-    - Its port: else a sampler killed alone would leave a listener that never answers.
-    - Its event loop's signal wakeup fd (asyncio's signal handling): else a SIGTERM to the engine core, as the
-      front end's stop sends to the whole process group, is written into the sampler's loop too, which then
-      stops twice: its second GracefulExit cut the cleanup short and ended the sampler with exit code 1
-      through the interpreter's slow teardown (strace and faulthandler stacks of a test server's stop).
-    """
-    listening.close()
-    signal.set_wakeup_fd(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"sampler: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 2
-    os.register_at_fork(after_in_child=lambda: _leave_to_the_sampler(listening))
+    # vLLM's engine core is forked from here (sampler/vllm_start.py): it must not hold this port, or a sampler
+    # killed alone would leave a listener that never answers.
+    os.register_at_fork(after_in_child=listening.close)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here
 

@@ -17,14 +17,16 @@ That engine-core process is forked from the sampler, not spawned: a spawned one 
 insists on spawn on CPU for the worker process it no longer starts here. The fork is safe as made: the sampler
 is one thread when it forks (else it spawns, as vLLM would), it has run no torch compute yet, the thread count
 is set before the fork for the child to inherit, and the child closes the sampler's listening socket
-(sampler/__main__.py). The child holds what the sampler's memory holds, the workers' secret too (not in its
-/proc environ: grpo_server/protocol/worker_auth.py); it runs vLLM and this project's worker extension only.
+(sampler/__main__.py) and drops the event loop's signal wakeup fd (`_forked_children_drop_the_wakeup_fd`). The
+child holds what the sampler's memory holds, the workers' secret too (not in its /proc environ:
+grpo_server/protocol/worker_auth.py); it runs vLLM and this project's worker extension only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -107,6 +109,21 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+_wakeup_fd_hook = False  # registered (os.register_at_fork hooks cannot be taken back, so once a process)
+
+
+def _forked_children_drop_the_wakeup_fd() -> None:
+    """A child forked from this process lets go of asyncio's signal wakeup fd, which it inherits from the event
+    loop here. Else a signal to the engine core (a sampler's stop reaches its whole process group) was written into
+    this process's loop too, as if it had come twice: the sampler raised aiohttp's GracefulExit a second time in
+    its cleanup, cut it short and exited 1 (strace and faulthandler stacks of a test server's stop). The child
+    sets a wakeup fd of its own if it runs a loop."""
+    global _wakeup_fd_hook
+    if not _wakeup_fd_hook:
+        os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))
+        _wakeup_fd_hook = True
+
+
 def start_async_llm(cfg: SamplerConfig, max_model_len: int) -> Any:
     """vLLM's `AsyncLLM` for a sampler config; it returns once its engine core is up."""
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -120,6 +137,7 @@ def start_async_llm(cfg: SamplerConfig, max_model_len: int) -> Any:
 
         threads_here, threads = torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])
         torch.set_num_threads(threads)  # the count the forked engine core inherits
+        _forked_children_drop_the_wakeup_fd()
         log.info("vLLM's engine core: forked from this process, %d threads", threads)
         try:
             with _environment({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}):
