@@ -17,6 +17,7 @@ from aiohttp import web
 
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.cpu_features import read_cpu_features
+from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.worker_auth import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -141,11 +142,20 @@ def run_worker(config: ServerConfig, role: str, replica: int) -> NoReturn:
 
 
 def serve_front_end(config: ServerConfig) -> int:
+    # The port is bound now and listened on once the workers are healthy (a probe is refused until then). Bound
+    # only then, it was free for tens of seconds while the workers' ports, vLLM's ZMQ sockets and torch's store
+    # took ports of their own, and one of them could take it (the suite's servers listen on ports the kernel
+    # picked). A port in use now fails at once, not after the workers' start.
+    try:
+        listening = bind_early(config.host, config.port)
+    except OSError as exc:
+        print(f"grpo-server serve: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 2
     from grpo_server.api.app import create_app
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config.run_dir.mkdir(parents=True, exist_ok=True)
     app = create_app(config, admin_key(config))
-    web.run_app(app, host=config.host, port=config.port, print=lambda msg: log.info(msg),
+    web.run_app(app, sock=listening, print=lambda msg: log.info(msg),
                 access_log=None, shutdown_timeout=10, ssl_context=tls_context(config))
     return 0

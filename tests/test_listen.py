@@ -1,5 +1,6 @@
-"""Worker ports (grpo_server/protocol/listen.py): the front end hands out each picked port once, and a worker
-binds its port before its heavy imports, so nothing it starts (vLLM's engine, torch's store) can take it first."""
+"""Ports (grpo_server/protocol/listen.py): the front end hands out each picked port once, and a worker binds its
+port before its heavy imports, so nothing it starts (vLLM's engine, torch's store) can take it first. The front
+end binds its own before it starts the workers."""
 
 from __future__ import annotations
 
@@ -83,6 +84,21 @@ def test_a_worker_whose_port_is_taken_says_so_before_loading_anything(role, tmp_
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"cannot bind 127.0.0.1:{port}" in done.stderr
 
+
+def test_a_front_end_whose_port_is_taken_says_so_before_starting_a_worker(tmp_path):
+    """Exit code 2 at once: the port is bound before the workers start (their ports, vLLM's and torch's sockets
+    cannot take it meanwhile), and the model path does not exist, so a worker started first would fail on that."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        config = tmp_path / "server.yaml"
+        config.write_text(yaml.safe_dump({"model": str(tmp_path / "no-model"), "run_dir": str(tmp_path / "run"),
+                                          "host": "127.0.0.1", "port": port}))
+        done = subprocess.run([sys.executable, "-m", "grpo_server.cli", "serve", "--config", str(config)], cwd=ROOT,
+                              env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot bind 127.0.0.1:{port}" in done.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # no worker was started
 
 
 def test_a_server_whose_sampler_port_is_taken_stops_and_says_why(tiny_model_dir, tmp_path):

@@ -5,7 +5,8 @@ theirs when their app started, after vLLM's engine or DeepSpeed was up, tens of 
 ZMQ sockets and torch's TCPStore bind ports of their own, and once in a while took the picked one (a restarted
 sampler failed with EADDRINUSE in CI). So a worker binds its port before its heavy imports (`bind_early`) and
 hands the bound socket to aiohttp; the window left is the interpreter's start, and `free_port` never hands out
-one port twice within a front end's process.
+one port twice within a front end's process. The front end binds its own port the same way, before it starts the
+workers (grpo_server/serve.py): a test's server listens on a port the kernel picked, and a worker took it once.
 """
 
 from __future__ import annotations
