@@ -6,6 +6,12 @@ on a GPU host the write of a large adapter's optimizer state would hold the acce
 box, where the write takes 0.07 s of a 2-3 s step, the two ways measured within the box's noise (BENCHMARKS.md,
 "The learner's checkpoint and the weight push").
 
+How often (`_checkpoint_due`): after a step, every `checkpoint_every` steps once `checkpoint_interval_s` (30 s by
+default) has passed since the last checkpoint started. A checkpoint after every 2-3 s step of the CPU box cost the
+learner a fifth of its speed (0.80 of a plain loop against 1.01 without, BENCHMARKS.md): the write beside the next
+step shares the 2 cores. The journal keeps every group since, so a crash costs at most that much training again.
+Rank 0's clock decides for every rank: a checkpoint is a collective (the optimizer shards).
+
 One write at a time: a new copy waits for the write before it (which had a whole step to finish), so at most
 one checkpoint is in flight and its copy is the only memory this costs.
 
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from learner import checkpoint, rank_transfer
 
@@ -117,6 +124,18 @@ class Checkpointing:
         """Until the checkpoint in flight is on disk (before anything reads or moves checkpoint folders)."""
         self._checkpoints.wait()
 
+    def _checkpoint_due(self, exp: Any) -> bool:
+        """After a train step: every `checkpoint_every` steps once `checkpoint_interval_s` has passed since the
+        last checkpoint started. Rank 0's clock decides for every rank: the checkpoint is a collective."""
+        algo = exp.algorithm
+        due = (exp.step % algo.checkpoint_every == 0
+               and time.monotonic() - exp.checkpoint_started_s >= algo.checkpoint_interval_s)
+        if self.world_size == 1:
+            return due
+        flag = torch.tensor([int(due)])
+        dist.broadcast(flag, src=0, group=self._cpu_group)
+        return bool(flag.item())
+
     def _start_checkpoint(self, name: str) -> None:
         """Every rank sends its shard to rank 0, which copies them and hands them to the writer."""
         from peft import get_peft_model_state_dict
@@ -131,6 +150,7 @@ class Checkpointing:
                 ranks=self.world_size)
             self._checkpoints.submit(name, state, weights, shards)
         exp.checkpointed_step = exp.step
+        exp.checkpoint_started_s = time.monotonic()
 
     def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:
         """Every rank's shard on rank 0 (in rank order; an empty list elsewhere). They cross as bytes, read

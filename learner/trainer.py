@@ -5,8 +5,9 @@ The base model is loaded once. The first experiment wraps it with `get_peft_mode
 shares the module, so the active adapter and the trainable flags are set again before every use.
 
 Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (learner/checkpoint.py):
-weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps
-(written beside the next step: learner/checkpoint_writer.py) and at shutdown. Adding an experiment whose
+weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps once
+`checkpoint_interval_s` has passed (written beside the next step: learner/checkpoint_writer.py) and at shutdown;
+the front end's journal holds the groups trained since (retrained after a crash). Adding an experiment whose
 name has either on disk resumes it (learner/resume.py: from its newest checkpoint exactly, else from its
 newest version's weights); version numbers always continue past the newest on disk (a deleted experiment's
 are archived: learner/app.py).
@@ -26,7 +27,7 @@ import re
 import time
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ class AdapterUnderTraining:
     journal_seq: int = 0  # the newest feedback-journal entry these weights include (front end's numbering)
     groups_trained: int = 0
     checkpointed_step: int = -1
+    checkpoint_started_s: float = field(default_factory=time.monotonic)  # the last one's, or the add's
     # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
     # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
     weights_version: int | None = None
@@ -208,7 +210,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
         exp.weights_version = None
         exp.groups_trained += request.num_groups
         exp.journal_seq = max(exp.journal_seq, request.journal_seq)
-        if exp.step % algo.checkpoint_every == 0:
+        if self._checkpoint_due(exp):
             self._start_checkpoint(exp.name)  # written beside what follows (learner/checkpoint_writer.py)
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
                                 time.perf_counter() - started, checked_version=checked, kl_computed=algo.beta > 0)

@@ -86,7 +86,8 @@ async def test_old_versions_are_pruned_the_needed_ones_kept_and_a_restart_resume
             await client.create_experiment({
                 "name": NAME, "api_key": KEY,
                 # One push per step, a checkpoint every 3: the checkpoints' versions fall behind the newest KEEP.
-                "algorithm": {"batch_groups": 1, "checkpoint_every": 3, "max_staleness": 1000, "learning_rate": 1e-3},
+                "algorithm": {"batch_groups": 1, "checkpoint_every": 3, "checkpoint_interval_s": 0,
+                              "max_staleness": 1000, "learning_rate": 1e-3},
                 "sampling": {"n": 2, "max_tokens": 3}})
             await train_to(client, 8, accepted)
             newest, _ = await settled(client, run_dir, accepted)

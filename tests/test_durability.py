@@ -77,9 +77,10 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
         async with AsyncClient(server.url, server.api_key) as client:
             await client.create_experiment({
                 "name": NAME, "api_key": "durable-key-8b1f04c3",
-                # checkpoint_every 2: a crash loses up to one step, which the journal must retrain.
-                "algorithm": {"batch_groups": 1, "checkpoint_every": 2, "max_staleness": 1000,
-                              "learning_rate": 1e-3},
+                # checkpoint_every 2 (interval 0: by steps alone): a crash loses up to one step, which the journal
+                # must retrain.
+                "algorithm": {"batch_groups": 1, "checkpoint_every": 2, "checkpoint_interval_s": 0,
+                              "max_staleness": 1000, "learning_rate": 1e-3},
                 "sampling": {"n": 4, "max_tokens": 3}})
             for _ in range(5):
                 accepted += await rate_one(client)

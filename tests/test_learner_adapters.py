@@ -146,7 +146,8 @@ def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
 
 def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
     name = "ckpt"
-    trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2))
+    algorithm = AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2, checkpoint_interval_s=0)  # by steps alone
+    trainer.add_experiment(name, LORA, algorithm)
 
     def request(seq: int) -> TrainRequest:
         return TrainRequest(name=name, journal_seq=seq, num_groups=1,
@@ -167,7 +168,7 @@ def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
     assert trainer.save_adapter(name).version == 2  # step 3: pushed, not checkpointed
 
     trainer.remove_experiment(name)  # as a crashed learner: only the disk is left
-    resumed = trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3, checkpoint_every=2))
+    resumed = trainer.add_experiment(name, LORA, algorithm)
     # Back at step 2 with its optimizer; v2 (step 3) is not these weights, so they get a new number.
     assert (resumed.step, resumed.journal_seq, resumed.groups_trained, resumed.version) == (2, 2, 2, 3)
     restored = _optimizer_tensors(trainer.experiments[name].engine)
@@ -177,6 +178,30 @@ def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
     assert trainer.train(third).step == 3
     again = _adapter_weights(trainer, name)
     assert all(torch.equal(again[k], after_third[k]) for k in again)
+    trainer.remove_experiment(name)
+
+
+
+def test_a_checkpoint_waits_for_its_interval_then_follows_the_next_step(trainer):
+    """By default (checkpoint_interval_s 30) the steps of the first 30 s after the add write none; the first step
+    after them does, and the next 30 s start from that one's start."""
+    from learner import checkpoint
+
+    name = "interval"
+    trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3))
+    exp, folder = trainer.experiments[name], checkpoint.checkpoint_root(trainer.config.run_dir, name)
+
+    def step() -> int:
+        trainer.train(TrainRequest(name=name, samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0], 1.0)]))
+        trainer.wait_for_checkpoints()
+        return exp.step
+
+    assert [step(), step()] == [1, 2]
+    assert exp.checkpointed_step == -1 and not list(folder.glob("step*"))
+    exp.checkpoint_started_s -= 30  # as if the steps had taken 30 s since the add
+    assert step() == 3 and exp.checkpointed_step == 3
+    assert [p.name for p in folder.glob("step*")] == ["step00000003"]
+    assert step() == 4 and exp.checkpointed_step == 3  # within 30 s of the last one
     trainer.remove_experiment(name)
 
 
@@ -190,7 +215,7 @@ async def test_prune_keeps_the_newest_the_used_and_the_checkpoints_versions_and_
     from learner.app import LearnerHandler
 
     name, run_dir = "pruned", trainer.config.run_dir
-    algorithm = AlgorithmConfig(learning_rate=5e-3, checkpoint_every=3)
+    algorithm = AlgorithmConfig(learning_rate=5e-3, checkpoint_every=3, checkpoint_interval_s=0)
     trainer.add_experiment(name, LORA, algorithm)
     for _ in range(7):  # steps 1..7, each pushed: v1..v7; checkpoints at steps 3 (at v2) and 6 (at v5)
         trainer.train(TrainRequest(name=name, samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0], 1.0)]))

@@ -41,9 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LORA = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 ALGORITHMS = {
+    # checkpoint_interval_s 0: a checkpoint after every step, each rank told so by rank 0.
     "seqmean": AlgorithmConfig(loss="grpo", learning_rate=1e-3, weight_decay=0.01, max_grad_norm=0.5,
-                               micro_batch_size=2),
-    "tokmean": AlgorithmConfig(loss="dapo", beta=0.05, learning_rate=1e-3, max_grad_norm=0.5, micro_batch_size=2),
+                               micro_batch_size=2, checkpoint_interval_s=0),
+    "tokmean": AlgorithmConfig(loss="dapo", beta=0.05, learning_rate=1e-3, max_grad_norm=0.5, micro_batch_size=2,
+                               checkpoint_interval_s=0),
 }
 # (prompt length, completion length, advantage, temperature). One rank cuts 3 micro-batches of at most 2
 # (one per temperature at least); two ranks get 3 and 2 sequences: rank 1 has one micro-batch and pads.

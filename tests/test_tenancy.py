@@ -20,7 +20,9 @@ NAME = "tenant"
 OTHER = "tenant-other"
 KEYS = {"first": "tenant-first-key-4f1a", "resumed": "tenant-resumed-key-9c2d", "new": "tenant-new-key-07be",
         OTHER: "tenant-other-key-5e3b"}
-CONFIG = {"name": NAME, "algorithm": {"batch_groups": 1}, "sampling": {"n": 2, "max_tokens": 4}}
+# A checkpoint after every step (not once 30 s have passed): the archive below holds one where it stopped.
+CONFIG = {"name": NAME, "algorithm": {"batch_groups": 1, "checkpoint_interval_s": 0},
+          "sampling": {"n": 2, "max_tokens": 4}}
 
 
 async def _get(session: aiohttp.ClientSession, url: str, key: str | None = ADMIN_KEY) -> tuple[int, object]:

@@ -257,10 +257,15 @@ def _learner_rows(le: dict | None) -> list[tuple[str, str, str, str, str]]:
             f"{le['group_size']}, completions 4-{le['max_completion']} tokens), {le['steps']} rounds of "
             f"{le.get('block', 1)} steps back to back a side, alternating, "
             f"{'under bf16 autocast (the default on this CPU), float32 weights' if le.get('autocast') else 'float32'}")
-    main = ("learner", f"{what}; the learner on its defaults: a checkpoint after every step, copied in the step and "
+    if "checkpoint_interval_s" in le:  # since checkpoint_interval_s (30 s by default)
+        cadence = (f"a checkpoint after the first step {_f(le['checkpoint_interval_s'], 0)} s after the last one "
+                   f"started ({le['checkpoints_written']} in its {le['steps'] * le.get('block', 1)} timed steps)")
+    else:
+        cadence = "a checkpoint after every step"
+    main = ("learner", f"{what}; the learner on its defaults: {cadence}, copied in the step and "
             f"written beside the next (each block waits for its last write)",
             f"{_f(le['learner_with_checkpoint_tok_s'], 1)} vs {_f(le['plain_tok_s'], 1)} tok/s: "
-            f"**{_f(le['ratio_with_checkpoint'], 3)}** (the checkpoint's part of a step "
+            f"**{_f(le['ratio_with_checkpoint'], 3)}** (the checkpoint's part of a step that wrote one "
             f"{_f(le.get('checkpoint_in_step_median_s'), 3)} s; per round {', '.join(_f(x, 2) for x in rounds)}). "
             f"Padding waste: {pad['padded_tokens']} padded / {pad['real_tokens']} real tokens = "
             f"{_f(pad['padded_over_real'], 3)} ({pad['micro_batches']} micro-batches of {le['micro_batch_size']})",
