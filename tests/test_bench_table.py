@@ -166,7 +166,7 @@ def test_end_to_end_over_runs():
 
 
 def test_verdicts_judge_the_default_path():
-    """The learner with its per-step checkpoint, the push through the front end (the checkpoint's part of the step
+    """The learner with its default checkpoints, the push through the front end (the checkpoint's part of the step
     included) and LoRA sampling on the grouped ops carry the verdicts; the faster variants get rows of their own,
     without one."""
     table = _load("table")
@@ -186,6 +186,12 @@ def test_verdicts_judge_the_default_path():
     rows = {line.split(" | ")[0][2:]: line for line in table.render(_results(learner=le, push=push, adapter=ad))
             .splitlines() if line.startswith("| ")}
     assert "**0.794**" in rows["learner"] and "**missed**: 0.79" in rows["learner"]
+    assert "a checkpoint after every step" in rows["learner"]  # a result from before checkpoint_interval_s
+    le.update(checkpoint_interval_s=30.0, checkpoints_written=2)
+    rows = {line.split(" | ")[0][2:]: line for line in table.render(_results(learner=le, push=push, adapter=ad))
+            .splitlines() if line.startswith("| ")}
+    assert "a checkpoint after the first step 30 s after the last one started (2 in its 10 timed steps)" in rows[
+        "learner"]
     assert rows["learner, no checkpoint (variant)"].endswith("| report |  |") and "**0.952**" in rows[
         "learner, no checkpoint (variant)"]
     assert "**1.30 s**" in rows["weight push"] and "**missed**" in rows["weight push"]  # 0.2 + 1.1 > 1 s

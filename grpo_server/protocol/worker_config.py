@@ -75,8 +75,8 @@ class AlgorithmConfig(StrictModel):
         "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
     checkpoint_interval_s: float = Field(30.0, ge=0, le=86_400, description=(
         "Seconds at least between the start of one checkpoint and the next (0: every checkpoint_every steps). "
-        "The journal keeps every group, so a crash costs at most this much training again, not feedback; a "
-        "checkpoint each 2-3 s step of the CPU demo cost the learner 10-20% of its speed (BENCHMARKS.md)."))
+        "The journal keeps every group, so a crash costs at most this much training again, not feedback; after "
+        "every 2-3 s step of the CPU demo the checkpoints wrote ~30 MB/s (learner/checkpoint_writer.py)."))
     max_staleness: int = Field(2, ge=0, le=1_000_000, description=(
         "Groups sampled by weights more than this many optimizer steps older than the learner's are dropped "
         "before a batch is formed (counted in groups_dropped_stale). Counted in steps, not pushed versions, so "

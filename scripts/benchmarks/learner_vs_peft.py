@@ -9,7 +9,7 @@ base model wrapped by `peft.get_peft_model` with the same LoRA (r, alpha, the 7 
 AdamW over the adapter and the same loop: the learner's own micro-batches (`learner.batching`), the same
 forward (`logits_to_keep`), the same loss (`learner.loss.policy_loss`), gradient clipping, one step.
 After one warm-up step each, blocks of `BLOCK` steps alternate (learner, plain, learner without checkpoints,
-...), so all see the same load (`--autocast`: single steps alternate).
+each round starting with the next side), so all see the same load (`--autocast`: single steps alternate).
 
 Both sides run the learner's defaults on this CPU: float32 weights, and train steps under bf16 autocast where
 the CPU computes bf16 natively (learner.autocast auto), the plain loop under the same autocast.
@@ -200,14 +200,17 @@ def _run(model_dir: Path, run_dir: Path, lora, algorithm, started: float, sequen
         for _ in range(BLOCK):
             plain.train(request)
 
-    trainer.train(request)  # warm-up (and a first checkpoint)
+    trainer.train(request)  # warm-up
     trainer.wait_for_checkpoints()
     plain.train(request)
     learner_s, no_ckpt_s, plain_s, save_s = [], [], [], []
-    for _ in range(steps):  # rounds of blocks, alternating sides: per-step seconds of each block
-        learner_s.append(timed(lambda: learner_block(True)) / BLOCK)
-        plain_s.append(timed(plain_block) / BLOCK)
-        no_ckpt_s.append(timed(lambda: learner_block(False)) / BLOCK)
+    blocks = [(learner_s, lambda: learner_block(True)), (plain_s, plain_block),
+              (no_ckpt_s, lambda: learner_block(False))]
+    for round_index in range(steps):  # rounds of blocks, alternating sides: per-step seconds of each block
+        # Each round starts with another side: the block after the round's save_adapter (its files written and
+        # fsynced) ran slower, and in a fixed order that was always the default learner's.
+        for times, block in blocks[round_index % 3:] + blocks[:round_index % 3]:
+            times.append(timed(block) / BLOCK)
         save_s.append(timed(lambda: trainer.save_adapter("learn")))
     with_ckpt_tps = tokens * steps / sum(learner_s)
     learner_tps = tokens * steps / sum(no_ckpt_s)

@@ -189,9 +189,9 @@ def _rounds(fig: dict) -> str:
 
 
 # The rows with a verdict judge the path a user gets by default (issue 28, item 4): LoRA sampling whenever more
-# than one experiment samples, the push through the front end after the learner's per-step checkpoint, the
-# learner with that checkpoint (copied in the step, written beside the next). A faster variant gets a row of its
-# own, marked "variant", with no verdict.
+# than one experiment samples, the push through the front end after the learner's step and its checkpoint's part
+# of it, the learner with its default checkpoints (copied in the step, written beside the next). A faster variant
+# gets a row of its own, marked "variant", with no verdict.
 
 def _adapter_rows(ad: dict | None) -> list[tuple[str, str, str, str, str]]:
     err = _error(ad)
