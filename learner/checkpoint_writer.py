@@ -6,8 +6,8 @@ on a GPU host the write of a large adapter's optimizer state would hold the acce
 box, where the write takes 0.07 s of a 2-3 s step, the two ways measured within the box's noise (BENCHMARKS.md,
 "The learner's checkpoint and the weight push").
 
-How often (`_checkpoint_due`): after a step, every `checkpoint_every` steps once `checkpoint_interval_s` (30 s by
-default) has passed since the last checkpoint started. After every 2-3 s step of the CPU demo, SmolLM2's r=16
+How often (`_checkpoint_due`): after an experiment's first step, then every `checkpoint_every` steps once
+`checkpoint_interval_s` (30 s by default) has passed since the last checkpoint started. After every 2-3 s step of the CPU demo, SmolLM2's r=16
 checkpoint (18 MiB of weights, 55 MiB of optimizer state) wrote ~30 MB/s to disk without pause, on a core the
 step wants; every 30 s it writes a tenth of that. The journal keeps every group since, so a crash costs at most
 that much training again. Rank 0's clock decides for every rank: a checkpoint is a collective (the optimizer
@@ -127,10 +127,13 @@ class Checkpointing:
 
     def _checkpoint_due(self, exp: Any) -> bool:
         """After a train step: every `checkpoint_every` steps once `checkpoint_interval_s` has passed since the
-        last checkpoint started. Rank 0's clock decides for every rank: the checkpoint is a collective."""
+        last checkpoint started, or at once if the experiment has none since its add. Rank 0's clock decides for
+        every rank: the checkpoint is a collective."""
         algo = exp.algorithm
-        due = (exp.step % algo.checkpoint_every == 0
-               and time.monotonic() - exp.checkpoint_started_s >= algo.checkpoint_interval_s)
+        due = exp.step % algo.checkpoint_every == 0 and (
+            # Without a checkpoint a restart would resume the newest version's weights and the journal from its
+            # start, training its groups twice (learner/resume.py).
+            exp.checkpointed_step < 0 or time.monotonic() - exp.checkpoint_started_s >= algo.checkpoint_interval_s)
         if self.world_size == 1:
             return due
         flag = torch.tensor([int(due)])

@@ -5,8 +5,9 @@ The base model is loaded once. The first experiment wraps it with `get_peft_mode
 shares the module, so the active adapter and the trainable flags are set again before every use.
 
 Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (learner/checkpoint.py):
-weights, optimizer state, RNG, step and the feedback journal's position, every `checkpoint_every` steps once
-`checkpoint_interval_s` has passed (written beside the next step: learner/checkpoint_writer.py) and at shutdown;
+weights, optimizer state, RNG, step and the feedback journal's position, after the first step, then every
+`checkpoint_every` steps once `checkpoint_interval_s` has passed (written beside the next step:
+learner/checkpoint_writer.py), and at shutdown;
 the front end's journal holds the groups trained since (retrained after a crash). Adding an experiment whose
 name has either on disk resumes it (learner/resume.py: from its newest checkpoint exactly, else from its
 newest version's weights); version numbers always continue past the newest on disk (a deleted experiment's
@@ -69,7 +70,7 @@ class AdapterUnderTraining:
     journal_seq: int = 0  # the newest feedback-journal entry these weights include (front end's numbering)
     groups_trained: int = 0
     checkpointed_step: int = -1
-    checkpoint_started_s: float = field(default_factory=time.monotonic)  # the last one's, or the add's
+    checkpoint_started_s: float = field(default_factory=time.monotonic)  # the newest checkpoint's start
     # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
     # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
     weights_version: int | None = None

@@ -74,7 +74,8 @@ class AlgorithmConfig(StrictModel):
         "Optimizer steps between checkpoints (weights, optimizer state, RNG, journal position); the learner "
         "also checkpoints at shutdown. After a crash, steps since the last one are retrained from the journal."))
     checkpoint_interval_s: float = Field(30.0, ge=0, le=86_400, description=(
-        "Seconds at least between the start of one checkpoint and the next (0: every checkpoint_every steps). "
+        "Seconds at least between the start of one checkpoint and the next (0: every checkpoint_every steps); "
+        "the first comes after the experiment's first step. "
         "The journal keeps every group, so a crash costs at most this much training again, not feedback; after "
         "every 2-3 s step of the CPU demo the checkpoints wrote ~30 MB/s (learner/checkpoint_writer.py)."))
     max_staleness: int = Field(2, ge=0, le=1_000_000, description=(
