@@ -181,7 +181,6 @@ def test_checkpoint_resumes_weights_optimizer_and_step_exactly(trainer):
     trainer.remove_experiment(name)
 
 
-
 def test_a_checkpoint_follows_the_first_step_then_waits_for_its_interval(trainer):
     """By default (checkpoint_interval_s 30) the first step writes one (without it a restart would train the
     journal's groups twice over the newest version); the steps of the next 30 s write none, the first step after

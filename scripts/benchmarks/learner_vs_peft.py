@@ -14,8 +14,8 @@ each round starting with the next side), so all see the same load (`--autocast`:
 Both sides run the learner's defaults on this CPU: float32 weights, and train steps under bf16 autocast where
 the CPU computes bf16 natively (learner.autocast auto), the plain loop under the same autocast.
 
-The learner checkpoints by default after the first step that ends `checkpoint_interval_s` (30 s) or more after the
-last checkpoint started (`checkpoint_every` 1): the step copies the checkpoint's state and a thread writes it
+The learner checkpoints by default after an experiment's first step (here the warm-up), then after the first step
+that ends `checkpoint_interval_s` (30 s) or more after the last checkpoint started (`checkpoint_every` 1): the step copies the checkpoint's state and a thread writes it
 beside what follows (learner/checkpoint_writer.py). The default path is timed as a block of steps back to back,
 the last write waited for at the block's end, so the writes' cost, in the step or beside the next, is in its
 time; the 30 s run on the wall clock, through the other sides' blocks too, so the default blocks checkpoint more
@@ -151,7 +151,7 @@ def run(model_dir: Path, sequences: int = 16, group_size: int = 8, max_completio
     ds_logger.setLevel(logging.WARNING)
     started = time.perf_counter()
     lora = LoraConfig()  # r=16, alpha 32, the 7 linear layers: an experiment's default
-    algorithm = AlgorithmConfig()  # checkpoints as by default: after a step, once 30 s have passed
+    algorithm = AlgorithmConfig()  # checkpoints as by default: the first step, then once 30 s have passed
     run_dir = Path(tempfile.mkdtemp(prefix="bench-learner-"))  # versions and checkpoints; removed at the end
     try:
         if autocast:
