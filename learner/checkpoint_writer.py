@@ -7,11 +7,11 @@ box, where the write takes 0.07 s of a 2-3 s step, the two ways measured within 
 "The learner's checkpoint and the weight push").
 
 How often (`_checkpoint_due`): after an experiment's first step, then every `checkpoint_every` steps once
-`checkpoint_interval_s` (30 s by default) has passed since the last checkpoint started. After every 2-3 s step of the CPU demo, SmolLM2's r=16
-checkpoint (18 MiB of weights, 55 MiB of optimizer state) wrote ~30 MB/s to disk without pause, on a core the
-step wants; every 30 s it writes a tenth of that. The journal keeps every group since, so a crash costs at most
-that much training again. Rank 0's clock decides for every rank: a checkpoint is a collective (the optimizer
-shards).
+`checkpoint_interval_s` (30 s by default) has passed since the last checkpoint started. After every 2-3 s step of
+the CPU demo, SmolLM2's r=16 checkpoint (18 MiB of weights, 55 MiB of optimizer state) wrote ~30 MB/s to disk
+without pause, on a core the step wants; every 30 s it writes a tenth of that. The journal keeps every group
+since, so a crash costs at most that much training again. Rank 0's clock decides for every rank: a checkpoint is
+a collective (the optimizer shards).
 
 One write at a time: a new copy waits for the write before it (which had a whole step to finish), so at most
 one checkpoint is in flight and its copy is the only memory this costs.

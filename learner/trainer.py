@@ -7,8 +7,8 @@ shares the module, so the active adapter and the trainable flags are set again b
 Adapter versions live on disk (learner/adapter_io.py), and so do checkpoints (learner/checkpoint.py):
 weights, optimizer state, RNG, step and the feedback journal's position, after the first step, then every
 `checkpoint_every` steps once `checkpoint_interval_s` has passed (written beside the next step:
-learner/checkpoint_writer.py), and at shutdown;
-the front end's journal holds the groups trained since (retrained after a crash). Adding an experiment whose
+learner/checkpoint_writer.py), and at shutdown; the front end's journal holds the groups trained since
+(retrained after a crash). Adding an experiment whose
 name has either on disk resumes it (learner/resume.py: from its newest checkpoint exactly, else from its
 newest version's weights); version numbers always continue past the newest on disk (a deleted experiment's
 are archived: learner/app.py).

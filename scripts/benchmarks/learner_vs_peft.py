@@ -15,13 +15,13 @@ Both sides run the learner's defaults on this CPU: float32 weights, and train st
 the CPU computes bf16 natively (learner.autocast auto), the plain loop under the same autocast.
 
 The learner checkpoints by default after an experiment's first step (here the warm-up), then after the first step
-that ends `checkpoint_interval_s` (30 s) or more after the last checkpoint started (`checkpoint_every` 1): the step copies the checkpoint's state and a thread writes it
-beside what follows (learner/checkpoint_writer.py). The default path is timed as a block of steps back to back,
-the last write waited for at the block's end, so the writes' cost, in the step or beside the next, is in its
-time; the 30 s run on the wall clock, through the other sides' blocks too, so the default blocks checkpoint more
-often than steps back to back would. The checkpoints written and the checkpoint's part of a step (its copy, and
-any wait for the write before it) are reported apart. A block of the same steps with checkpoints off is the
-variant row.
+that ends `checkpoint_interval_s` (30 s) or more after the last checkpoint started (`checkpoint_every` 1): the
+step copies the checkpoint's state and a thread writes it beside what follows (learner/checkpoint_writer.py).
+The default path is timed as a block of steps back to back, the last write waited for at the block's end, so the
+writes' cost, in the step or beside the next, is in its time; the 30 s run on the wall clock, through the other
+sides' blocks too, so the default blocks checkpoint more often than steps back to back would. The checkpoints
+written and the checkpoint's part of a step (its copy, and any wait for the write before it) are reported apart.
+A block of the same steps with checkpoints off is the variant row.
 
 With `--autocast`, the learner's steps alternate between float32 and bf16 autocast (the same trainer, its
 `autocast` switched between steps), and the plain loop runs under the same autocast: learner bf16 vs float32,
