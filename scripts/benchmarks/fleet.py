@@ -25,6 +25,9 @@ pair i does, so "k = 4, seeds 0-3" means the same four tasks in every arrangemen
 - `trl_side_by_side`: the k trl_side.py processes at once, each with `cores / k` torch threads (at least 1);
   the fleet's time is the slowest one's clock.
 
+`--trl-bf16` runs TRL's sides under bf16 autocast (trl_side.py --bf16), its faster setting on a CPU with
+avx512_bf16 ("The race to 0.6" in BENCHMARKS.md: 1.16x its float32).
+
 The server's start and TRL's model load are outside every clock, the same on both sides. `--set` changes a
 server setting (`sampler.max_loras=8` for k = 8: more adapters than slots would swap them in and out).
 """
@@ -138,29 +141,31 @@ async def server_fleet(model_dir: Path, arrangement: str, seeds: list[int], targ
 # --- TRL's arrangements -----------------------------------------------------------------------------
 
 
-def _trl_cmd(seed: int, target: float, window: int, time_limit_s: float) -> list[str]:
+def _trl_cmd(seed: int, target: float, window: int, time_limit_s: float, bf16: bool) -> list[str]:
     return [sys.executable, "-m", TRL_MODULE, "--target", str(target), "--window", str(window),
-            "--time-limit-s", str(time_limit_s), "--seed", str(seed)]
+            "--time-limit-s", str(time_limit_s), "--seed", str(seed)] + (["--bf16"] if bf16 else [])
 
 
-def trl_fleet(arrangement: str, seeds: list[int], target: float, window: int, time_limit_s: float) -> dict:
-    """trl_side.py per experiment: one after another, or all at once with the cores shared out."""
-    out: dict = {"arrangement": arrangement, "seeds": seeds, "others_at_start": other_processes(),
+def trl_fleet(arrangement: str, seeds: list[int], target: float, window: int, time_limit_s: float,
+              bf16: bool = False) -> dict:
+    """trl_side.py per experiment: one after another, or all at once with the cores shared out. `bf16`: bf16
+    autocast on the CPU (trl_side.py --bf16), TRL's faster setting on a CPU with avx512_bf16."""
+    out: dict = {"arrangement": arrangement, "seeds": seeds, "bf16": bf16, "others_at_start": other_processes(),
                  "load_start": loadavg(), "experiments": []}
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     started = time.perf_counter()
     if arrangement == "trl_one_by_one":
         for seed in seeds:
             print(f"[fleet] TRL seed {seed} (load {loadavg()}) ...", flush=True)
-            proc = subprocess.run(_trl_cmd(seed, target, window, time_limit_s), stdout=subprocess.PIPE, text=True,
-                                  timeout=time_limit_s + 1800, env=env, cwd=REPO)
+            proc = subprocess.run(_trl_cmd(seed, target, window, time_limit_s, bf16), stdout=subprocess.PIPE,
+                                  text=True, timeout=time_limit_s + 1800, env=env, cwd=REPO)
             out["experiments"].append(_trl_result(proc.returncode, proc.stdout, seed))
     else:
         threads = max(1, (os.cpu_count() or 1) // len(seeds))
         out["torch_threads_each"] = threads
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        procs = [subprocess.Popen(_trl_cmd(seed, target, window, time_limit_s), stdout=subprocess.PIPE, text=True,
-                                  env=env, cwd=REPO) for seed in seeds]
+        procs = [subprocess.Popen(_trl_cmd(seed, target, window, time_limit_s, bf16), stdout=subprocess.PIPE,
+                                  text=True, env=env, cwd=REPO) for seed in seeds]
         for seed, proc in zip(seeds, procs):
             stdout, _ = proc.communicate(timeout=time_limit_s + 1800)
             out["experiments"].append(_trl_result(proc.returncode, stdout, seed))
@@ -201,19 +206,18 @@ def summarize(paths: list[Path]) -> dict:
     for run in runs:
         if run["arrangement"] in ("one_by_one", "trl_one_by_one"):
             for row in run["experiments"]:
-                per_seed.setdefault(run["arrangement"], {}).setdefault(row["seed"], row)
+                per_seed.setdefault(_side(run), {}).setdefault(row["seed"], row)
     table: dict[str, dict] = {}
     for run in (r for r in runs if r["arrangement"] in ("at_once", "trl_side_by_side")):
         seeds = run["seeds"]
         per_k = table.setdefault(f"k={len(seeds)}", {"runs": []})
-        row = {"seeds": seeds, run["arrangement"]: fleet_seconds(run), "load": [run.get("load_start"),
-                                                                              run.get("load_end")]}
+        row = {"seeds": seeds, _side(run): fleet_seconds(run), "load": [run.get("load_start"), run.get("load_end")]}
         for arrangement, rows in per_seed.items():
             if all(seed in rows for seed in seeds):
                 row[arrangement] = fleet_seconds({"arrangement": arrangement, "experiments": [rows[s] for s in seeds]})
         per_k["runs"].append(row)
     for per_k in table.values():
-        arrangements = sorted({a for row in per_k["runs"] for a in ARRANGEMENTS if a in row})
+        arrangements = sorted({a for row in per_k["runs"] for a in row if a not in ("seeds", "load")})
         per_k["medians_s"] = {a: _median([row[a] for row in per_k["runs"] if a in row]) for a in arrangements}
         # Each ratio over the runs that have both sides: the same seeds, the same box's day.
         per_k["speedup_of_at_once"] = {}
@@ -224,6 +228,11 @@ def summarize(paths: list[Path]) -> dict:
                 per_k["speedup_of_at_once"][a] = {"ratio": round(other / once, 3) if other and once else None,
                                                   "runs": len(pairs)}
     return table
+
+
+def _side(run: dict) -> str:
+    """The arrangement, and TRL's bf16 apart from its float32: "trl_one_by_one_bf16"."""
+    return run["arrangement"] + ("_bf16" if run.get("bf16") else "")
 
 
 def _median(times: list[float | None]) -> float | None:
@@ -242,6 +251,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=DEMO_CONCURRENCY,
                         help="groups in flight per experiment (default: the server's suggestion)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="server setting")
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL's sides in bf16 autocast (trl_side.py --bf16)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", nargs="+", type=Path, metavar="JSON")
     args = parser.parse_args()
@@ -253,7 +263,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     seeds = parse_seeds(args.seeds)
     if args.arrangement.startswith("trl"):
-        result = trl_fleet(args.arrangement, seeds, args.target, args.window, args.time_limit_s)
+        result = trl_fleet(args.arrangement, seeds, args.target, args.window, args.time_limit_s, args.trl_bf16)
     else:
         from grpo_server.config import EMBEDDED_MODEL_NAME
         from grpo_server.workers.model_prep import resolve_model
