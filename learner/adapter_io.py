@@ -8,7 +8,8 @@ the keys, no embedding weights. A folder is written under a temporary name, fsyn
 even after a power cut: every `v*` folder is whole.
 
 The training step count rides in the safetensors metadata (readers ignore it), so a restarted learner
-continues its step numbering without an extra file in the folder; so does the version's fingerprint
+continues its step numbering without an extra file in the folder; so do the feedback journal's position the
+weights include (what a learner restarted before its first checkpoint resumes from) and the version's fingerprint
 (grpo_server/protocol/adapter_files.py: how a sampler on another host knows its copy is this version).
 """
 
@@ -20,7 +21,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -30,6 +31,9 @@ from grpo_server.protocol.adapter_files import CONFIG_FILE, FINGERPRINT_KEY, WEI
 from grpo_server.protocol.durable import publish_folder
 
 STEP_KEY = "grpo_server_step"
+# The feedback journal's position and the groups these weights include: a learner that dies before its first
+# checkpoint resumes from the newest version, and the front end replays only the groups after it.
+JOURNAL_KEY, GROUPS_KEY = "grpo_server_journal_seq", "grpo_server_groups_trained"
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
 
 
@@ -70,7 +74,18 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> Path:
+class SavedVersion(NamedTuple):
+    """One version folder read back: what `write_version` wrote."""
+
+    config: dict[str, Any]  # the adapter's peft config
+    tensors: dict[str, torch.Tensor]  # on the CPU
+    step: int
+    journal_seq: int = 0  # 0 in folders written before the journal's position was recorded, and for Tinker's
+    groups_trained: int = 0
+
+
+def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], step: int,
+                  journal_seq: int = 0, groups_trained: int = 0) -> Path:
     """Write one version atomically: a temporary sibling folder, then a rename onto `folder`."""
     folder = Path(folder)
     if folder.exists():
@@ -85,7 +100,8 @@ def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch
         cpu_tensors = {key: value.detach().to("cpu").clone().contiguous() for key, value in tensors.items()}
         # The fingerprint: a fresh id per write, so a copy on another host is known for this version.
         save_file(cpu_tensors, str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt", STEP_KEY: str(step), FINGERPRINT_KEY: uuid.uuid4().hex})
+                  metadata={"format": "pt", STEP_KEY: str(step), JOURNAL_KEY: str(journal_seq),
+                            GROUPS_KEY: str(groups_trained), FINGERPRINT_KEY: uuid.uuid4().hex})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
         # safetensors creates its file 0600; a sampler running as another user (compose) must read it.
         for path in (tmp, tmp / WEIGHTS_FILE, tmp / CONFIG_FILE):
@@ -99,8 +115,8 @@ def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch
     return folder
 
 
-def read_version(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
-    """(adapter config, tensors on CPU, training step) of one version folder."""
+def read_version(folder: Path) -> SavedVersion:
+    """One version folder's adapter config, tensors, step and journal position."""
     folder = Path(folder)
     config = json.loads((folder / CONFIG_FILE).read_text())
     tensors: dict[str, torch.Tensor] = {}
@@ -108,4 +124,5 @@ def read_version(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor],
         metadata = handle.metadata() or {}
         for key in handle.keys():
             tensors[key] = handle.get_tensor(key)
-    return config, tensors, int(metadata.get(STEP_KEY, 0))
+    return SavedVersion(config, tensors, int(metadata.get(STEP_KEY, 0)), int(metadata.get(JOURNAL_KEY, 0)),
+                        int(metadata.get(GROUPS_KEY, 0)))

@@ -4,8 +4,9 @@ An experiment's adapter versions (learner/adapter_io.py) and checkpoints (learne
 the learner. Adding an experiment whose name has a checkpoint (a restarted learner or server, an
 experiment resumed from its archive: grpo_server/protocol/archive.py) resumes from the newest one exactly:
 weights, optimizer state, RNG, step and the feedback journal's position (a deleted experiment's files are
-archived, so a new experiment of its name finds none here). One with versions but no checkpoint (written
-before checkpoints existed, or removed) resumes the newest version's weights with a fresh optimizer; one
+archived, so a new experiment of its name finds none here). One with versions but no checkpoint (a learner
+stopped before its first checkpoint reached the disk, or one removed) resumes the newest version's weights and
+journal position with a fresh optimizer; one
 with neither starts at v0, the peft init. Version numbers always continue past the newest on disk: no
 number is ever written twice under one experiment's life.
 
@@ -40,6 +41,8 @@ class Start:
     weights: dict[str, torch.Tensor] | None  # to load into the adapter; None: keep the peft init
     loaded_version: int | None  # the version `weights` are named after (for errors)
     write_version: bool  # write `version` from the adapter's weights once they are in place
+    journal_seq: int = 0  # the newest feedback-journal entry the weights include: the front end replays the rest
+    groups_trained: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class OnDisk:
     """What an earlier learner left under an experiment's name."""
 
     latest: int | None  # the newest adapter version's number
-    saved: tuple[dict[str, Any], dict[str, torch.Tensor], int] | None  # its (peft config, weights, step)
+    saved: adapter_io.SavedVersion | None  # the newest version's peft config, weights, step, journal position
     resumed: checkpoint.Checkpoint | None  # the newest checkpoint, with this rank's shard
 
     @property
@@ -60,14 +63,18 @@ class OnDisk:
         if self.saved is None and self.resumed is None:
             return Start(step=0, version=0, weights=None, loaded_version=None, write_version=True)
         if self.resumed is None:
-            return Start(step=self.saved[2], version=self.latest, weights=self.saved[1], loaded_version=self.latest,
-                         write_version=False)
+            # No checkpoint yet (the learner stopped before its first reached the disk, or it was removed): the
+            # newest version and the journal position it records, so no group is trained twice; AdamW starts over.
+            return Start(step=self.saved.step, version=self.latest, weights=self.saved.tensors,
+                         loaded_version=self.latest, write_version=False, journal_seq=self.saved.journal_seq,
+                         groups_trained=self.saved.groups_trained)
         step, version = self.resumed.state.step, max(self.resumed.state.version, self.latest or 0)
         # Versions pushed after the checkpoint lost their steps: the resumed weights are served under a new
         # number, so that the samplers and the learner agree again.
-        moved_on = self.saved is None or self.saved[2] != step
+        moved_on = self.saved is None or self.saved.step != step
         return Start(step=step, version=version + 1 if moved_on else version, weights=self.resumed.weights,
-                     loaded_version=version, write_version=moved_on)
+                     loaded_version=version, write_version=moved_on, journal_seq=self.resumed.state.journal_seq,
+                     groups_trained=self.resumed.state.groups_trained)
 
     def restore_optimizer(self, engine: Any, world_size: int, name: str) -> None:
         """The checkpoint's optimizer state and RNG into a new engine, when it was written by as many ranks."""
@@ -142,7 +149,7 @@ def _share_from_bytes(data: bytes) -> OnDisk:
         raise RuntimeError(f"rank 0 could not read the experiment's files: {outcome.failure}")
     saved = body["saved"]
     resumed = body["resumed"]
-    return OnDisk(body["latest"], None if saved is None else (saved[0], saved[1], int(saved[2])),
+    return OnDisk(body["latest"], None if saved is None else adapter_io.SavedVersion(*saved),
                   None if resumed is None else checkpoint.Checkpoint(
                       checkpoint.CheckpointState(**resumed["state"]), resumed["weights"], resumed["optimizer"],
                       resumed["rng"]))

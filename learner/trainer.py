@@ -154,16 +154,17 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
             if start.weights is not None:
                 resume.load_weights(self.model, adapter, start.weights, name, start.loaded_version)
             if start.write_version:
-                self._write_version(adapter, name, start.version, start.step)
+                self._write_version(adapter, name, start.version, start.step, start.journal_seq,
+                                    start.groups_trained)
             engine = make_engine(self.model, params, algorithm, self.config.zero_stage, self.dtype)
             found.restore_optimizer(engine, self.world_size, name)
         except BaseException:
             self.model.delete_adapter(adapter)
             raise
         exp = AdapterUnderTraining(name, adapter, algorithm, params, engine, start.step, start.version,
+                                   journal_seq=start.journal_seq, groups_trained=start.groups_trained,
                                    weights_version=start.version)
         if found.resumed is not None:
-            exp.journal_seq, exp.groups_trained = found.resumed.state.journal_seq, found.resumed.state.groups_trained
             exp.checkpointed_step = start.step
         self.experiments[name] = exp
         self._lora_configs[name] = lora
@@ -223,7 +224,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
 
     def save_adapter(self, name: str) -> AdapterVersion:
         exp = self._get(name)
-        self._write_version(exp.adapter, name, exp.version + 1, exp.step)
+        self._write_version(exp.adapter, name, exp.version + 1, exp.step, exp.journal_seq, exp.groups_trained)
         exp.version += 1
         exp.weights_version = exp.version
         self._remember_saved(name)
@@ -258,7 +259,8 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
         with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             self.model.delete_adapter(exp.adapter)
-        log.info("experiment %s removed (its files stay in %s)", name, adapter_io.adapter_root(self.config.run_dir, name))
+        log.info("experiment %s removed (its files stay in %s)", name,
+                 adapter_io.adapter_root(self.config.run_dir, name))
 
     def status(self) -> dict[str, dict[str, Any]]:
         return {name: {"step": e.step, "version": e.version,
@@ -302,7 +304,8 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
         for n, p in self.model.named_parameters():
             p.requires_grad_("lora_" in n and f".{adapter}." in n)
 
-    def _write_version(self, adapter: str, name: str, version: int, step: int) -> None:
+    def _write_version(self, adapter: str, name: str, version: int, step: int, journal_seq: int,
+                       groups_trained: int) -> None:
         """Rank 0 writes; the other ranks hold the same weights and only count the version."""
         from peft import get_peft_model_state_dict
 
@@ -311,7 +314,8 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
         tensors = get_peft_model_state_dict(self.model, adapter_name=adapter, save_embedding_layers=False)
         config = self.model.peft_config[adapter].to_dict()
         config["inference_mode"] = True  # as peft's save_pretrained writes it
-        adapter_io.write_version(adapter_io.version_dir(self.config.run_dir, name, version), config, tensors, step)
+        adapter_io.write_version(adapter_io.version_dir(self.config.run_dir, name, version), config, tensors, step,
+                                 journal_seq, groups_trained)
 
     def _accumulate_and_step(self, exp: AdapterUnderTraining, share: RankShare, settings: LossSettings,
                              norm: BatchNormalizer) -> tuple[StepStats, float]:

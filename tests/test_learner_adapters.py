@@ -206,6 +206,30 @@ def test_a_checkpoint_follows_the_first_step_then_waits_for_its_interval(trainer
     trainer.remove_experiment(name)
 
 
+def test_a_learner_stopped_before_its_first_checkpoint_resumes_the_newest_versions_journal_position(trainer):
+    """The first checkpoint is written beside the push of v1: a learner that dies before it reaches the disk
+    leaves versions and no checkpoint. It resumes from the newest version and the journal position that version
+    records, so the front end does not queue the groups its weights already hold again."""
+    import shutil
+
+    from learner import checkpoint
+
+    name, run_dir = "first_ckpt_lost", trainer.config.run_dir
+    trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3))
+    for seq in (3, 7):  # two batches, journal entries up to 3 and up to 7, each pushed: v1, v2
+        trainer.train(TrainRequest(name=name, samples=[_sample(PROMPT, COMPLETION, _lp(trainer, name)[0], 1.0)],
+                                   journal_seq=seq, num_groups=2))
+        trainer.save_adapter(name)
+    pushed = _adapter_weights(trainer, name)
+    trainer.remove_experiment(name)  # as a crashed learner: only the disk is left ...
+    shutil.rmtree(checkpoint.checkpoint_root(run_dir, name))  # ... and its first checkpoint never reached it
+    resumed = trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=5e-3))
+    assert (resumed.version, resumed.step, resumed.journal_seq, resumed.groups_trained) == (2, 2, 7, 4)
+    again = _adapter_weights(trainer, name)
+    assert all(torch.equal(again[k], pushed[k]) for k in again)
+    trainer.remove_experiment(name)
+
+
 async def test_prune_keeps_the_newest_the_used_and_the_checkpoints_versions_and_resume_goes_on(trainer):
     """learner.keep_versions through the verb's handler (learner/app.py, learner/retention.py): with 2 kept, the
     versions the front end names, those of both kept checkpoints and the newest 2 stay; a crashed learner then

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner import checkpoint, rank_transfer
+from learner import adapter_io, checkpoint, rank_transfer
 from tests.serving import free_port
 from tests.test_safe_loading import _zero_state
 
@@ -122,13 +122,15 @@ def test_a_resumed_experiment_crosses_to_the_other_ranks_as_data(tmp_path):
     state = checkpoint.CheckpointState(step=3, version=2, journal_seq=9, groups_trained=5, lora={"r": 4},
                                        algorithm={"loss": "grpo"}, ranks=2)
     weights = {"w": torch.randn(2, 3)}
-    found = resume.OnDisk(2, ({"r": 4, "target_modules": ["q_proj"]}, weights, 3),
-                          checkpoint.Checkpoint(state, weights, _zero_state(), torch.get_rng_state()))
+    saved = adapter_io.SavedVersion({"r": 4, "target_modules": ["q_proj"]}, weights, 3, journal_seq=8,
+                                    groups_trained=4)
+    found = resume.OnDisk(2, saved, checkpoint.Checkpoint(state, weights, _zero_state(), torch.get_rng_state()))
     back = resume._share_from_bytes(resume._share_bytes(found))
-    assert back.latest == 2 and back.saved[0] == found.saved[0] and back.saved[2] == 3
+    assert back.latest == 2 and back.saved.config == saved.config and back.saved.step == 3
+    assert (back.saved.journal_seq, back.saved.groups_trained) == (8, 4)
     assert back.resumed.state == state and torch.equal(back.resumed.rng, found.resumed.rng)
     _assert_same(back.resumed.optimizer, found.resumed.optimizer)
-    assert torch.equal(back.saved[1]["w"], weights["w"]) and torch.equal(back.resumed.weights["w"], weights["w"])
+    assert torch.equal(back.saved.tensors["w"], weights["w"]) and torch.equal(back.resumed.weights["w"], weights["w"])
     assert resume._share_from_bytes(resume._share_bytes(resume.OnDisk(None, None, None))) == resume.OnDisk(None, None,
                                                                                                              None)
     with pytest.raises(ApiError) as err:
