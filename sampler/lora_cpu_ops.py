@@ -81,13 +81,14 @@ def _every_slot_then_own(x: torch.Tensor, weights: torch.Tensor, slot_per_token:
 
 def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
                     **kwargs) -> None:
-    """`PunicaWrapperCPU.add_lora_linear` with one shrink for all of a layer's slices (q, k and v packed in one
-    projection are 3): their A matrices side by side, one product into a float32 buffer as vLLM's, then each
-    slice's expand. vLLM's wrapper zeroes a buffer and shrinks and expands slice by slice: about ten small torch
-    calls a slice (punica_cpu.py), some 2,000 a SmolLM2 decode step (30 layers of 7 slices), each costing more
-    than its product at decode sizes (BENCHMARKS.md, "Adapter sampling: one shrink a layer"). Same numerics as the
-    slice-by-slice ops above. A caller's own buffer, or a batch whose tokens the wrapper's per-token slots do not
-    match, goes the slice-by-slice way."""
+    """`PunicaWrapperCPU.add_lora_linear` as one shrink and one expand for all of a layer's slices (q, k and v
+    packed in one projection are 3): their A matrices side by side, one product into float32 as vLLM's buffer,
+    then one product with their B matrices as one block-diagonal matrix (`_LayerMatrices`). vLLM's wrapper zeroes
+    a buffer and shrinks and expands slice by slice: about ten small torch calls a slice (punica_cpu.py), some
+    2,000 a SmolLM2 decode step (30 layers of 7 slices), each costing more than its product at decode sizes
+    (BENCHMARKS.md, "Adapter sampling: one shrink a layer"). Same numerics as the slice-by-slice ops above: a
+    block's zeros add exact zeros. A caller's own buffer, or a batch whose tokens the wrapper's per-token slots do
+    not match, goes the slice-by-slice way."""
     x = x.view(-1, x.shape[-1])
     slot_per_token = wrapper.token_lora_indices
     if buffer is not None or x.shape[0] != slot_per_token.shape[0]:
@@ -97,16 +98,51 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     bounds = tuple(int(v) for v in torch.aminmax(slot_per_token))
     if bounds[1] < 0:
         return  # no token has an adapter
-    a = lora_a_stacked[0] if len(lora_a_stacked) == 1 else torch.cat(lora_a_stacked, dim=-2)
-    shrunk = lora_product(x, a, slot_per_token, torch.float32, bounds)
+    matrices = _LayerMatrices.of(lora_a_stacked, lora_b_stacked, output_slices)
+    shrunk = lora_product(x, matrices.a_side_by_side, slot_per_token, torch.float32, bounds)
     shrunk *= scale
-    out = y.view(-1, y.shape[-1])
-    offset = column = 0
-    for b, size in zip(lora_b_stacked, output_slices):
-        rank = b.shape[-1]
-        out[:, offset:offset + size] += lora_product(shrunk[:, column:column + rank], b, slot_per_token, out.dtype,
-                                                     bounds)
-        offset, column = offset + size, column + rank
+    out = y.view(-1, y.shape[-1])[:, :matrices.width]
+    out += lora_product(shrunk, matrices.b_block_diagonal, slot_per_token, out.dtype, bounds)
+
+
+class _LayerMatrices:
+    """A layer's LoRA matrices as add_lora_linear multiplies them: the slices' A matrices side by side in float32
+    ([slots, sum of ranks, in]) and their B matrices as one block-diagonal matrix ([slots, sum of outputs, sum of
+    ranks]) in the stacks' dtype. Built again only when an adapter is loaded or reset: vLLM writes into the stacks
+    in place (set_lora, reset_lora), which bumps their version counters. Where the stacks have none (tensors
+    made in inference mode), every call builds them afresh: right, only slower. About 2 MB a layer for SmolLM2 at
+    r 16 with 4 slots."""
+
+    _by_layer: dict[int, "_LayerMatrices"] = {}  # id(lora_a_stacked): vLLM keeps one tuple per layer
+
+    def __init__(self, a_stacked: tuple, b_stacked: tuple, output_slices: tuple, versions: tuple | None):
+        self.a_stacked, self.versions = a_stacked, versions
+        a = a_stacked[0] if len(a_stacked) == 1 else torch.cat(a_stacked, dim=-2)
+        self.a_side_by_side = a.squeeze(1).to(torch.float32)
+        self.width = sum(output_slices)
+        if len(b_stacked) == 1:
+            self.b_block_diagonal = b_stacked[0].squeeze(1)
+            return
+        first = b_stacked[0]
+        ranks = [b.shape[-1] for b in b_stacked]
+        block = first.new_zeros((first.shape[0], self.width, sum(ranks)))
+        offset = column = 0
+        for b, size, rank in zip(b_stacked, output_slices, ranks):
+            block[:, offset:offset + size, column:column + rank] = b.squeeze(1)[:, :size]
+            offset, column = offset + size, column + rank
+        self.b_block_diagonal = block
+
+    @classmethod
+    def of(cls, a_stacked: tuple, b_stacked: tuple, output_slices: tuple) -> "_LayerMatrices":
+        try:
+            versions = tuple(t._version for t in (*a_stacked, *b_stacked))
+        except RuntimeError:  # inference tensors keep no version counter
+            return cls(a_stacked, b_stacked, output_slices, None)
+        cached = cls._by_layer.get(id(a_stacked))
+        if cached is not None and cached.a_stacked is a_stacked and cached.versions == versions:
+            return cached
+        cls._by_layer[id(a_stacked)] = built = cls(a_stacked, b_stacked, output_slices, versions)
+        return built
 
 
 def _per_token(slots: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:

@@ -119,3 +119,29 @@ def test_a_batch_the_slots_do_not_describe_goes_the_slice_by_slice_way(monkeypat
     lora_cpu_ops.add_lora_linear(_Wrapper([0, 1, 2]), y, x, a, b, 1.0, (OUT,))  # 4 tokens, 3 slots known
     lora_cpu_ops.add_lora_linear(_Wrapper([0, 1, 2, 0]), y, x, a, b, 1.0, (OUT,), buffer=(torch.zeros(4, RANK),))
     assert len(calls) == 2 and torch.count_nonzero(y) == 0
+
+
+def test_a_layers_matrices_are_built_once_and_again_after_an_adapter_loads_in_place() -> None:
+    """add_lora_linear keeps each layer's A side by side and B block-diagonal until vLLM writes into the stacks
+    (set_lora copies a new adapter into a slot, in inference mode): the next call must use the new weights."""
+    sizes = (OUT, OUT // 2)
+    a = tuple(_weights((SLOTS, 1, RANK, IN)) for _ in sizes)
+    b = tuple(_weights((SLOTS, 1, size, RANK)) for size in sizes)
+    first = lora_cpu_ops._LayerMatrices.of(a, b, sizes)
+    assert lora_cpu_ops._LayerMatrices.of(a, b, sizes) is first
+    x, slots = _weights((2, IN)), [1, 1]
+
+    def update(a_now: tuple, b_now: tuple) -> torch.Tensor:
+        y = torch.zeros(2, sum(sizes))
+        lora_cpu_ops.add_lora_linear(_Wrapper(slots), y, x, a_now, b_now, 1.0, sizes)
+        return y
+
+    before = update(a, b)
+    with torch.inference_mode():  # as vLLM's set_lora runs
+        a[1][1, 0].copy_(a[1][1, 0] * 3)
+        b[0][1, 0, :4].copy_(torch.full((4, RANK), 2.0))
+    after = update(a, b)
+    assert lora_cpu_ops._LayerMatrices.of(a, b, sizes) is not first
+    fresh = update(tuple(t.clone() for t in a), tuple(t.clone() for t in b))  # no cache to reuse
+    torch.testing.assert_close(after, fresh)
+    assert not torch.allclose(after, before)
