@@ -80,7 +80,7 @@ class SavedVersion(NamedTuple):
     config: dict[str, Any]  # the adapter's peft config
     tensors: dict[str, torch.Tensor]  # on the CPU
     step: int
-    journal_seq: int = 0  # 0 in folders written before the journal's position was recorded, and for Tinker's
+    journal_seq: int = 0  # 0 in older folders, and in a Tinker model's (its steps are not journalled)
     groups_trained: int = 0
 
 
