@@ -114,7 +114,8 @@ class _LayerMatrices:
     about 2.4 MB a decoder layer of SmolLM2 at r 16 with 4 slots (73 MB for its 30); in float32 the A matrices of
     a one-slice layer are the stacks themselves."""
 
-    _by_layer: dict[int, "_LayerMatrices"] = {}  # id(lora_a_stacked): vLLM keeps one tuple per layer
+    # id(lora_a_stacked): vLLM keeps one tuple per layer; an entry holds its tuple, so the id stays that tuple's.
+    _by_layer: dict[int, "_LayerMatrices"] = {}
 
     def __init__(self, a_stacked: tuple, b_stacked: tuple, output_slices: tuple, versions: tuple | None):
         self.a_stacked, self.versions = a_stacked, versions
@@ -140,7 +141,7 @@ class _LayerMatrices:
         except RuntimeError:  # inference tensors keep no version counter
             return cls(a_stacked, b_stacked, output_slices, None)
         cached = cls._by_layer.get(id(a_stacked))
-        if cached is not None and cached.a_stacked is a_stacked and cached.versions == versions:
+        if cached is not None and cached.versions == versions:
             return cached
         cls._by_layer[id(a_stacked)] = built = cls(a_stacked, b_stacked, output_slices, versions)
         return built

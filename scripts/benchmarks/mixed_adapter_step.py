@@ -32,30 +32,22 @@ import time
 from grpo_server.config import EMBEDDED_MODEL_NAME, AlgorithmConfig
 from grpo_server.workers.allocator import allocator_env
 
-from .learner_vs_peft import make_batch
+from .learner_vs_peft import PlainLoop, make_batch
 
 
 def run(rounds: int, sequences: int, max_completion: int, micro_batch: int) -> dict:
     import torch
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from grpo_server.config import LoraConfig
     from grpo_server.workers.model_prep import resolve_model
     from learner.batching import Sequence, gather_completion_logp, make_micro_batches
     from learner.engine import uses_autocast
     from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
 
-    lora, algo = LoraConfig(), AlgorithmConfig()
+    lora, algo = LoraConfig(), AlgorithmConfig()  # an experiment's defaults: r 16 on 7 modules, dropout 0
     autocast = uses_autocast("auto", torch.device("cpu"), torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(str(resolve_model(EMBEDDED_MODEL_NAME)), dtype=torch.float32)
-    base.config.use_cache = False
-    config = PeftLoraConfig(r=lora.r, lora_alpha=int(lora.alpha), lora_dropout=0.0, bias="none",
-                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     torch.manual_seed(0)
-    model = get_peft_model(base, config, adapter_name="a")
-    model.add_adapter("b", config)
+    model = PlainLoop(resolve_model(EMBEDDED_MODEL_NAME), lora, algo).model  # the peft model, adapter "default"
+    model.add_adapter("second", model.peft_config["default"])
     for name, param in model.named_parameters():  # LoRA B starts at 0: move it, so both adapters matter
         if "lora_" in name:
             param.requires_grad_(True)
@@ -65,15 +57,15 @@ def run(rounds: int, sequences: int, max_completion: int, micro_batch: int) -> d
     params = [p for p in model.parameters() if p.requires_grad]
     settings = LossSettings(algo.loss, algo.clip_low, algo.clip_high, algo.beta)
     experiments = {}
-    for name, seed in (("a", 1), ("b", 2)):
+    for name, seed in (("default", 1), ("second", 2)):
         request = make_batch(sequences, 8, max_completion, seed=seed)
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage, s.temperature)
                 for s in request.samples]
         experiments[name] = (seqs, BatchNormalizer(len(seqs), sum(len(s.completion) for s in seqs), max_completion))
-    both = experiments["a"][0] + experiments["b"][0]
+    both = experiments["default"][0] + experiments["second"][0]
     mixed_batches = []  # (micro-batch, each row's adapter, each experiment's rows)
     for batch in make_micro_batches(both, micro_batch):
-        row_adapter = ["a" if i < sequences else "b" for i in batch.indices]
+        row_adapter = ["default" if i < sequences else "second" for i in batch.indices]
         rows = {name: torch.tensor([r for r, a in enumerate(row_adapter) if a == name]) for name in experiments}
         mixed_batches.append((batch, row_adapter, {k: v for k, v in rows.items() if len(v)}))
     tokens = sum(len(s.prompt) + len(s.completion) for s in both)
