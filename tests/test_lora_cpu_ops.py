@@ -123,6 +123,8 @@ def test_one_shrink_a_layer_adds_each_tokens_own_update_to_every_slice(slots, al
         x, a, b, sizes, y, expected = _packed_projection(slots, scale)
         lora_cpu_ops.add_lora_linear(_Wrapper(slots), y, x, a, b, scale, sizes)
         torch.testing.assert_close(y, expected)
+        packed = lora_cpu_ops._LayerMatrices.of(a, b, sizes)._prepacked  # the way taken: handlers made, or none
+        assert bool(packed) == (onednn and scale == 1.0 and max(slots) >= 0)
 
 
 @pytest.mark.parametrize("slots", [[1, 1, 1, 1], [0, 2, -1, 2]])
