@@ -167,6 +167,11 @@ class _LayerMatrices:
 
     ALL = -1  # the key of the handlers that hold every slot
 
+    @functools.cached_property
+    def column_slot(self) -> torch.Tensor:
+        """[slots x ranks]: the slot each column of the all-slots shrink belongs to."""
+        return torch.arange(self.a_rows.shape[0]).repeat_interleave(self.a_rows.shape[1])
+
     def prepacked_update(self, x: torch.Tensor, slot_per_token: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
         """[tokens, width]: each token's own x @ A.T @ B.T, through oneDNN matmuls on weights packed once (the
         handlers vLLM's own CPU linear layers run on, `vllm._custom_ops.onednn_mm`). A decode-sized product
@@ -184,8 +189,7 @@ class _LayerMatrices:
             # adapter keep none): the expand against all slots' B side by side then adds only its own slot's.
             shrink, expand = self._handlers(self.ALL)
             shrunk_T_SR = mm(shrink, x, None)
-            column_slot = torch.arange(slots).repeat_interleave(self.a_rows.shape[1])
-            shrunk_T_SR *= slot_per_token[:, None] == column_slot[None, :]
+            shrunk_T_SR *= slot_per_token[:, None] == self.column_slot[None, :]
             return mm(expand, shrunk_T_SR, None)
         update = x.new_zeros((x.shape[0], self.width))
         for slot in torch.unique(slot_per_token).tolist():
