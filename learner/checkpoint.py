@@ -19,10 +19,12 @@ cut. The newest `KEEP` are kept; once there are that many, the oldest one's fold
 temporary folder and its files are written over (0.07 s against 0.33 s for new files in the learner, median of
 15 each: BENCHMARKS.md, "The learner's checkpoint and the weight push").
 
-The `.pt` files are read with `torch.load(weights_only=True)` (`load_data`): tensors and plain containers
-only, plus the few DeepSpeed classes its optimizer state holds (`_optimizer_classes`), so a file put in the run
-directory cannot run code in the learner as a pickle could. The shards other ranks send rank 0 cross the same
-way (`encode_shard` / `decode_shard`, carried by learner/rank_transfer.py), not as pickled objects.
+The `.pt` files hold plain values only (tensors, numbers, containers: the optimizer state's few DeepSpeed objects
+as tagged dicts), so they read back the same on every Python, and are read with `torch.load(weights_only=True)`,
+so a file put in the run directory cannot run code in the learner as a pickle could (learner/plain_data.py). The
+shards other ranks send rank 0 cross the same way (`encode_shard` / `decode_shard`, carried by
+learner/rank_transfer.py), not as pickled objects. A file that cannot be read is a `CheckpointUnreadable` that
+names it.
 
 Tinker's saved states (learner/states.py) are folders of the same files, written the same way, under
 `run_dir/checkpoints/{name}/states/{label}/`: list_steps and the pruning above never see them, and archiving the
@@ -49,6 +51,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from grpo_server.protocol.durable import publish_folder
+from learner.plain_data import load_data, save_data
 
 KEEP = 2
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -56,6 +59,10 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "state.json"
 _STEP_RE = re.compile(r"^step(\d{8,})$")
+
+
+class CheckpointUnreadable(Exception):
+    """A checkpoint's file that cannot be read back (damaged, or not data): the message names the file."""
 
 
 @dataclass
@@ -166,7 +173,7 @@ def _write_over(path: Path, content: Any) -> None:
         if isinstance(content, bytes):
             handle.write(content)
         else:
-            torch.save(content, handle)
+            save_data(content, handle)
         handle.truncate()
 
 
@@ -180,29 +187,30 @@ def read_latest(run_dir: Path, name: str, rank: int = 0, ranks: int = 1) -> Chec
 
 def read_folder(folder: Path, rank: int = 0, ranks: int = 1, optimizer_optional: bool = False) -> Checkpoint:
     """One checkpoint folder; its optimizer and RNG None when written by another number of ranks (or, with
-    `optimizer_optional`, saved without them; a checkpoint's missing optimizer file is an error)."""
-    state = CheckpointState(**json.loads((folder / STATE_FILE).read_text()))
-    weights = load_file(str(folder / WEIGHTS_FILE))
+    `optimizer_optional`, saved without them; a checkpoint's missing optimizer file is an error).
+    CheckpointUnreadable, naming the file, for one that cannot be read."""
+    state = CheckpointState(**_read(folder / STATE_FILE, lambda p: json.loads(p.read_text())))
+    weights = _read(folder / WEIGHTS_FILE, lambda p: load_file(str(p)))
     absent = optimizer_optional and not (folder / shard_file(OPTIMIZER_FILE, rank)).is_file()
     if state.ranks != ranks or absent:
         return Checkpoint(state=state, weights=weights, optimizer=None, rng=None)
-    return Checkpoint(state=state, weights=weights, optimizer=load_data(folder / shard_file(OPTIMIZER_FILE, rank)),
-                      rng=load_data(folder / shard_file(RNG_FILE, rank)))
+    return Checkpoint(state=state, weights=weights,
+                      optimizer=_read(folder / shard_file(OPTIMIZER_FILE, rank), load_data),
+                      rng=_read(folder / shard_file(RNG_FILE, rank), load_data))
 
 
-def load_data(source: Any, map_location: str | None = None) -> Any:
-    """What this learner saved with `torch.save` (a file, or a buffer another rank sent), read back as data:
-    tensors, plain containers and `_optimizer_classes` are built; any other global (a class, a callable a
-    pickle would call) is an UnpicklingError before anything runs. The one place that reads such data."""
-    with torch.serialization.safe_globals(_optimizer_classes()):
-        return torch.load(source, weights_only=True, map_location=map_location)
+def _read(path: Path, read: Any) -> Any:
+    try:
+        return read(path)
+    except Exception as exc:
+        raise CheckpointUnreadable(f"cannot read the checkpoint file {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def encode_shard(shard: RankShard) -> bytes:
-    """A rank's shard as bytes for rank 0 (`decode_shard`): `torch.save` of its two fields, so it is read with
+    """A rank's shard as bytes for rank 0 (`decode_shard`): `save_data` of its two fields, so it is read with
     `load_data` like the checkpoint files it becomes. CUDA tensors are copied off the device as they are saved."""
     buffer = io.BytesIO()
-    torch.save({"optimizer": shard.optimizer, "rng": shard.rng}, buffer)
+    save_data({"optimizer": shard.optimizer, "rng": shard.rng}, buffer)
     return buffer.getvalue()
 
 
@@ -214,17 +222,6 @@ def decode_shard(data: bytes) -> RankShard:
             and isinstance(body["rng"], torch.Tensor)):
         raise ValueError(f"not a rank's shard: {type(body).__name__} {list(body) if isinstance(body, dict) else ''}")
     return RankShard(body["optimizer"], body["rng"])
-
-
-def _optimizer_classes() -> list[type]:
-    """The classes besides tensors and containers in a DeepSpeed optimizer's `state_dict()`: ZeRO-1/2's loss
-    scaler (static; dynamic under fp16), its stage, and the fragment addresses of its parameter mappings.
-    Each is data (numbers in its fields); allowing them lets the unpickler build them and nothing else."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def load_optimizer_state(optimizer: Any, state: dict[str, Any], ranks: int = 1) -> None:

@@ -28,6 +28,7 @@ import torch
 from grpo_server.protocol.errors import ApiError
 from learner import adapter_io, checkpoint, rank_transfer
 from learner.lockstep import Outcome
+from learner.plain_data import load_data, save_data
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,13 @@ def _share_bytes(found: OnDisk | None, error: BaseException | None = None) -> by
             "resumed": None if resumed is None else {"state": asdict(resumed.state), "weights": resumed.weights,
                                                      "optimizer": resumed.optimizer, "rng": resumed.rng}}
     buffer = io.BytesIO()
-    torch.save(body, buffer)
+    save_data(body, buffer)
     return buffer.getvalue()
 
 
 def _share_from_bytes(data: bytes) -> OnDisk:
-    """`_share_bytes` read back as data (checkpoint.load_data: weights_only, on the CPU), rank 0's error raised."""
-    body = checkpoint.load_data(io.BytesIO(data), map_location="cpu")
+    """`_share_bytes` read back as data (plain_data.load_data: weights_only, on the CPU), rank 0's error raised."""
+    body = load_data(io.BytesIO(data), map_location="cpu")
     if body["error"] is not None:
         outcome = Outcome.from_wire(body["error"])
         if outcome.api_error is not None:

@@ -6,10 +6,13 @@ tests/test_learner_adapters.py. Also the durable-write helpers both sides use (g
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
 import stat
+import zipfile
+from fractions import Fraction
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from grpo_server.protocol.durable import publish_folder, write_atomic
 from grpo_server.protocol.errors import ApiError
 from grpo_server.protocol.wire import AdapterRef, TrainRequest, TrainSample
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
-from learner import checkpoint
+from learner import checkpoint, plain_data
 from learner.lockstep import Outcome, decode_command, encode_command
 
 BATCH = TrainRequest(name="exp", journal_seq=7, num_groups=2, max_tokens=64, samples=[
@@ -109,9 +112,72 @@ def test_a_checkpoint_loads_without_unpickling_code(tmp_path):
             return (open, (str(marker), "w"))
 
     torch.save({"state": Evil()}, folder / checkpoint.OPTIMIZER_FILE)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(checkpoint.CheckpointUnreadable, match=str(folder / checkpoint.OPTIMIZER_FILE)) as refused:
         checkpoint.read_latest(tmp_path, "exp")
+    assert isinstance(refused.value.__cause__, pickle.UnpicklingError)
     assert not marker.exists()
+
+
+def _globals_in(path) -> set[str]:
+    """The globals a torch.save file's pickle names."""
+    with zipfile.ZipFile(path) as archive:
+        pickled = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        return torch._weights_only_unpickler.get_globals_in_pkl(io.BytesIO(archive.read(pickled)))
+
+
+def test_checkpoints_hold_plain_values_only(tmp_path):
+    """Issue 50: the optimizer's DeepSpeed objects are written as plain values, so the file's bytes do not
+    depend on how the Python that wrote it pickles an Enum, and it reads back with no class allowed."""
+    state = checkpoint.CheckpointState(step=1, version=1, journal_seq=0, groups_trained=0, lora={}, algorithm={})
+    folder = checkpoint.write(tmp_path, "exp", state, {"w": torch.zeros(1)},
+                              [checkpoint.RankShard(_zero_state(), torch.get_rng_state())])
+    names = _globals_in(folder / checkpoint.OPTIMIZER_FILE)
+    assert not any(n.startswith(("deepspeed", "builtins", "__builtin__", "enum")) for n in names), names
+    torch.load(folder / checkpoint.OPTIMIZER_FILE, weights_only=True)  # no safe_globals needed
+    with pytest.raises(TypeError, match="not one of its known classes"):  # never written to be unreadable
+        checkpoint.write(tmp_path, "exp", state, {"w": torch.zeros(1)},
+                         [checkpoint.RankShard({"odd": Fraction(1, 3)}, torch.get_rng_state())])
+
+
+@pytest.mark.parametrize("python", ["3.11.2", "3.11.7"])
+def test_checkpoints_written_before_read_back(tmp_path, monkeypatch, python):
+    """Files written by the earlier format, which pickled the objects as they were: on CPython 3.11.7 an Enum
+    member as `ZeroStageEnum(2)`, on 3.11.2 (Debian 12's, the image's) as `getattr(ZeroStageEnum, 'gradients')`."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    if python == "3.11.2":  # what Enum.__reduce_ex__ returned there
+        monkeypatch.setattr(ZeroStageEnum, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self._name_)))
+    state = checkpoint.CheckpointState(step=4, version=2, journal_seq=3, groups_trained=2, lora={}, algorithm={})
+    folder = checkpoint.write(tmp_path, "exp", state, {"w": torch.zeros(1)},
+                              [checkpoint.RankShard({}, torch.get_rng_state())])
+    optimizer = _zero_state()
+    torch.save(optimizer, folder / checkpoint.OPTIMIZER_FILE)  # the earlier writer: the objects as they are
+    monkeypatch.undo()
+    names = _globals_in(folder / checkpoint.OPTIMIZER_FILE)
+    assert ("builtins.getattr" in names) == (python == "3.11.2"), names
+    back = checkpoint.read_latest(tmp_path, "exp").optimizer
+    assert back["zero_stage"] is ZeroStageEnum.gradients
+    assert vars(back["fp16_scaler"]) == vars(optimizer["fp16_scaler"])
+    assert back["param_slice_mappings"] == optimizer["param_slice_mappings"]
+
+
+@pytest.mark.parametrize("target, name", [("zero_stage", "__class__"), ("zero_stage", "_value2member_map_"),
+                                          ("a string", "upper"), ("loss_scaler", "__init__")])
+def test_the_enum_lookup_reaches_nothing_else(tmp_path, target, name):
+    """`getattr` in a file is read as an enum member's name in an allowed enum, and nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    holder = {"zero_stage": ZeroStageEnum, "a string": "abc", "loss_scaler": LossScaler}[target]
+
+    class Reach:
+        def __reduce__(self):
+            return (getattr, (holder, name))
+
+    path = tmp_path / "optimizer.pt"
+    torch.save({"x": Reach()}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        plain_data.load_data(path)
 
 
 def test_durable_writes_replace_whole_and_keep_their_mode(tmp_path):
