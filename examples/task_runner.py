@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import json
 import os
 import random
 import statistics
@@ -55,7 +56,8 @@ def parse_args(description: str, default_config: str | dict) -> argparse.Namespa
     parser.add_argument("--concurrency", type=int, default=None,
                         help="groups in flight at once (default: the server's suggested_groups_in_flight, followed)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="reward curve CSV (default: runs/<experiment>-reward.csv)")
+    parser.add_argument("--out", default=None, help="reward curve CSV (default: runs/<experiment>-reward.csv); "
+                        "its summary goes beside it as .json")
     args = parser.parse_args()
     args.default_config = default_config if in_code else None
     if not args.api_key:
@@ -194,4 +196,5 @@ async def run_episodes(args: argparse.Namespace, episode: Episode) -> dict:
         print(f"\n{name} turn {turn}: reward {first:.3f} (first {window} groups) -> {last:.3f} (last {window})")
     print(f"{name}: {summary['policy_version']} versions, {len(rows)} groups, {summary['wall_s']} s; "
           f"reward curve: {out}")
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2))  # scripts/demo_summary.py reads it
     return summary

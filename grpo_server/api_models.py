@@ -303,7 +303,10 @@ class TrackerStatus(ApiModel):
 
 class ExperimentStatus(ApiModel):
     name: str
-    state: Literal["active", "error"]
+    state: Literal["active", "error", "failed"] = Field(description=(
+        "'active'; 'error' when its last push check failed or its training stopped (`errors` says why); "
+        "'failed' when the server could not restore it at start (`errors` says why; its other fields are zero "
+        "until an admin restores it with POST /v1/experiments/{name}/restore, or deletes it)"))
     policy_version: int
     learner_version: int
     step: int

@@ -160,6 +160,9 @@ class _Orchestrator:
     def __init__(self) -> None:
         self.created: list[ExperimentConfig] = []
 
+    def configs(self) -> list[ExperimentConfig]:
+        return []
+
     async def create(self, config: ExperimentConfig, start: str = "restart"):
         self.created.append(config)
         raise Conflict("stub orchestrator: validated", code="stub")

@@ -5,7 +5,8 @@
   `grpo_server.protocol` from the front end's side.
 - Inside the front end, each room imports only the rooms below it: `protocol` <- `workers` <- `runtime` <-
   `api`, with the top-level leaf modules (`config`, `api_models`) open to all of them.
-- No import circles between modules, and no module over 400 lines.
+- No import circles between modules, and no module over 600 lines: past that a file almost always holds two
+  concerns. Split a file where its meaning splits, well before that; never squeeze code to fit the number.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("grpo_server", "sampler", "learner")
 CODE_DIRS = (*PACKAGES, "scripts", "examples")
-MAX_LINES = 400
+MAX_LINES = 600
 
 # What each part may import from this repository (by dotted prefix). Top-level grpo_server modules not
 # named here (client, cli, plot) may import anything of the front end's.
@@ -130,7 +131,7 @@ def test_no_import_circles():
     assert circles == []
 
 
-def test_no_module_over_400_lines():
+def test_no_module_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}

@@ -86,8 +86,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             # archives nothing; only an API create does, grpo_server/protocol/archive.py).
             resumed = orchestrator.saved_experiments()
             names = {e.name for e in resumed}
-            for experiment in resumed + [e for e in config.experiments if e.name not in names]:
-                await orchestrator.create(experiment)
+            await orchestrator.start_saved(resumed + [e for e in config.experiments if e.name not in names])
             app[TINKER].restore()
             orchestrator.start_upkeep()
             log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)

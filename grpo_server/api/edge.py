@@ -210,7 +210,7 @@ def caller(request: web.Request) -> str:
     limiter = request.app[AUTH_LIMITER]
     limiter.check(request.remote)
     try:
-        return principal(request, request.app[ADMIN_KEY], (e.config for e in orchestrator.experiments.values()))
+        return principal(request, request.app[ADMIN_KEY], orchestrator.configs())
     except Unauthorized as exc:
         if exc.code == "invalid_key":
             limiter.failed(request.remote)

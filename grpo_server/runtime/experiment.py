@@ -90,7 +90,13 @@ class Experiment:
 
     def record_error(self, message: str) -> None:
         self.errors.append(message)
-    # --- requests ------------------------------------------------------------------------------------
+
+    def recall_rewards(self, group_means: list[float]) -> None:
+        """Group mean rewards from before a restart (the metrics log's), oldest first, ahead of any rated since:
+        the recent reward a restarted server shows (the window keeps the newest RECENT_GROUPS)."""
+        rated_since = list(self.recent_rewards)
+        self.recent_rewards.clear()
+        self.recent_rewards.extend([*group_means, *rated_since])
 
     async def complete(self, request: CompletionsRequest, group_id: str | None = None,
                        admitted: asyncio.Event | None = None) -> CompletionsResponse:

@@ -152,6 +152,20 @@ class MetricsLog:
             self.write("sampling", interval_s=interval, groups=groups, completions=completions,
                        completion_tokens=tokens, tokens_per_s=tokens / interval if interval > 0 else None)
 
+    def recent_group_rewards(self, groups: int) -> list[float]:
+        """The mean rewards of the newest `groups` groups the learner trained, oldest first, from the `train`
+        records read back at start: each step's `reward_mean` once for each group it trained (a group's mean and
+        its step's are the same for groups of equal size). A restarted server's recent reward starts from them;
+        the zero-variance groups a step skipped are not among them."""
+        rewards: list[float] = []
+        for record in reversed(self.recent["train"]):
+            mean, count = record.get("reward_mean"), record.get("groups")
+            if isinstance(mean, (int, float)) and isinstance(count, int) and count > 0:
+                rewards.extend([float(mean)] * min(count, groups - len(rewards)))
+            if len(rewards) >= groups:
+                break
+        return rewards[::-1]
+
     def records(self, kind: Kind | None = None, limit: int = RECENT_PER_KIND) -> list[dict[str, Any]]:
         """The newest `limit` records (of `kind`, or of every kind), oldest first."""
         if kind is not None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Literal
 
@@ -20,17 +21,17 @@ from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeRe
 from grpo_server.config import MIN_KEY_LENGTH, ExperimentConfig, ServerConfig, keys_as_saved
 from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import VersionPruned, fetch_version, holds
-from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unprocessable
+from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unavailable, Unprocessable, public_message
 from grpo_server.protocol.wire import AdapterRef
 from grpo_server.protocol.worker_config import resolve_rollout_correction
 from grpo_server.runtime.episodes import EpisodeStore
-from grpo_server.runtime.experiment import Experiment
+from grpo_server.runtime.experiment import RECENT_GROUPS, Experiment
 from grpo_server.runtime.groups import GroupStore
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.runtime.loop_lag import LoopLag
 from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
-from grpo_server.runtime.status import experiment_status, is_sampling
+from grpo_server.runtime.status import experiment_status, is_sampling, unrestored_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 from grpo_server.runtime.training import ExperimentTrainer
@@ -47,6 +48,16 @@ EXPIRY_INTERVAL_S = 5.0
 Start = Literal["restart", "fresh", "resume"]
 
 
+@dataclass
+class Unrestored:
+    """A saved experiment that could not be created again at start (`start_saved`): held with the reason until an
+    admin restores it (`retry`) or deletes it. Its key still authenticates, so its tenant is told why."""
+
+    config: ExperimentConfig
+    reason: str
+    at: float = field(default_factory=time.time)
+
+
 class Orchestrator:
     def __init__(self, config: ServerConfig, workers: WorkerPool, prompts: PromptBuilder):
         self.config = config
@@ -55,6 +66,7 @@ class Orchestrator:
         self.groups = GroupStore(ttl_s=config.group_ttl_s)
         self.episodes = EpisodeStore(ttl_s=config.episode_ttl_s)
         self.experiments: dict[str, Experiment] = {}
+        self.unrestored: dict[str, Unrestored] = {}  # saved experiments a start could not bring back
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
         self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
@@ -79,8 +91,21 @@ class Orchestrator:
     def get(self, name: str) -> Experiment:
         experiment = self.experiments.get(name)
         if experiment is None:
+            if name in self.unrestored:
+                raise Unavailable(f"experiment {name!r} could not be restored when the server started "
+                                  f"({public_message(self.unrestored[name].reason)}); an admin restores it (POST "
+                                  f"/v1/experiments/{name}/restore) or deletes it", code="experiment_unrestored",
+                                  retry_after=60.0)
             raise NotFound(f"experiment {name!r} does not exist", code="experiment_not_found")
         return experiment
+
+    def configs(self) -> list[ExperimentConfig]:
+        """Every experiment's config, the unrestored ones' too: whose keys authenticate, and are taken."""
+        return [e.config for e in self.experiments.values()] + [u.config for u in self.unrestored.values()]
+
+    def names(self) -> list[str]:
+        """Every experiment's name, the unrestored ones' too, as an admin's list shows them."""
+        return [*self.experiments, *self.unrestored]
 
     def status(self, name: str) -> ExperimentStatus:
         return self.statuses([name])[0]
@@ -90,69 +115,112 @@ class Orchestrator:
         set how many groups each had best keep in flight (runtime/status.py)."""
         now = time.monotonic()
         sampling = {e.name for e in self.experiments.values() if is_sampling(e, now)}
-        return [experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
+        return [unrestored_status(self.unrestored[name].config, self.unrestored[name].reason)
+                if name in self.unrestored and name not in self.experiments else
+                experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
                                   self.trackers.get(name), experiments_sampling=len(sampling - {name}) + 1)
                 for name in names]
 
+    async def start_saved(self, configs: list[ExperimentConfig]) -> None:
+        """The experiments a start brings back (or creates from the server's config), one by one. One that cannot
+        be created (an unreadable checkpoint, a learner error) is held as `unrestored`, with its reason in its
+        status and the log, and the others go on: the server starts whatever one experiment's files hold."""
+        for config in configs:
+            try:
+                await self.create(config)
+            except Exception as exc:
+                self.unrestored[config.name] = Unrestored(config, _reason(exc))
+                log.error("experiment %s could not be restored, held as failed (an admin restores it with POST "
+                          "/v1/experiments/%s/restore, or deletes it): %s", config.name, config.name, exc,
+                          exc_info=not isinstance(exc, ApiError))
+
+    async def retry(self, name: str) -> ExperimentStatus:
+        """An unrestored experiment created again from its saved config (409 if it is not one); held again, with
+        the new reason, if that fails too."""
+        held = self.unrestored.get(name)
+        if held is None:
+            self.get(name)  # 404 for an unknown name
+            raise Conflict(f"experiment {name!r} is running: nothing to restore", code="experiment_running")
+        async with self._lock:
+            if self.unrestored.get(name) is not held:
+                raise Conflict(f"experiment {name!r} was restored or deleted meanwhile", code="experiment_changed")
+            del self.unrestored[name]
+            try:
+                return await self._create(held.config, "restart")
+            except Exception as exc:
+                self.unrestored[name] = Unrestored(held.config, _reason(exc))
+                log.error("experiment %s could not be restored again: %s", name, exc)
+                raise
+
     async def create(self, config: ExperimentConfig, start: Start = "restart") -> ExperimentStatus:
         async with self._lock:
-            if config.name in self.experiments:
-                raise Conflict(f"experiment {config.name!r} already exists", code="experiment_exists")
-            if len(self.experiments) >= self.config.max_experiments:
-                raise Unprocessable(f"the server holds its limit of {self.config.max_experiments} experiments "
-                                    "(max_experiments); delete one first", code="over_limit")
-            if config.lora.r > self.config.sampler.max_lora_rank:
-                raise Unprocessable(f"lora.r {config.lora.r} is over the samplers' max_lora_rank "
-                                    f"{self.config.sampler.max_lora_rank}", code="over_limit")
-            if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
-                raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
-                                    f"max_tokens {self.config.max_tokens})", code="over_limit")
-            trackers = self.trackers_of(config)
-            if missing := missing_libraries(trackers):
-                raise Unprocessable(f"trackers: {_missing_text(missing)}", code="tracker_unavailable")
-            if start == "fresh":  # leftovers: a delete whose learner was down, or one from before archiving
-                await self._archive(config.name, archive.new_label(config.name))
-            elif start == "resume":
-                await self._restore(config.name)
-            # The push check and the rollout correction follow the numerics of the workers (protocol/worker_config.py)
-            dtypes, learner_autocast = await self.workers.numerics()
-            nearest = nearest_version_needed(self.config, dtypes)
-            config = config.model_copy(update={"algorithm": resolve_rollout_correction(
-                config.algorithm, numerics_differ=nearest or learner_autocast)})
-            # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
-            first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
-            try:
-                await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path,
-                                                   first.fingerprint)
-            except ApiError:
-                await self.workers.learner.remove_experiment(config.name)
-                raise
-            exp = Experiment(config=config, workers=self.workers, server=self.config, prompts=self.prompts,
-                             groups=self.groups, episodes=self.episodes, budget=self.budget,
-                             journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
-            exp.resume_from(first)
-            exp.serve(first.version, first.path)
-            await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
-            tracker_set = open_trackers(trackers, config.name, config.public_dict(), self.config.trackers,
-                                        self.config.run_dir, step=first.step)
-            self.trackers[config.name] = tracker_set
-            metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
-            self.metrics_logs[config.name] = metrics_log
-            trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
-                                        self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
-                                        nearest_version=nearest, idle_check_s=self.config.verify_idle_s)
-            exp.start_training(trainer.run())
-            self.trainers[config.name] = trainer
-            self.experiments[config.name] = exp
-            log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
-                     "by %s, rollout correction %s (the workers compute in %s%s)", config.name, first.version,
-                     first.step, len(exp.queue), "nearest_version" if nearest else "tolerance",
-                     config.algorithm.rollout_correction, ", ".join(d or "?" for d in dtypes),
-                     "; the learner's steps in bf16 autocast" if learner_autocast else "")
-            return self.status(config.name)
+            return await self._create(config, start)
+
+    async def _create(self, config: ExperimentConfig, start: Start) -> ExperimentStatus:
+        """`create`, under self._lock (which `retry` holds too)."""
+        if config.name in self.experiments or config.name in self.unrestored:
+            raise Conflict(f"experiment {config.name!r} already exists" + (
+                " and could not be restored: restore or delete it" if config.name in self.unrestored else ""),
+                code="experiment_exists")
+        if len(self.experiments) + len(self.unrestored) >= self.config.max_experiments:
+            raise Unprocessable(f"the server holds its limit of {self.config.max_experiments} experiments "
+                                "(max_experiments); delete one first", code="over_limit")
+        if config.lora.r > self.config.sampler.max_lora_rank:
+            raise Unprocessable(f"lora.r {config.lora.r} is over the samplers' max_lora_rank "
+                                f"{self.config.sampler.max_lora_rank}", code="over_limit")
+        if config.sampling.n > self.config.max_n or config.sampling.max_tokens > self.config.max_tokens:
+            raise Unprocessable(f"sampling defaults exceed the server's limits (max_n {self.config.max_n}, "
+                                f"max_tokens {self.config.max_tokens})", code="over_limit")
+        trackers = self.trackers_of(config)
+        if missing := missing_libraries(trackers):
+            raise Unprocessable(f"trackers: {_missing_text(missing)}", code="tracker_unavailable")
+        if start == "fresh":  # leftovers: a delete whose learner was down, or one from before archiving
+            await self._archive(config.name, archive.new_label(config.name))
+        elif start == "resume":
+            await self._restore(config.name)
+        # The push check and the rollout correction follow the numerics of the workers (protocol/worker_config.py)
+        dtypes, learner_autocast = await self.workers.numerics()
+        nearest = nearest_version_needed(self.config, dtypes)
+        config = config.model_copy(update={"algorithm": resolve_rollout_correction(
+            config.algorithm, numerics_differ=nearest or learner_autocast)})
+        # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
+        first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
+        try:
+            await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path,
+                                               first.fingerprint)
+        except ApiError:
+            await self.workers.learner.remove_experiment(config.name)
+            raise
+        exp = Experiment(config=config, workers=self.workers, server=self.config, prompts=self.prompts,
+                         groups=self.groups, episodes=self.episodes, budget=self.budget,
+                         journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
+        exp.resume_from(first)
+        exp.serve(first.version, first.path)
+        await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
+        tracker_set = open_trackers(trackers, config.name, config.public_dict(), self.config.trackers,
+                                    self.config.run_dir, step=first.step)
+        self.trackers[config.name] = tracker_set
+        metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
+        self.metrics_logs[config.name] = metrics_log
+        exp.recall_rewards(metrics_log.recent_group_rewards(RECENT_GROUPS))  # the recent reward survives a restart
+        trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
+                                    self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
+                                    nearest_version=nearest, idle_check_s=self.config.verify_idle_s)
+        exp.start_training(trainer.run())
+        self.trainers[config.name] = trainer
+        self.experiments[config.name] = exp
+        log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
+                 "by %s, rollout correction %s (the workers compute in %s%s)", config.name, first.version,
+                 first.step, len(exp.queue), "nearest_version" if nearest else "tolerance",
+                 config.algorithm.rollout_correction, ", ".join(d or "?" for d in dtypes),
+                 "; the learner's steps in bf16 autocast" if learner_autocast else "")
+        return self.status(config.name)
 
     async def delete(self, name: str) -> None:
         async with self._lock:
+            if name in self.unrestored:
+                await self._delete_unrestored(name)
+                return
             exp = self.get(name)
             del self.experiments[name]
             await asyncio.to_thread(self.registry.remove, name)
@@ -178,6 +246,22 @@ class Orchestrator:
             # Renames and fsyncs: on a thread, as every disk write of a request.
             await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
             log.info("experiment %s deleted, its files archived as %s", name, label)
+
+    async def _delete_unrestored(self, name: str) -> None:
+        """An experiment held as unrestored, deleted: out of the registry, its files archived as a delete's are."""
+        del self.unrestored[name]
+        await asyncio.to_thread(self.registry.remove, name)
+        label = archive.new_label(name)
+        try:
+            await self.workers.learner.remove_experiment(name)  # in case its failed start left it half added
+        except ApiError as exc:
+            log.warning("remove_experiment %s: %s", name, exc.message)
+        try:
+            await self.workers.learner.archive_experiment(name, label)
+        except ApiError as exc:  # what stays is archived before a new experiment of this name starts
+            log.warning("archive_experiment %s: %s", name, exc.message)
+        await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
+        log.info("unrestored experiment %s deleted, its files archived as %s", name, label)
 
     def trackers_of(self, config: ExperimentConfig) -> list[str]:
         """The experiment's trackers: its own list, or the server's default (unset: trackio where installed)."""
@@ -327,6 +411,11 @@ class Orchestrator:
         await asyncio.gather(*(asyncio.to_thread(trackers.close, self.config.trackers.close_timeout_s)
                                for trackers in self.trackers.values()))
         self.prompts.close()
+
+
+def _reason(exc: BaseException) -> str:
+    """Why an experiment could not be restored, as its status shows it (its type and text; the log has more)."""
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ApiError) else f"{exc.code}: {exc.message}"
 
 
 def _missing_text(missing: dict[str, list[str]]) -> str:

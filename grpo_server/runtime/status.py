@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from grpo_server.api_models import ExperimentStatus, TrackerStatus
+from grpo_server.api_models import ExperimentCounters, ExperimentStatus, TrackerStatus
+from grpo_server.config import ExperimentConfig
 from grpo_server.protocol.errors import public_message
 from grpo_server.runtime.experiment import Experiment
 
@@ -44,6 +45,18 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         config=exp.config.public_dict(),
         trackers=tracker_status(trackers),
     )
+
+
+def unrestored_status(config: ExperimentConfig, reason: str) -> ExperimentStatus:
+    """An experiment the server could not restore at start (runtime/orchestrator.py `Unrestored`): state
+    "failed", the reason in `errors`, nothing else known until it is restored."""
+    return ExperimentStatus(
+        name=config.name, state="failed", policy_version=0, learner_version=0, step=0, counters=ExperimentCounters(),
+        queued_groups=0, pending_groups=0, recent_reward_mean=None, kl=None, last_metrics=None, last_push_at=None,
+        last_push_seconds=None, last_verification=None,
+        errors=[f"could not be restored when the server started: {public_message(reason)}; an admin restores it "
+                f"(POST /v1/experiments/{config.name}/restore) or deletes it"],
+        config=config.public_dict())
 
 
 def is_sampling(exp: Experiment, now: float) -> bool:

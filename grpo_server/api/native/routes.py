@@ -46,9 +46,8 @@ async def create_experiment(request: web.Request) -> web.Response:
         generated = secrets.token_urlsafe(24)
         config = config.model_copy(update={"api_key": SecretStr(generated)})
     key = config.api_key.get_secret_value()
-    taken = [request.app[ADMIN_KEY]] + [e.config.api_key.get_secret_value()
-                                        for e in request.app[ORCHESTRATOR].experiments.values()
-                                        if e.config.api_key is not None]
+    taken = [request.app[ADMIN_KEY]] + [c.api_key.get_secret_value() for c in request.app[ORCHESTRATOR].configs()
+                                        if c.api_key is not None]
     # Every key is compared (constant time each), and the answer does not say whose it is.
     if sum(hmac.compare_digest(key.encode(), other.encode()) for other in taken):
         raise Conflict("this api_key is already in use: give each experiment its own key", code="api_key_in_use")
@@ -59,7 +58,7 @@ async def create_experiment(request: web.Request) -> web.Response:
 async def list_experiments(request: web.Request) -> web.Response:
     who = caller(request)
     orchestrator = request.app[ORCHESTRATOR]
-    names = list(orchestrator.experiments) if who == ADMIN else [who]
+    names = orchestrator.names() if who == ADMIN else [who]
     return respond(request, ExperimentList(experiments=orchestrator.statuses(names)))
 
 
@@ -73,6 +72,12 @@ async def delete_experiment(request: web.Request) -> web.Response:
     require(caller(request), admin_only=True)
     await request.app[ORCHESTRATOR].delete(request.match_info["name"])
     return web.Response(status=204)
+
+
+async def restore_experiment(request: web.Request) -> web.Response:
+    """An experiment the server could not restore at start, created again from its saved config."""
+    require(caller(request), admin_only=True)
+    return respond(request, await request.app[ORCHESTRATOR].retry(request.match_info["name"]))
 
 
 async def completions(request: web.Request) -> web.Response:
@@ -192,6 +197,9 @@ ROUTES: tuple[Endpoint, ...] = (
     Endpoint("DELETE", EXP, delete_experiment, None, None, 204,
              "Stop serving and training an experiment (its files are archived: a new one of its name starts "
              "afresh)", "admin", (502, 503)),
+    Endpoint("POST", EXP + "/restore", restore_experiment, None, ExperimentStatus, 200,
+             "Restore an experiment the server could not restore at start (state 'failed'), from its saved config",
+             "admin", (404, 409, 502, 503)),
     Endpoint("POST", EXP + "/completions", completions, CompletionsRequest, CompletionsResponse, 200,
              "Sample one group of completions", "experiment", (429, 502, 503)),
     Endpoint("POST", EXP + "/feedback", feedback, FeedbackRequest, FeedbackResponse, 202,

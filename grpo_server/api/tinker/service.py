@@ -103,7 +103,7 @@ class TinkerModels:
         """The sessions and models an earlier run in this run directory saved, once its experiments have
         resumed (a model whose experiment did not is dropped)."""
         self.sessions, self.models = self.registry.load(TinkerModel, SamplerWeights,
-                                                        lambda name: name in self.orchestrator.experiments)
+                                                        lambda name: name in self.orchestrator.names())
 
     async def _saved(self) -> None:
         await self.registry.save(self.sessions, self.models)
