@@ -1,5 +1,6 @@
-"""The README's Agents code runs as written: its first block (an Agents SDK agent per episode, rated as a group)
-and its streaming block, against the real server on the tiny model."""
+"""The agents guide's code runs as written (docs/guides/agents.md, once the README's Agents section): its first
+block (an Agents SDK agent per episode, rated as a group) and its streaming block, against the real server on the
+tiny model."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ from pathlib import Path
 
 from grpo_server.client import AsyncClient
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "agents.md"
 
 
 def agents_blocks() -> list[str]:
-    section = README.read_text().split("## Agents: tool calls, episodes, streaming", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.DOTALL)
 
 
 async def test_the_readme_agent_block_runs_a_group_of_episodes(server):
@@ -25,7 +25,7 @@ async def test_the_readme_agent_block_runs_a_group_of_episodes(server):
         try:
             code = agents_blocks()[0].replace('"calc"', repr(name))
             scope: dict = {}
-            exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+            exec(compile(code, "docs/guides/agents.md", "exec"), scope)  # noqa: S102 - the guide's own code
             await scope["group"](grpo, "What is 17 + 25?", 42, size=2)
             status = await grpo.status(name)
             assert status.counters.episodes_started == 2 and status.counters.episodes_rated == 2, status
@@ -43,7 +43,7 @@ async def test_the_readme_streaming_block_runs(server):
             llm = AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key)
             body = textwrap.indent(agents_blocks()[1].replace('"calc"', repr(name)), "    ")
             scope: dict = {}
-            exec(compile(f"async def run(llm, history, tools):\n{body}\n    return chunk\n", "README.md", "exec"),
+            exec(compile(f"async def run(llm, history, tools):\n{body}\n    return chunk\n", "docs/guides/agents.md", "exec"),
                  scope)  # noqa: S102
             tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
             last = await scope["run"](llm, [{"role": "user", "content": "Hi"}], tools)
