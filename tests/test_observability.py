@@ -298,5 +298,12 @@ def test_status_page_renders_experiments_in_chromium(server, trained, tmp_path):
     # The reward curve: a polyline drawn from the metrics endpoint's train records (one step: one point).
     figure = re.search(rf'<figure data-experiment="{EXP}">(.*?)</figure>', dom, flags=re.S)
     assert figure and re.search(r'<polyline points="[\d.]+,[\d.]+"', figure.group(1)), dom[-3000:]
+    # The fresh-token mismatch and the stale-token KL apart, and the last push's check (v1, verified).
+    assert '<td data-field="mismatch_kl_fresh">' in row.group(1) and '<td data-field="offpolicy_kl_stale">' in row.group(1)
+    assert "mismatch kl (fresh tokens)" in dom and "off-policy kl (stale tokens)" in dom
+    assert '<td data-field="last_push_check">v1 ok</td>' in row.group(1)
+    # The gap chart: each push as a line coloured by its check.
+    gap = re.search(rf'<figure data-experiment="{EXP}" data-chart="gap">(.*?)</figure>', dom, flags=re.S)
+    assert gap and 'data-verdict="ok"' in gap.group(1) and "1 ok" in gap.group(1), dom[-3000:]
     # An experiment key sees its own experiment only.
     assert dom.count("<tr data-experiment=") == 1
