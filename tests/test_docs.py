@@ -235,3 +235,15 @@ async def test_openai_guide_block_runs(server):
         assert len(scope["rewards"]) == 4
     finally:
         await _delete(server, name)
+
+
+def test_benchmarks_md_is_the_generated_summary_and_its_commands():
+    """BENCHMARKS.md holds the table scripts/bench writes between its markers (once), the commands, and no dated
+    narratives (their conclusions are docs/benchmarks/findings.md)."""
+    from scripts.benchmarks.table import END, START
+
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert text.count(START) == 1 and text.count(END) == 1
+    outside = text.split(START)[0] + text.split(END)[1]
+    assert len(outside.splitlines()) <= 60 and "## Commands" in outside
+    assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", outside)
