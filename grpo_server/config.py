@@ -81,10 +81,15 @@ def _key_schema(schema: dict[str, Any]) -> None:
             option["minLength"] = MIN_KEY_LENGTH
 
 
+# Names the API gives a meaning of its own: "admin" is the admin key's principal (api/route_table.py ADMIN).
+RESERVED_NAMES = frozenset({"admin"})
+
+
 class ExperimentConfig(StrictModel):
     """One experiment (task): its adapter, algorithm and sampling defaults. `{name: x}` is valid."""
 
-    name: str = Field(pattern=EXPERIMENT_NAME, description="Experiment name, [a-z0-9_-], 1-64 chars.")
+    name: str = Field(pattern=EXPERIMENT_NAME, description=(
+        "Experiment name, [a-z0-9_-], 1-64 chars; not a reserved name (`admin`)."))
     api_key: SecretStr | None = Field(None, json_schema_extra=_key_schema, description=(
         f"A key that grants access to this experiment only, at least {MIN_KEY_LENGTH} characters. Left out of "
         "`POST /v1/experiments`, the server generates one and returns it once, in the answer."))
@@ -93,6 +98,13 @@ class ExperimentConfig(StrictModel):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     trackers: list[TrackerName] | None = Field(None, max_length=4, description=(
         "Trackers fed its metrics log's records (the `trackers` extra), each once; None: `trackers.default`."))
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_NAMES:
+            raise ValueError(f"{name!r} is reserved (the API uses it itself); choose another name")
+        return name
 
     @field_validator("trackers")
     @classmethod

@@ -24,8 +24,13 @@ from typing import Any, Awaitable, Callable, Literal
 from aiohttp import web
 from pydantic import BaseModel
 
+from grpo_server.config import RESERVED_NAMES
+
 Auth = Literal["public", "key", "experiment", "admin"]
-ADMIN = "admin"  # the caller the admin key names (edge.caller); any other caller is an experiment's name
+# The caller the admin key names (edge.caller); any other caller is an experiment's name, and no experiment may
+# take this one (config.RESERVED_NAMES): a key of an experiment named so would act as the admin's.
+ADMIN = "admin"
+assert ADMIN in RESERVED_NAMES
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JSON = "application/json"
 EVENT_STREAM = "text/event-stream"
