@@ -81,3 +81,24 @@ async def test_one_owner_cannot_pile_up_results():
     assert caught.value.status == 429
     store.submit("bob", quick)  # others are not held back
     await store.close()
+
+
+async def test_a_client_that_reads_its_results_is_never_held_back():
+    """Issue 46: the 4097th call within an hour was refused although every result had been read. A read result
+    stays for the grace of a retried poll, then goes; only unread results count, and the store stays small."""
+    store = FutureStore(max_unread_per_owner=4, read_grace_s=0.2)
+
+    async def quick() -> int:
+        return 7
+
+    for _ in range(5000):
+        request_id = store.submit("alice", quick)
+        assert (await store.retrieve(request_id, "alice", wait_s=1)).value == 7
+    assert store.unread("alice") == 0
+    assert (await store.retrieve(request_id, "alice", wait_s=1)).value == 7  # a retried poll, within the grace
+    await asyncio.sleep(0.25)
+    store.submit("bob", quick)  # any call drops what is past its deadline
+    assert len(store) == 1
+    with pytest.raises(ApiError):
+        await store.retrieve(request_id, "alice", wait_s=0.05)
+    await store.close()

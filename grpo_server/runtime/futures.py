@@ -1,9 +1,11 @@
 """Work answered later: the Tinker API's futures and the order each model's requests run in.
 
 A Tinker call (forward_backward, optim_step, save_weights, ...) answers at once with a request id; the client
-then long-polls `retrieve_future` for the result. `FutureStore` runs each call's work as a task it owns, keeps
-the outcome until `ttl_s` after it finished (then the id is `future_expired`), and bounds how many results any
-one owner may leave unread. `SeqLane` runs one model's calls in the client's `seq_id` order, whatever order the
+then long-polls `retrieve_future` for the result. `FutureStore` runs each call's work as a task it owns and keeps
+the outcome until it is read, plus `read_grace_s` for the SDK's retry of the same poll, or at most `ttl_s` after
+it finished (then the id is `future_expired`). It bounds how many calls any one owner may have unread (running,
+or finished and not retrieved): a client that reads its results never meets the bound. Each owner's unread ids
+are indexed and the deadlines kept in a heap, so a call costs the same however many results are held. `SeqLane` runs one model's calls in the client's `seq_id` order, whatever order the
 HTTP requests arrived in (the SDK sends them concurrently): a call waits for every lower id of its model, and a
 gap that stays open fails the waiting call rather than hanging it.
 """
@@ -17,6 +19,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -42,6 +45,7 @@ class _Entry:
     task: asyncio.Task | None = None
     outcome: Outcome | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    read: bool = False  # retrieved once: no longer counts as unread, and goes after the grace
 
 
 class Pending(Exception):
@@ -49,39 +53,55 @@ class Pending(Exception):
 
 
 class FutureStore:
-    def __init__(self, ttl_s: float = 3600.0, max_unread_per_owner: int = 4096):
+    def __init__(self, ttl_s: float = 3600.0, max_unread_per_owner: int = 4096, read_grace_s: float = 120.0):
         self.ttl_s = ttl_s
         self.max_unread_per_owner = max_unread_per_owner
+        self.read_grace_s = read_grace_s  # the SDK polls a result again if the answer was lost on the way
         self._entries: dict[str, _Entry] = {}
+        self._unread: defaultdict[str, set[str]] = defaultdict(set)  # owner -> ids it has not retrieved
+        self._deadlines: list[tuple[float, str]] = []  # (monotonic time, id): when an entry may go, a heap
+
+    def unread(self, owner: str) -> int:
+        return len(self._unread.get(owner, ()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def submit(self, owner: str, work: Work, name: str = "tinker-call") -> str:
-        """Start `work`; its id for `retrieve`. 429 while `owner` has too many results it has not read."""
+        """Start `work`; its id for `retrieve`. 429 while `owner` has too many calls it has not read."""
         self._expire()
-        held = sum(1 for e in self._entries.values() if e.owner == owner)
+        held = self.unread(owner)
         if held >= self.max_unread_per_owner:
-            raise TooManyRequests(f"{held} results of this key are unread or unexpired (max "
+            raise TooManyRequests(f"{held} calls of this key are running or their results unread (max "
                                   f"{self.max_unread_per_owner}): retrieve them first", code="too_many_futures",
                                   retry_after=5.0)
         request_id = f"fut-{secrets.token_hex(12)}"
         entry = _Entry(owner)
         self._entries[request_id] = entry
-        entry.task = asyncio.get_running_loop().create_task(self._run(entry, work), name=f"{name}-{request_id}")
+        self._unread[owner].add(request_id)
+        entry.task = asyncio.get_running_loop().create_task(self._run(request_id, entry, work),
+                                                            name=f"{name}-{request_id}")
         return request_id
 
     async def retrieve(self, request_id: str, owner: str, wait_s: float) -> Outcome:
         """The outcome, waiting up to `wait_s` (then `Pending`). Another owner's id is as unknown as an expired
-        one: ids do not leak across keys."""
+        one: ids do not leak across keys. Once read, the result stays `read_grace_s` (a retried poll), no more."""
         self._expire()
         entry = self._entries.get(request_id)
         if entry is None or (owner != entry.owner and owner != "admin"):
             raise NotFound(f"no result for request {request_id!r}: unknown, or expired (results are kept "
-                           f"{self.ttl_s:.0f} s after they finish)", code="future_expired")
+                           f"{self.read_grace_s:.0f} s after they are read, {self.ttl_s:.0f} s after they finish "
+                           "if unread)", code="future_expired")
         if entry.outcome is None:
             try:
                 await asyncio.wait_for(entry.done.wait(), wait_s)
             except asyncio.TimeoutError:
                 raise Pending(request_id) from None
         assert entry.outcome is not None
+        if not entry.read:
+            entry.read = True
+            self._forget_unread(entry.owner, request_id)
+            heapq.heappush(self._deadlines, (time.monotonic() + self.read_grace_s, request_id))
         return entry.outcome
 
     def cancel(self, request_id: str, owner: str) -> None:
@@ -95,7 +115,7 @@ class FutureStore:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, entry: _Entry, work: Work) -> None:
+    async def _run(self, request_id: str, entry: _Entry, work: Work) -> None:
         try:
             entry.outcome = Outcome(value=await work())
         except ApiError as exc:
@@ -109,11 +129,23 @@ class FutureStore:
                                                    status=500))
         finally:
             entry.done.set()
+            heapq.heappush(self._deadlines, (time.monotonic() + self.ttl_s, request_id))
 
     def _expire(self) -> None:
-        cutoff = time.monotonic() - self.ttl_s
-        for request_id in [r for r, e in self._entries.items() if e.outcome and e.outcome.finished_at < cutoff]:
-            del self._entries[request_id]
+        """Drop the entries whose deadline passed (an entry has two, its ttl and its read grace: the first wins)."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            entry = self._entries.pop(request_id, None)
+            if entry is not None:
+                self._forget_unread(entry.owner, request_id)
+
+    def _forget_unread(self, owner: str, request_id: str) -> None:
+        unread = self._unread.get(owner)
+        if unread is not None:
+            unread.discard(request_id)
+            if not unread:
+                del self._unread[owner]
 
 
 class SeqLane:
