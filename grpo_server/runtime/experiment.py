@@ -361,6 +361,15 @@ class Experiment:
         batch, self.queue[:size] = self.queue[:size], []
         return batch, self.queue_generation
 
+    def put_back(self, batch: list[Group], generation: int) -> bool:
+        """A batch whose step failed, at the head of the queue again (True), so that no later step records a
+        journal position past it: its groups were acknowledged (202) and must be trained. Not if the queue was
+        rebuilt from the journal since (a learner restart): it holds them already."""
+        if generation != self.queue_generation:
+            return False
+        self.queue[:0] = batch
+        return True
+
     def trained(self, groups: list[Group], metrics: TrainMetrics | None, truncated: int = 0) -> None:
         self.counters.completions_masked_truncated += truncated  # left out by mask_truncated; metrics None: no step
         if metrics is None:

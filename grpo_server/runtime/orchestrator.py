@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Awaitable, Callable, Literal
 
 from grpo_server.api_models import ExperimentStatus, TokenizeRequest, TokenizeResponse
 from grpo_server.config import MIN_KEY_LENGTH, ExperimentConfig, ServerConfig, keys_as_saved
@@ -67,6 +67,10 @@ class Orchestrator:
         self.episodes = EpisodeStore(ttl_s=config.episode_ttl_s)
         self.experiments: dict[str, Experiment] = {}
         self.unrestored: dict[str, Unrestored] = {}  # saved experiments a start could not bring back
+        # Called with a name once its experiment is deleted: what an API family keeps under that name goes with
+        # it (the Tinker models, sessions and samplers: api/tinker/service.py), so a new life of the name, maybe
+        # another tenant's, inherits none of it.
+        self.on_delete: list[Callable[[str], Awaitable[None]]] = []
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
         self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
@@ -245,6 +249,7 @@ class Orchestrator:
                 log.warning("archive_experiment %s: %s", name, exc.message)
             # Renames and fsyncs: on a thread, as every disk write of a request.
             await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
+            await self._deleted(name)
             log.info("experiment %s deleted, its files archived as %s", name, label)
 
     async def _delete_unrestored(self, name: str) -> None:
@@ -261,7 +266,15 @@ class Orchestrator:
         except ApiError as exc:  # what stays is archived before a new experiment of this name starts
             log.warning("archive_experiment %s: %s", name, exc.message)
         await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
+        await self._deleted(name)
         log.info("unrestored experiment %s deleted, its files archived as %s", name, label)
+
+    async def _deleted(self, name: str) -> None:
+        for forget in self.on_delete:
+            try:
+                await forget(name)
+            except Exception:  # one family's failure must not leave the delete half done for the others
+                log.exception("experiment %s: forgetting what an API kept under its name failed", name)
 
     def trackers_of(self, config: ExperimentConfig) -> list[str]:
         """The experiment's trackers: its own list, or the server's default (unset: trackio where installed)."""

@@ -21,6 +21,10 @@ from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
+# After a failed step whose batch went back to the queue, the next try waits this long: a failure that lasts
+# (a Tinker client's gradients pending) is tried a few times a minute, not in a loop.
+FAILED_STEP_PAUSE_S = 2.0
+
 
 @dataclass(frozen=True)
 class Pushing:
@@ -132,13 +136,21 @@ class ExperimentTrainer:
             try:
                 metrics = await self.workers.learner.train(request, timeout_s=self.train_timeout_s)
             except ApiError as exc:
-                # Not trained, visibly (status and log carry the error). If the learner crashed, its restart
-                # queues these groups again from the journal.
-                exp.record_error(f"train step failed, {len(groups)} groups not trained: {exc.message}")
-                log.error("%s: train step failed: %s", exp.name, exc.message)
-                return
-            self._trained(groups, metrics, left_out)
-            pushed = await self.push(slot) if pushing else None
+                # Not trained yet, visibly (status and log carry the error): the batch goes back to the head of
+                # the queue and is tried again after a pause (e.g. a Tinker forward_backward's gradients wait for
+                # their optim_step: 409 gradients_pending). If the learner crashed, its restart has queued these
+                # groups again from the journal instead.
+                again = exp.put_back(groups, generation)
+                exp.record_error(f"train step failed, {len(groups)} groups not trained"
+                                 f"{', tried again shortly' if again else ''}: {exc.message}")
+                log.error("%s: train step failed%s: %s", exp.name, ", batch put back" if again else "", exc.message)
+                metrics = None
+            if metrics is not None:
+                self._trained(groups, metrics, left_out)
+                pushed = await self.push(slot) if pushing else None
+        if metrics is None:  # outside the turn, so that what made the step fail can finish meanwhile
+            await asyncio.sleep(FAILED_STEP_PAUSE_S)
+            return
         if pushed is not None:  # outside the turn: the new version's first completions need not wait for these
             await self.score_for_check(pushed)
         if pushing:

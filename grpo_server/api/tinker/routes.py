@@ -11,6 +11,7 @@ Checks that need no model (the body's shape, the key) answer at once with the se
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable
 
@@ -26,7 +27,7 @@ from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
 from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, SampleResponse
 from grpo_server.api.tinker.wire_proto import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
                                                encode_forward_backward_output, encode_sample_response)
-from grpo_server.protocol.errors import ApiError, BadRequest, NotFound
+from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, Unprocessable
 from grpo_server.runtime.futures import Pending
 
 LONG_POLL_S = 30.0  # the SDK's read timeout is 45 s, and it polls again at once after a 408
@@ -154,8 +155,8 @@ async def get_info(request: web.Request) -> web.Response:
 
 async def forward_backward(request: web.Request) -> web.Response:
     owner = caller(request)
-    try:
-        body = decode_forward_backward_request(await request.read())
+    try:  # on a thread: a body of megabytes takes a while to decode and validate (edge.OFF_LOOP_BYTES)
+        body = await asyncio.to_thread(decode_forward_backward_request, await request.read())
     except (ValueError, KeyError, IndexError) as exc:
         raise BadRequest(f"body is not a protobuf tinker_public.ForwardBackwardRequest: {exc}",
                          code="malformed_body") from exc
@@ -234,6 +235,13 @@ async def asample(request: web.Request) -> web.Response:
     owner = caller(request)
     body = await parse_body(request, tw.SampleRequest)
     service = request.app[TINKER]
+    limits = service.orchestrator.config
+    if body.num_samples > limits.max_n:  # before anything is built for them
+        raise Unprocessable(f"num_samples {body.num_samples} is over the server's max_n {limits.max_n}",
+                            code="over_limit")
+    if (body.sampling_params.max_tokens or 0) > limits.max_tokens:
+        raise Unprocessable(f"max_tokens {body.sampling_params.max_tokens} is over the server's max_tokens "
+                            f"{limits.max_tokens}", code="over_limit")
     if body.sampling_session_id is not None:
         sampler = service.sampler(owner, body.sampling_session_id)
     elif body.model_path is not None:

@@ -16,6 +16,7 @@ unknown to a caller, as other experiments are on the native routes. Sessions and
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -98,6 +99,17 @@ class TinkerModels:
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.models: dict[str, TinkerModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        orchestrator.on_delete.append(self.forget_experiment)
+
+    async def forget_experiment(self, name: str) -> None:
+        """An experiment was deleted: its models, the sessions and samplers its key made, and the samplers on
+        its models go too. A new experiment of the name, maybe another tenant's, starts with none of them (its
+        key can make its own model again), and nothing of the old life answers it."""
+        self.models = {i: m for i, m in self.models.items() if m.experiment != name}
+        self.sessions = {i: owner for i, owner in self.sessions.items() if owner != name}
+        self.samplers = {i: s for i, s in self.samplers.items()
+                         if s.owner != name and (s.model is None or s.model.experiment != name)}
+        await self._saved()
 
     def restore(self) -> None:
         """The sessions and models an earlier run in this run directory saved, once its experiments have
@@ -173,9 +185,10 @@ class TinkerModels:
 
     async def forward_backward(self, model: TinkerModel, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
         given = request.forward_backward_input
-        try:
-            data = [wire.Datum(tokens=d.tokens(), loss_fn_inputs={k: v.flat() for k, v in d.loss_fn_inputs.items()})
-                    for d in given.data]
+        try:  # dense lists of up to MAX_DENSE_VALUES each: built on a thread, not on the event loop
+            data = await asyncio.to_thread(lambda: [
+                wire.Datum(tokens=d.tokens(), loss_fn_inputs={k: v.flat() for k, v in d.loss_fn_inputs.items()})
+                for d in given.data])
         except ValueError as exc:
             raise BadRequest(str(exc), code="unsupported_input") from exc
         config = None

@@ -10,9 +10,9 @@ of forward/forward_backward/sample are protobuf (wire_proto), every other result
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The RestClient records live in wire_data; they are re-exported so that every body can be imported from here.
 from .wire_data import (  # noqa: F401
@@ -351,15 +351,21 @@ class GetSamplerResponse(_Response):
     model_path: str | None = None
 
 
+MAX_STOPS = 16  # stop strings or ids in one request, as on the native API
+
+
 class SamplingParams(_Request):
     """Decoding settings. `stop`: None = stop at EOS only; [] = never stop before max_tokens; strings or ids."""
 
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
-    temperature: float = 1.0
+    # The native API's ranges (api_models.CompletionsRequest): the same sampler behind both.
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: (Annotated[str, Field(min_length=1)]
+           | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOPS)]
+           | Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOPS)] | None) = None
+    temperature: float = Field(1.0, ge=0, le=2)
     top_k: int = -1  # -1: no limit
-    top_p: float = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
 
     def stop_strings(self) -> list[str]:
         """The stop strings (a lone string counts as one)."""
@@ -377,7 +383,7 @@ class SamplingParams(_Request):
 class SampleRequest(_Request):
     """`POST /api/v1/asample` -> future of the protobuf SampleResponse (and sample_sequence_ids in the future)."""
 
-    num_samples: int = 1
+    num_samples: int = Field(1, ge=1, le=256)  # and at most the server's max_n (routes.asample)
     prompt: ModelInput
     sampling_params: SamplingParams
     base_model: str | None = None

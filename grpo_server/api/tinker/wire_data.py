@@ -20,6 +20,13 @@ from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_serial
                       model_validator)
 
 TensorDtype = Literal["int64", "float32"]
+# A tensor's shape is checked before anything is built from it (issue 46: a shape of 40,000 large entries held the
+# event loop for seconds multiplying them, and a 16-byte CSR shape made `flat` allocate gigabytes): at most
+# MAX_DIMS dimensions, each at most MAX_DIM (more than any context length or vocabulary this server runs), and a
+# dense size, CSR included, of at most MAX_DENSE_VALUES (a sequence's full-vocabulary rows: 256 x 64k).
+MAX_DIMS = 4
+MAX_DIM = 1 << 20
+MAX_DENSE_VALUES = 1 << 24
 
 
 class _Wire(BaseModel):
@@ -51,7 +58,7 @@ class TensorData(_Wire):
 
     data: list[int] | list[float]
     dtype: TensorDtype
-    shape: list[int] | None = None  # None: 1-D of len(data)
+    shape: list[Annotated[int, Field(ge=0, le=MAX_DIM)]] | None = Field(None, max_length=MAX_DIMS)  # None: 1-D
     sparse_crow_indices: list[int] | None = None  # CSR row pointers (nrows + 1); `data` holds only the nnz values
     sparse_col_indices: list[int] | None = None
 
@@ -59,13 +66,21 @@ class TensorData(_Wire):
     def _consistent(self) -> TensorData:
         if (self.sparse_crow_indices is None) != (self.sparse_col_indices is None):
             raise ValueError("sparse_crow_indices and sparse_col_indices come together")
+        # Each dimension is at most MAX_DIM and there are at most MAX_DIMS: the product is a small int.
+        size = math.prod(self.shape) if self.shape is not None else len(self.data)
+        if size > MAX_DENSE_VALUES:
+            raise ValueError(f"shape {self.shape} holds {size} values, over the {MAX_DENSE_VALUES} served")
         if self.sparse_crow_indices is not None:
             if self.shape is None or len(self.shape) != 2:
                 raise ValueError("a sparse CSR tensor needs a 2-D shape")
-            if len(self.sparse_crow_indices) != self.shape[0] + 1 or len(self.sparse_col_indices or []) != len(
-                    self.data):
+            crow, col = self.sparse_crow_indices, self.sparse_col_indices or []
+            if len(crow) != self.shape[0] + 1 or len(col) != len(self.data):
                 raise ValueError("CSR index lists do not match the shape and the number of values")
-        elif self.shape is not None and math.prod(self.shape) != len(self.data):
+            if crow[0] != 0 or crow[-1] != len(col) or any(a > b for a, b in zip(crow, crow[1:])):
+                raise ValueError("CSR row pointers must rise from 0 to the number of values")
+            if any(not 0 <= c < self.shape[1] for c in col):
+                raise ValueError(f"a CSR column index is outside [0, {self.shape[1]})")
+        elif self.shape is not None and size != len(self.data):
             raise ValueError(f"shape {self.shape} does not hold {len(self.data)} values")
         if self.dtype == "int64" and any(isinstance(v, float) and not v.is_integer() for v in self.data):
             raise ValueError("an int64 tensor holds a non-integer value")

@@ -1,0 +1,156 @@
+"""The walls of the native API hold for the Tinker routes too (issue 46), tried from outside as a tenant with an
+ordinary key would, on the shared real server (tiny model, HTTP on loopback) through the official `tinker` SDK and
+raw HTTP: no experiment takes the name `admin`; a deleted experiment's Tinker models go with it, so a new tenant of
+the name starts clean; native feedback acknowledged while a Tinker model's gradients wait for their optim_step is
+trained; and sizes are bounded at the edge (num_samples, sampling ranges, tensor shapes) at once, without holding
+the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from grpo_server.client import AsyncClient, GrpoServerError  # noqa: E402
+from tests.serving import ADMIN_KEY, wait_for  # noqa: E402
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+RANK = 8
+
+
+def _call(server, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, dict, float]:
+    """(status, JSON body, seconds) of one raw call; `key` goes as the Tinker SDK sends it."""
+    headers = {"Content-Type": "application/json", "X-API-Key": f"tml-{key}",
+               "Authorization": f"Bearer {key}"}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(server.url + path, data=data, headers=headers, method=method)
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read() or b"{}"), time.monotonic() - started
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}"), time.monotonic() - started
+
+
+def _experiment(name: str, key: str, **algorithm) -> dict:
+    return {"name": name, "api_key": key, "lora": {"r": RANK}, "sampling": {"n": 2, "max_tokens": 3},
+            "algorithm": {"batch_groups": 1, "max_staleness": 1000, **algorithm}}
+
+
+def test_no_experiment_takes_the_admins_name(server):
+    status, body, _ = _call(server, "POST", "/v1/experiments", ADMIN_KEY,
+                            {"name": "admin", "api_key": "would-be-admin-key-0123"})
+    assert status == 422 and "reserved" in body["error"]["message"], body
+
+
+def test_a_new_tenant_of_a_deleted_name_inherits_nothing(server, tiny_model_dir):
+    first, second = "first-tenant-key-0a1b2c3d", "second-tenant-key-4e5f6a7b"
+    assert _call(server, "POST", "/v1/experiments", ADMIN_KEY, _experiment("walls-reused", first))[0] == 201
+    with tinker.ServiceClient(base_url=server.url, api_key=f"tml-{first}") as tenant:
+        old = tenant.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result()
+    assert _call(server, "DELETE", "/v1/experiments/walls-reused", ADMIN_KEY)[0] == 204
+    assert _call(server, "POST", "/v1/experiments", ADMIN_KEY, _experiment("walls-reused", second))[0] == 201
+    try:
+        status, body, _ = _call(server, "POST", "/api/v1/get_info", second, {"model_id": old.model_id})
+        assert status == 404 and body["error"]["code"] == "model_not_found", body
+        with tinker.ServiceClient(base_url=server.url, api_key=f"tml-{second}") as tenant:  # its own, at once
+            own = tenant.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result()
+            assert own.model_id != old.model_id and own.get_info().lora_rank == RANK
+    finally:
+        assert _call(server, "DELETE", "/v1/experiments/walls-reused", ADMIN_KEY)[0] == 204
+
+
+async def test_feedback_acknowledged_while_tinker_gradients_wait_is_trained(server, tiny_model_dir):
+    """Issue 46: a native step met the Tinker model's pending gradients (409 gradients_pending), its batch was not
+    put back, and a later checkpoint compacted those acknowledged groups out of the journal."""
+    key = "pending-grads-key-8c9d0e1f"
+    config = _experiment("walls-pending", key)
+    assert _call(server, "POST", "/v1/experiments", ADMIN_KEY, config)[0] == 201
+    tenant = tinker.ServiceClient(base_url=server.url, api_key=f"tml-{key}")
+    try:
+        def pending_gradients():
+            training = tenant.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result()
+            tokens = training.get_tokenizer().encode("one two three four")
+            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+            training.forward_backward([datum], "cross_entropy").result()
+            return training
+
+        training = await asyncio.to_thread(pending_gradients)
+        async with AsyncClient(server.url, key) as client:
+            rated = 0
+            while True:  # as many groups as the server admits while no step can run (then 429 learner_behind)
+                try:
+                    group = await client.complete("walls-pending", prompt="Pick a number")
+                except GrpoServerError as exc:
+                    assert exc.status == 429 and rated >= 2, exc
+                    break
+                answer = await client.feedback("walls-pending", group.group_id, [1.0, 0.0])
+                assert answer.skipped is None  # a 202 for a group that must be trained
+                rated += 1
+            await asyncio.sleep(3)  # native steps try meanwhile, and meet the pending gradients
+            assert (await client.status("walls-pending")).counters.groups_trained == 0
+            await asyncio.to_thread(lambda: training.optim_step(types.AdamParams(learning_rate=1e-3)).result())
+
+            async def all_trained():
+                status = await client.status("walls-pending")
+                return status if status.counters.groups_trained >= rated else None
+
+            status = await wait_for(all_trained, timeout_s=120)
+            assert status.counters.groups_trained == rated and not status.queued_groups
+    finally:
+        await asyncio.to_thread(tenant.close, "success")
+        assert _call(server, "DELETE", "/v1/experiments/walls-pending", ADMIN_KEY)[0] == 204
+
+
+def _sample_body(**fields) -> dict:
+    return {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}, "sampling_params": {},
+            "base_model": None, **fields}
+
+
+@pytest.mark.parametrize("fields, code", [
+    ({"num_samples": 3_000_000}, "invalid_request"),  # past any server's max_n: the body's own bound
+    ({"num_samples": 65}, "over_limit"),  # past this server's max_n (64)
+    ({"sampling_params": {"max_tokens": 100_000}}, "over_limit"),
+    ({"sampling_params": {"temperature": 5.0}}, "invalid_request"),
+    ({"sampling_params": {"top_p": 0}}, "invalid_request"),
+    ({"sampling_params": {"stop": ["x"] * 17}}, "invalid_request"),
+    ({"target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [2**62] * 40_000}}, "invalid_request"),
+    ({"target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [1, 300_000_000],
+                                 "sparse_crow_indices": [0, 1], "sparse_col_indices": [0]}}, "invalid_request"),
+    ({"target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [1, 4],
+                                 "sparse_crow_indices": [0, 1], "sparse_col_indices": [9]}}, "invalid_request"),
+])
+def test_sizes_are_bounded_at_the_edge_at_once(server, fields, code):
+    status, body, seconds = _call(server, "POST", "/api/v1/asample", ADMIN_KEY, _sample_body(**fields))
+    assert status == 422 and body["error"]["code"] == code, body
+    assert seconds < 1.0, f"refused after {seconds:.2f} s"  # nothing built from the numbers first
+
+
+def test_a_large_body_does_not_hold_the_event_loop(server):
+    """A body of megabytes is decoded and validated on a thread: /v1/health keeps answering meanwhile."""
+    values = list(range(1_000_000, 2_000_000))  # ~8 MB of JSON, under the 8 MiB body limit
+    body = _sample_body(target_prompt_logprobs={"data": values, "dtype": "int64", "shape": [len(values)]})
+    done, slowest = threading.Event(), []
+
+    def big() -> None:
+        try:
+            _call(server, "POST", "/api/v1/asample", ADMIN_KEY, body)
+        finally:
+            done.set()
+
+    sender = threading.Thread(target=big)
+    sender.start()
+    while not done.is_set():
+        slowest.append(_call(server, "GET", "/v1/health", ADMIN_KEY)[2])
+    sender.join()
+    assert len(slowest) >= 2 and max(slowest) < 0.5, slowest
