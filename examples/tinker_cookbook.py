@@ -7,22 +7,23 @@ arithmetic problems this script writes, no download), (3) gives rl_loop `loss_fn
 default `stable_reinforce` is not served), and small sizes for a CPU server. Any `key=value` after the loop's
 name is passed to the recipe's own chz entry point and wins over these defaults.
 
-Install (tml-renderers>=0.4.1, which the wheel requires, is not on PyPI; the text renderers do not need it):
+Install, from the repository's root, into an overlay venv (under runs/, git-ignored) on top of the project's .venv
+(tml-renderers>=0.4.1, which the wheel requires, is not on PyPI; the text renderers do not need it):
 
-    /work/main/.venv/bin/python -m venv /tmp/tkvenv
-    echo /work/main/.venv/lib/python3.11/site-packages > /tmp/tkvenv/lib/python3.11/site-packages/zz_repo_venv.pth
-    /tmp/tkvenv/bin/pip install --no-deps tinker-cookbook==0.6.1
-    /tmp/tkvenv/bin/pip install chz termcolor blobfile pyrage datasets sympy pylatexenc math-verify
+    .venv/bin/python -m venv runs/cookbook-venv
+    echo "$PWD/.venv/lib/python3.11/site-packages" > runs/cookbook-venv/lib/python3.11/site-packages/zz_repo_venv.pth
+    runs/cookbook-venv/bin/pip install --no-deps tinker-cookbook==0.6.1
+    runs/cookbook-venv/bin/pip install chz termcolor blobfile pyrage datasets sympy pylatexenc math-verify
 
 Run (a server on :8765 with GRPO_SERVER_API_KEY=$KEY; --hf-home makes the tokenizer's offline HF cache there):
 
     export TINKER_BASE_URL=http://127.0.0.1:8765 TINKER_API_KEY=tml-$KEY
-    /tmp/tkvenv/bin/python examples/tinker_cookbook.py sl --hf-home /tmp/tk-hf log_path=/tmp/tk-sl
-    /tmp/tkvenv/bin/python examples/tinker_cookbook.py rl --hf-home /tmp/tk-hf log_path=/tmp/tk-rl
+    runs/cookbook-venv/bin/python examples/tinker_cookbook.py sl --hf-home runs/tk-hf log_path=runs/tk-sl
+    runs/cookbook-venv/bin/python examples/tinker_cookbook.py rl --hf-home runs/tk-hf log_path=runs/tk-rl
 
 Each loop writes `<log_path>/metrics.jsonl` (sl: `train_mean_nll`; rl: `reward/total`). A rerun with the same
-`log_path` resumes from its `checkpoints.jsonl`. On the shared 2-core box of BENCHMARKS.md ("Tinker:
-tinker-cookbook's loops") these defaults took 212 s (sl) and 583 s (rl).
+`log_path` resumes from its `checkpoints.jsonl`. docs/guides/tinker.md has the guide; on a shared 2-core box these
+defaults took minutes (sl) to about ten minutes (rl).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ DEFAULTS = {
 
 
 def make_hf_cache(hf_home: Path, model_dir: Path = LOCAL_MODEL, name: str = MODEL) -> None:
-    """The Hugging Face cache layout for `name`, linking to the embedded model's files (README "Tinker API")."""
+    """The Hugging Face cache layout for `name`, linking to the embedded model's files (docs/guides/tinker.md)."""
     repo = hf_home / "hub" / ("models--" + name.replace("/", "--"))
     rev = "0" * 40  # any 40-hex revision will do
     snapshot = repo / "snapshots" / rev
