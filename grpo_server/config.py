@@ -248,6 +248,12 @@ class ServerConfig(BaseSettings):
     tinker_base_model: str | None = Field(None, description=(
         "The base model's name on the Tinker API (`base_model`, get_info's `model_name`, which the SDK's "
         "get_tokenizer loads). Unset: HuggingFaceTB/SmolLM2-135M-Instruct for the embedded model, else `model`."))
+    tinker_max_calls_per_key: int = Field(256, ge=1, le=65_536, description=(
+        "Tinker calls one key may have running or queued at once (their futures not finished); beyond, 429 "
+        "`too_many_calls` (the SDK retries). Bounds the work and memory one tenant's pipelined calls hold."))
+    tinker_max_tokens_per_call: int = Field(65_536, ge=1, le=2**24, description=(
+        "Token positions one Tinker forward / forward_backward may carry, all its datums together: each "
+        "position holds full-vocabulary logits in the learner while the call runs."))
     host: str = Field("127.0.0.1", description="Address the public API listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the public API (0 = pick one).")
     run_dir: Path = Field(Path("runs/default"), description="Adapters, configs, logs and checkpoints.")

@@ -87,6 +87,10 @@ class TinkerSteps:
         exp.pending_backwards = 0
         exp.step += 1
         exp.weights_version = None
+        # As durable as a native step: checkpointed by the same policy (learner/checkpoint_writer.py), so a
+        # restart resumes its AdamW state and step from there, not from the last pushed version.
+        if self._checkpoint_due(exp):
+            self._start_checkpoint(exp.name)
         log.info("%s: optim_step %d, grad norm %.4f (clip %g), lr %g", exp.name, exp.step, grad_norm,
                  adam.grad_clip_norm, adam.learning_rate)
         return OptimStepResponse(step=exp.step, metrics={"grad_norm:mean": grad_norm,

@@ -68,6 +68,27 @@ def tinker_after_restart(url: str, saved: dict) -> None:
     assert {"weights/before-crash", "sampler_weights/served"} <= {c.checkpoint_id for c in listed.checkpoints}
 
 
+def tinker_gradients_pending(url: str, base_model: str) -> tuple:
+    """A Tinker model that stepped once (checkpointed, as a native step is) and holds summed gradients when its
+    learner dies: what a restart loses must be said to its client (issue 46)."""
+    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{ADMIN_KEY}")
+    training = client.create_lora_training_client(base_model=base_model, rank=8).result()
+    batch = [_datum(training.get_tokenizer().encode("seven eight nine ten"))]
+    training.forward_backward(batch, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    training.forward_backward(batch, "cross_entropy").result()  # pending when the learner dies
+    return client, training, batch
+
+
+def tinker_told_of_the_rollback(client, training, batch) -> None:
+    with pytest.raises(tinker.RequestFailedError) as caught:  # the next call fails, naming what was lost
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert "gradients summed by forward_backward" in str(caught.value) and "rolled back" not in str(caught.value)
+    training.forward_backward(batch, "cross_entropy").result()  # and then the model goes on, from its checkpoint
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    client.close("success").result(timeout=60)
+
+
 async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     server = start_server(run_dir, tiny_model_dir)
@@ -84,6 +105,7 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
                 "sampling": {"n": 4, "max_tokens": 3}})
             for _ in range(5):
                 accepted += await rate_one(client)
+            pending = await asyncio.to_thread(tinker_gradients_pending, server.url, str(tiny_model_dir))
             learner = next(p for p in server.worker_pids()
                            if b"learner" in open(f"/proc/{p}/cmdline", "rb").read().split(b"\0"))
             os.killpg(learner, signal.SIGKILL)  # groups are queued: it dies mid-training
@@ -95,6 +117,12 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
                 return status if any("learner restarted" in e for e in status.errors) else None
 
             await wait_for(learner_back, timeout_s=300)
+
+            async def every_experiment_resynced():  # the Tinker model's experiment too
+                return all(any("learner restarted" in e for e in s.errors) for s in await client.list_experiments())
+
+            await wait_for(every_experiment_resynced, timeout_s=300)
+            await asyncio.to_thread(tinker_told_of_the_rollback, *pending)
             for _ in range(3):
                 accepted += await rate_one(client)
             before = await client.status(NAME)

@@ -102,3 +102,23 @@ async def test_a_client_that_reads_its_results_is_never_held_back():
     with pytest.raises(ApiError):
         await store.retrieve(request_id, "alice", wait_s=0.05)
     await store.close()
+
+
+async def test_one_key_has_a_bounded_number_of_calls_running():
+    store = FutureStore(max_running_per_owner=2)
+    release = asyncio.Event()
+
+    async def held() -> int:
+        await release.wait()
+        return 1
+
+    first = store.submit("alice", held)
+    store.submit("alice", held)
+    with pytest.raises(ApiError) as caught:
+        store.submit("alice", held)
+    assert caught.value.status == 429 and caught.value.code == "too_many_calls"
+    store.submit("bob", held)  # others are not held back
+    release.set()
+    assert (await store.retrieve(first, "alice", wait_s=1)).value == 1
+    store.submit("alice", held)  # finished calls free their places, read or not
+    await store.close()

@@ -80,7 +80,8 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
                                        on_learner_restart=lambda: orchestrator.resync_learner())
             orchestrator = Orchestrator(config, pool, await prompts_loading)
             app[ORCHESTRATOR] = orchestrator
-            app[TINKER] = TinkerModels(orchestrator, tinker_base_model(config), FutureStore())
+            app[TINKER] = TinkerModels(orchestrator, tinker_base_model(config), FutureStore(
+                max_running_per_owner=config.tinker_max_calls_per_key))
             # Experiments of an earlier run in this run directory resume first; the config's own are
             # created if they are not among them. Both start from their files as they are (a restart
             # archives nothing; only an API create does, grpo_server/protocol/archive.py).

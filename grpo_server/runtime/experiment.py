@@ -15,7 +15,7 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Iterator
 
 from grpo_server.api_models import (CompletionOut, CompletionsRequest, CompletionsResponse, ExperimentCounters,
                                     FeedbackRequest, FeedbackResponse, VerificationResult)
@@ -307,9 +307,10 @@ class Experiment:
             self.sampling_requests -= share
 
     @contextlib.contextmanager
-    def pinned_serving_version(self) -> Iterator[int]:
-        """The serving version, kept loaded on the samplers until the block ends even if a push replaces it."""
-        version = self.serving_version
+    def pinned_serving_version(self, version: int | None = None) -> Iterator[int]:
+        """The serving version (or `version`, loaded), kept loaded on the samplers until the block ends even if a
+        push replaces it."""
+        version = self.serving_version if version is None else version
         self.inflight[version] += 1
         try:
             yield version
@@ -317,6 +318,21 @@ class Experiment:
             self.inflight[version] -= 1
             if version != self.serving_version:
                 self.retire_unused_versions()
+
+    @contextlib.asynccontextmanager
+    async def version_loaded(self, version: int, path: str) -> AsyncIterator[None]:
+        """`version` (its folder `path`) loaded on every sampler, and kept loaded while the block runs: a Tinker
+        sampler names saved weights the samplers may have let go since (only the serving version, versions in use
+        and versions being checked stay loaded)."""
+        with self.pinned_serving_version(version):  # pinned first: nothing retires it between load and use
+            if version not in self.adapter_paths:
+                await self.workers.load_everywhere(AdapterRef(name=self.name, version=version), path)
+                self.adapter_paths[version] = path
+            yield
+
+    def optimizer_stepped(self, step: int) -> None:
+        """A Tinker optim_step moved the weights to optimizer step `step` (native steps count in `trained`)."""
+        self.step = step
 
     def abandon(self, group_id: str | None, episode_id: str | None = None) -> None:
         """Drop what `complete` stored for a client that left before receiving it (a stream cut short): its group

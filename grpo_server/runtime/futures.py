@@ -53,13 +53,16 @@ class Pending(Exception):
 
 
 class FutureStore:
-    def __init__(self, ttl_s: float = 3600.0, max_unread_per_owner: int = 4096, read_grace_s: float = 120.0):
+    def __init__(self, ttl_s: float = 3600.0, max_unread_per_owner: int = 4096, read_grace_s: float = 120.0,
+                 max_running_per_owner: int = 256):
         self.ttl_s = ttl_s
         self.max_unread_per_owner = max_unread_per_owner
+        self.max_running_per_owner = max_running_per_owner  # calls not finished: work queued for the workers
         self.read_grace_s = read_grace_s  # the SDK polls a result again if the answer was lost on the way
         self._entries: dict[str, _Entry] = {}
         self._unread: defaultdict[str, set[str]] = defaultdict(set)  # owner -> ids it has not retrieved
         self._deadlines: list[tuple[float, str]] = []  # (monotonic time, id): when an entry may go, a heap
+        self._running: defaultdict[str, int] = defaultdict(int)  # owner -> its calls not finished
 
     def unread(self, owner: str) -> int:
         return len(self._unread.get(owner, ()))
@@ -75,10 +78,15 @@ class FutureStore:
             raise TooManyRequests(f"{held} calls of this key are running or their results unread (max "
                                   f"{self.max_unread_per_owner}): retrieve them first", code="too_many_futures",
                                   retry_after=5.0)
+        if self._running[owner] >= self.max_running_per_owner:
+            raise TooManyRequests(f"{self._running[owner]} calls of this key are running or queued (max "
+                                  f"{self.max_running_per_owner}): retry when some have finished",
+                                  code="too_many_calls", retry_after=1.0)
         request_id = f"fut-{secrets.token_hex(12)}"
         entry = _Entry(owner)
         self._entries[request_id] = entry
         self._unread[owner].add(request_id)
+        self._running[owner] += 1
         entry.task = asyncio.get_running_loop().create_task(self._run(request_id, entry, work),
                                                             name=f"{name}-{request_id}")
         return request_id
@@ -129,6 +137,9 @@ class FutureStore:
                                                    status=500))
         finally:
             entry.done.set()
+            self._running[entry.owner] -= 1
+            if not self._running[entry.owner]:
+                del self._running[entry.owner]
             heapq.heappush(self._deadlines, (time.monotonic() + self.ttl_s, request_id))
 
     def _expire(self) -> None:

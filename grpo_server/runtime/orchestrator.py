@@ -71,6 +71,7 @@ class Orchestrator:
         # it (the Tinker models, sessions and samplers: api/tinker/service.py), so a new life of the name, maybe
         # another tenant's, inherits none of it.
         self.on_delete: list[Callable[[str], Awaitable[None]]] = []
+        self.learner_restarts = 0  # re-syncs after a learner restart: its in-memory state (gradients) is gone
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
         self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
@@ -390,6 +391,7 @@ class Orchestrator:
         """After a learner restart: add every experiment again; the learner resumes the newest version
         on disk (optimizer state starts fresh)."""
         async with self._lock:
+            self.learner_restarts += 1
             for exp in list(self.experiments.values()):
                 resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
                                                                     syncing_ok=True)

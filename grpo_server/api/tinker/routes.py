@@ -68,7 +68,8 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
 
 def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | None,
                 run: Callable[[TinkerModel], Awaitable[Any]]) -> web.Response:
-    """A call on a model: an unknown model is a failed future (category `user`), as the SDK expects."""
+    """A call on a model: an unknown model is a failed future (category `user`), as the SDK expects; the first
+    call after a restart rolled the model back fails, naming what was lost (service.rollback)."""
     service = request.app[TINKER]
     try:
         model = service.model(owner, model_id)
@@ -78,7 +79,13 @@ def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | N
         async def unknown() -> Any:
             raise error
         return _submit(request, owner, unknown)
-    return _submit(request, owner, lambda: run(model), model, seq_id)
+
+    async def unless_rolled_back() -> Any:  # in seq_id order: the first call to run after a restart is told
+        lost = service.rollback(model)
+        if lost is not None:
+            raise lost
+        return await run(model)
+    return _submit(request, owner, unless_rolled_back, model, seq_id)
 
 
 # --- set-up, sessions, service ------------------------------------------------------------------------------------

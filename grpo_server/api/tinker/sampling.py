@@ -11,14 +11,12 @@ engine and weights that sample, so a sample's logprobs and compute_logprobs agre
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 from grpo_server.api.tinker import wire as tw
 from grpo_server.api.tinker.service import Sampler, TinkerModels
 from grpo_server.api.tinker.wire_data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import AdapterRef, GenerateRequest, ScoreRequest
-from grpo_server.runtime.experiment import Experiment
 
 DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
 
@@ -39,18 +37,6 @@ def _check(request: tw.SampleRequest) -> None:
         raise BadRequest("num_samples must be at least 1", code="bad_request")
 
 
-@contextlib.contextmanager
-def _pinned(experiment: Experiment, version: int) -> Iterator[None]:
-    """Keep `version` loaded while the block runs (as `Experiment.pinned_serving_version` does for its own)."""
-    experiment.inflight[version] += 1
-    try:
-        yield
-    finally:
-        experiment.inflight[version] -= 1
-        if version != experiment.serving_version:
-            experiment.retire_unused_versions()
-
-
 async def sample(models: TinkerModels, sampler: Sampler, request: tw.SampleRequest) -> SampleResponse:
     _check(request)
     prompt = request.prompt.tokens()
@@ -59,18 +45,15 @@ async def sample(models: TinkerModels, sampler: Sampler, request: tw.SampleReque
     params = request.sampling_params
     orchestrator = models.orchestrator
     workers = orchestrator.workers
-    adapter, experiment_name, pin = None, None, contextlib.nullcontext()
+    adapter, experiment_name, loaded = None, None, contextlib.nullcontext()
     if sampler.model is not None and sampler.weights is not None:
         experiment = orchestrator.get(sampler.model.experiment)
-        experiment_name, version = experiment.name, sampler.weights.version
-        adapter = AdapterRef(name=experiment.name, version=version)
-        if version not in experiment.adapter_paths:  # let go since: load it again
-            await workers.load_everywhere(adapter, sampler.weights.path)
-            experiment.adapter_paths[version] = sampler.weights.path
-        pin = _pinned(experiment, version)
+        experiment_name = experiment.name
+        adapter = AdapterRef(name=experiment.name, version=sampler.weights.version)
+        loaded = experiment.version_loaded(sampler.weights.version, sampler.weights.path)
     max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
     orchestrator.prompts.check_fits(len(prompt), max_tokens)
-    with pin:
+    async with loaded:
         async with workers.sampler(experiment=experiment_name) as client:
             result = await client.generate(GenerateRequest(
                 prompt_token_ids=prompt, n=request.num_samples, temperature=params.temperature, top_p=params.top_p,

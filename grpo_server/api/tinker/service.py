@@ -29,7 +29,7 @@ from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, ForwardBackwardRequest
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
-from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.worker_config import LoraConfig
 from grpo_server.runtime.futures import FutureStore, SeqLane
 from grpo_server.runtime.orchestrator import Orchestrator
@@ -62,6 +62,11 @@ class TinkerModel:
     lane: SeqLane = field(default_factory=SeqLane)
     sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
     probe_tokens: list[int] | None = None  # a sequence it trained on: what its pushes' checks score
+    # What a restart may roll back, as this front end last saw it: the optimizer step its last optim_step reached
+    # (kept in the registry), and whether it holds summed gradients, made under which learner life.
+    step: int = 0
+    gradients_pending: bool = False
+    learner_life: int = 0
     created_at: float = field(default_factory=time.time)
     last_request_at: float = field(default_factory=time.time)
 
@@ -191,6 +196,10 @@ class TinkerModels:
                 for d in given.data])
         except ValueError as exc:
             raise BadRequest(str(exc), code="unsupported_input") from exc
+        positions, cap = sum(len(d.tokens) for d in data), self.orchestrator.config.tinker_max_tokens_per_call
+        if positions > cap:
+            raise Unprocessable(f"{positions} token positions in one call, over the server's "
+                                f"tinker_max_tokens_per_call {cap}: split the batch", code="over_limit")
         config = None
         if given.loss_fn_config:
             try:
@@ -207,6 +216,8 @@ class TinkerModels:
         async with workers.turns.training(model.experiment):
             verb = workers.learner.forward if request.forward_only else workers.learner.forward_backward
             out = await verb(learner_request, timeout_s=self.orchestrator.config.worker_timeout_s)
+        if not request.forward_only:
+            model.gradients_pending, model.learner_life = True, self.orchestrator.learner_restarts
         return ForwardBackwardOutput(
             loss_fn_outputs=[{k: tw.TensorData.from_list(v, "float32") for k, v in row.items()}
                              for row in out.loss_fn_outputs],
@@ -219,8 +230,31 @@ class TinkerModels:
         workers = self.orchestrator.workers
         async with workers.turns.training(model.experiment):
             out = await workers.learner.optim_step(model.experiment, wire.AdamParams(**request.adam_params.model_dump()))
-        self.orchestrator.get(model.experiment).step = out.step
+        self.orchestrator.get(model.experiment).optimizer_stepped(out.step)
+        model.step, model.gradients_pending = out.step, False
+        await self._saved()  # the step reached, so that a restart that rolls it back can say so
         return tw.OptimStepResponse(metrics=out.metrics)
+
+    def rollback(self, model: TinkerModel) -> ApiError | None:
+        """A restart rolled `model` back since its last call (the learner resumed an older checkpoint, or lost
+        the gradients it summed): the error its next call fails with, once (category `server`), so the client
+        never goes on silently from other weights than it trained. None: nothing was lost."""
+        exp = self.orchestrator.experiments.get(model.experiment)
+        if exp is None:
+            return None
+        lost = []
+        if exp.step < model.step:
+            lost.append(f"rolled back from optimizer step {model.step} to step {exp.step}, its newest checkpoint "
+                        "(the steps after it and their AdamW state are lost)")
+        if model.gradients_pending and model.learner_life != self.orchestrator.learner_restarts:
+            lost.append("the gradients summed by forward_backward since the last optim_step are lost")
+        model.step, model.learner_life = exp.step, self.orchestrator.learner_restarts
+        model.gradients_pending = model.gradients_pending and not lost
+        if not lost:
+            return None
+        log.warning("tinker model %s: a restart %s", model.model_id, "; ".join(lost))
+        return ApiError(f"model {model.model_id} was restarted: {'; '.join(lost)}. Load a saved state or go on "
+                        "from here knowingly; this call was not run", code="rolled_back", status=503)
 
     async def save_weights(self, model: TinkerModel, name: str | None) -> str:
         label = name or f"auto-{int(time.time() * 1000)}"

@@ -1,0 +1,58 @@
+"""One door per experiment (issue 46): no module outside its owner, grpo_server/runtime/experiment.py, writes an
+Experiment's fields. The other modules call its verbs (`complete`, `feedback`, `put_back`, `version_loaded`,
+`optimizer_stepped`, ...), so admission, counters, pinning and pruning are the owner's alone.
+
+Read from the source: an assignment, augmented assignment, `del`, or a mutating call (`append`, `pop`, ...) whose
+target is `<expr>.<field>` (or an item of it), where `<field>` is one of Experiment's dataclass fields and `<expr>`
+names an experiment (`exp`, `experiment`, `....exp`, an `orchestrator.get(...)` or `experiments[...]`)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+from grpo_server.runtime.experiment import Experiment
+
+ROOT = Path(__file__).resolve().parent.parent
+OWNER = ROOT / "grpo_server" / "runtime" / "experiment.py"
+MUTATORS = {"append", "extend", "pop", "popleft", "clear", "update", "add", "discard", "remove", "setdefault",
+            "appendleft", "insert", "sort", "__setitem__", "__delitem__"}
+EXPERIMENT = re.compile(r"(^|\.)(exp|experiment)$|\.get\(.*\)$|experiments\[.*\]$|experiments\.values\(\)")
+
+
+def writes(paths: list[Path], fields: set[str]) -> list[str]:
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign | ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                targets = [node.func.value]
+            else:
+                continue
+            for target in targets:
+                while isinstance(target, ast.Subscript):
+                    target = target.value
+                if (isinstance(target, ast.Attribute) and target.attr in fields
+                        and EXPERIMENT.search(ast.unparse(target.value))):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_outside_the_owner_writes_an_experiments_fields():
+    fields = {f.name for f in dataclasses.fields(Experiment)}
+    others = [p for p in sorted((ROOT / "grpo_server").rglob("*.py")) if p != OWNER]
+    assert writes(others, fields) == []
+
+
+def test_the_check_sees_a_write(tmp_path):
+    """The check itself: each shape of write it looks for is found, and a write to another object is not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(exp, orchestrator, series):\n    exp.step = 1\n    exp.inflight[2] += 1\n"
+                     "    orchestrator.get('x').queue.append(3)\n    del exp.adapter_paths[1]\n"
+                     "    series.step.append(4)\n")
+    assert len(writes([probe], {"step", "inflight", "queue", "adapter_paths"})) == 4
