@@ -154,3 +154,37 @@ def test_a_large_body_does_not_hold_the_event_loop(server):
         slowest.append(_call(server, "GET", "/v1/health", ADMIN_KEY)[2])
     sender.join()
     assert len(slowest) >= 2 and max(slowest) < 0.5, slowest
+
+
+def test_named_weights_outlive_pruning_and_saved_states_expire(server, tiny_model_dir):
+    """One retention rule (issue 46): pushes prune old versions (learner.keep_versions, 8 here), but never one a
+    client names; a saved state with ttl_seconds is deleted once they pass."""
+    with tinker.ServiceClient(base_url=server.url, api_key=f"tml-{ADMIN_KEY}") as client:
+        training = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result()
+        experiment = "tinker-" + training.model_id.split(":")[0].removeprefix("sess-") + "-" + \
+            training.model_id.split(":")[-1]
+        folder = server.run_dir / "adapters" / experiment
+        kept = training.save_weights_for_sampler("kept").result().path
+        kept_version = max(int(p.name[1:]) for p in folder.iterdir() if p.name.startswith("v"))
+        for _ in range(10):  # one name saved over and over: each earlier version is named no more
+            training.save_weights_for_sampler("rolling").result()
+        on_disk = sorted(int(p.name[1:]) for p in folder.iterdir() if p.name.startswith("v"))
+        assert kept_version in on_disk and kept_version + 1 not in on_disk, on_disk
+        sampled = client.create_sampling_client(model_path=kept).sample(
+            types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+        assert sampled.sequences[0].tokens
+
+        status, body, _ = _call(server, "POST", "/api/v1/save_weights", ADMIN_KEY,
+                                {"model_id": training.model_id, "path": "short-lived", "ttl_seconds": 1})
+        assert status == 200, body
+        status, body, _ = _call(server, "POST", "/api/v1/retrieve_future", ADMIN_KEY,
+                                {"request_id": body["request_id"]})
+        assert status == 200 and body["path"].endswith("/weights/short-lived"), body
+        listed = tinker.RestClient(base_url=server.url, api_key=f"tml-{ADMIN_KEY}")
+        assert "weights/short-lived" in {c.checkpoint_id for c in listed.list_checkpoints(training.model_id).result()
+                                         .checkpoints}
+        time.sleep(1.5)
+        assert "weights/short-lived" not in {c.checkpoint_id for c in
+                                             listed.list_checkpoints(training.model_id).result().checkpoints}
+        assert not (server.run_dir / "checkpoints" / experiment / "states" / "short-lived").exists()
+    assert _call(server, "DELETE", f"/v1/experiments/{experiment}", ADMIN_KEY)[0] == 204

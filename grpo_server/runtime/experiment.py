@@ -76,6 +76,9 @@ class Experiment:
     last_served_as: str | None = None  # how the sampler ran the latest completions (wire.ServedAs)
     probe: Group | None = None  # a trained group, used to check sampler vs learner after a push
     versions_in_check: set[int] = field(default_factory=set)  # kept loaded until the samplers scored them
+    # Versions a client names and may sample later (a Tinker sampler, saved sampler weights): kept on disk by
+    # pruning (runtime/training.py prune_versions) while named, however old. Counted: names come and go apiece.
+    named_versions: Counter = field(default_factory=Counter)
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
     created_at: float = field(default_factory=time.time)  # epoch seconds (OpenAI's model `created`)
@@ -329,6 +332,15 @@ class Experiment:
                 await self.workers.load_everywhere(AdapterRef(name=self.name, version=version), path)
                 self.adapter_paths[version] = path
             yield
+
+    def name_version(self, version: int) -> None:
+        """A client names `version` (see `named_versions`): pruning keeps it until `unname_version`."""
+        self.named_versions[version] += 1
+
+    def unname_version(self, version: int) -> None:
+        self.named_versions[version] -= 1
+        if self.named_versions[version] <= 0:
+            del self.named_versions[version]
 
     def optimizer_stepped(self, step: int) -> None:
         """A Tinker optim_step moved the weights to optimizer step `step` (native steps count in `trained`)."""

@@ -213,12 +213,14 @@ class ExperimentTrainer:
                                learner_side.previous_logprobs, learner_side.previous_version)
 
     async def prune_versions(self) -> None:
-        """Let the learner delete the versions nobody needs (learner.keep_versions, learner/retention.py). Only
-        this task's pushes add versions, and each is followed by this from the same task, so no version missing
-        from `in_use` can come into use before the learner acts on it. A failure costs disk, not training:
-        shown, and the next push prunes again."""
+        """Let the learner delete the versions nobody needs (learner.keep_versions, learner/retention.py): one rule
+        for every API, which keeps what is loaded, checked, served, or named by a client (a Tinker sampler or its
+        saved sampler weights). Every push is followed by this, the native ones' and the Tinker ones' (`push_now`),
+        so no version missing from `in_use` can come into use before the learner acts on it. A failure costs disk,
+        not training: shown, and the next push prunes again."""
         exp = self.exp
-        in_use = sorted(set(exp.adapter_paths) | exp.versions_in_check | {exp.serving_version})
+        in_use = sorted(set(exp.adapter_paths) | exp.versions_in_check | {exp.serving_version}
+                        | set(exp.named_versions))
         try:
             await self.workers.learner.prune_versions(exp.name, in_use)
         except ApiError as exc:
@@ -244,6 +246,7 @@ class ExperimentTrainer:
             pushed = await self.push(slot, probe)
         if pushed is not None:
             await self.score_for_check(pushed)
+            await self.prune_versions()
         if self.exp.serving_version == before:
             reason = self.exp.errors[-1] if self.exp.errors else "push failed"
             raise Unavailable(f"{self.exp.name}: no new version was pushed ({reason})", code="push_failed")

@@ -56,7 +56,7 @@ class TinkerRegistry:
                 models[row["model_id"]] = make_model(
                     model_id=row["model_id"], experiment=row["experiment"], owner=row["owner"],
                     lora=tw.LoraConfig.model_validate(row["lora"]), probe_tokens=row.get("probe_tokens"),
-                    created_at=row["created_at"], step=row.get("step", 0),
+                    created_at=row["created_at"], step=row.get("step", 0), expires=row.get("expires", {}),
                     sampler_weights={name: weights(**w) for name, w in row["sampler_weights"].items()})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("tinker: %s could not be read (%s); starting with no Tinker sessions or models", self.path, exc)
@@ -80,6 +80,6 @@ class TinkerRegistry:
 def _row(model: TinkerModel) -> dict[str, Any]:
     return {"model_id": model.model_id, "experiment": model.experiment, "owner": model.owner,
             "lora": model.lora.model_dump(), "probe_tokens": model.probe_tokens, "created_at": model.created_at,
-            "step": model.step,
+            "step": model.step, "expires": model.expires,
             "sampler_weights": {name: {"version": w.version, "path": w.path, "saved_at": w.saved_at}
                                 for name, w in model.sampler_weights.items()}}

@@ -184,7 +184,7 @@ async def save_weights(request: web.Request) -> web.Response:
     service = request.app[TINKER]
 
     async def run(model: TinkerModel) -> tw.SaveWeightsResponse:
-        return tw.SaveWeightsResponse(path=await service.save_weights(model, body.path))
+        return tw.SaveWeightsResponse(path=await service.save_weights(model, body.path, body.ttl_seconds))
     return _model_call(request, owner, body.model_id, body.seq_id, run)
 
 
@@ -194,7 +194,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     service = request.app[TINKER]
 
     async def run(model: TinkerModel) -> tw.SaveWeightsForSamplerResponse:
-        weights = await service.save_for_sampler(model, body.path)
+        weights = await service.save_for_sampler(model, body.path, body.ttl_seconds)
         if body.path is not None:
             return tw.SaveWeightsForSamplerResponse(path=f"tinker://{model.model_id}/sampler_weights/{body.path}")
         sampler = service.new_sampler(owner, model, weights, None)

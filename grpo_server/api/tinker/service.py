@@ -67,6 +67,7 @@ class TinkerModel:
     step: int = 0
     gradients_pending: bool = False
     learner_life: int = 0
+    expires: dict[str, float] = field(default_factory=dict)  # checkpoint id -> epoch seconds (its ttl_seconds)
     created_at: float = field(default_factory=time.time)
     last_request_at: float = field(default_factory=time.time)
 
@@ -121,6 +122,10 @@ class TinkerModels:
         resumed (a model whose experiment did not is dropped)."""
         self.sessions, self.models = self.registry.load(TinkerModel, SamplerWeights,
                                                         lambda name: name in self.orchestrator.names())
+        for model in self.models.values():  # their saved sampler weights are named again: pruning keeps them
+            experiment = self.orchestrator.experiments.get(model.experiment)
+            for weights in model.sampler_weights.values() if experiment is not None else ():
+                experiment.name_version(weights.version)
 
     async def _saved(self) -> None:
         await self.registry.save(self.sessions, self.models)
@@ -256,10 +261,36 @@ class TinkerModels:
         return ApiError(f"model {model.model_id} was restarted: {'; '.join(lost)}. Load a saved state or go on "
                         "from here knowingly; this call was not run", code="rolled_back", status=503)
 
-    async def save_weights(self, model: TinkerModel, name: str | None) -> str:
+    async def save_weights(self, model: TinkerModel, name: str | None, ttl_seconds: int | None = None) -> str:
+        """A training state (weights and AdamW) as `weights/{label}`: at most tinker_max_saved_per_model of them
+        per model (409 beyond: delete some), each deleted once its `ttl_seconds` have passed."""
+        await self.expire_checkpoints(model)
         label = name or f"auto-{int(time.time() * 1000)}"
-        await self.orchestrator.workers.learner.save_state(model.experiment, label, with_optimizer=True)
+        learner = self.orchestrator.workers.learner
+        saved = {s.label for s in (await learner.list_states(model.experiment)).states}
+        cap = self.orchestrator.config.tinker_max_saved_per_model
+        if label not in saved and len(saved) >= cap:
+            raise Conflict(f"model {model.model_id} holds {len(saved)} saved states, the server's "
+                           f"tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
+        await learner.save_state(model.experiment, label, with_optimizer=True)
+        self._expire_after(model, f"weights/{label}", ttl_seconds)
+        await self._saved()
         return f"tinker://{model.model_id}/weights/{label}"
+
+    def _expire_after(self, model: TinkerModel, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        if ttl_seconds is not None and ttl_seconds > 0:
+            model.expires[checkpoint_id] = time.time() + ttl_seconds
+        else:
+            model.expires.pop(checkpoint_id, None)  # saved again without one: kept
+
+    async def expire_checkpoints(self, model: TinkerModel) -> None:
+        """Delete the model's checkpoints whose ttl_seconds have passed (checked whenever it saves or lists)."""
+        now = time.time()
+        for checkpoint_id in [c for c, at in model.expires.items() if at <= now]:
+            try:
+                await self.delete_checkpoint(model, checkpoint_id)
+            except NotFound:
+                model.expires.pop(checkpoint_id, None)
 
     async def load_weights(self, owner: str, request: tw.LoadWeightsRequest) -> TinkerModel:
         """Into a new model (create-via-load, the SDK's create_training_client_from_state*) or, legacy, into
@@ -279,14 +310,28 @@ class TinkerModels:
                                              with_optimizer=request.optimizer)
         return target
 
-    async def save_for_sampler(self, model: TinkerModel, name: str | None) -> SamplerWeights:
+    async def save_for_sampler(self, model: TinkerModel, name: str | None,
+                               ttl_seconds: int | None = None) -> SamplerWeights:
         """A version push, as after a native train step (runtime/training.py: written, loaded on every sampler,
-        served, checked against the learner's logprobs)."""
+        served, checked against the learner's logprobs, older versions pruned). Named, it is kept as
+        `sampler_weights/{name}` (pruning keeps a named version: `Experiment.name_version`) until deleted or its
+        ttl_seconds pass; unnamed, only the sampler made on it names it."""
+        await self.expire_checkpoints(model)
+        cap = self.orchestrator.config.tinker_max_saved_per_model
+        if name is not None and name not in model.sampler_weights and len(model.sampler_weights) >= cap:
+            raise Conflict(f"model {model.model_id} holds {len(model.sampler_weights)} named sampler weights, the "
+                           "server's tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
         trainer = self.orchestrator.trainers[model.experiment]
         version = await trainer.push_now(probe_from(model.probe_tokens))
-        weights = SamplerWeights(version, self.orchestrator.get(model.experiment).adapter_paths[version])
-        model.sampler_weights[name or f"v{version}"] = weights
-        await self._saved()
+        experiment = self.orchestrator.get(model.experiment)
+        weights = SamplerWeights(version, experiment.adapter_paths[version])
+        if name is not None:
+            if name in model.sampler_weights:
+                experiment.unname_version(model.sampler_weights[name].version)
+            model.sampler_weights[name] = weights
+            experiment.name_version(version)
+            self._expire_after(model, f"sampler_weights/{name}", ttl_seconds)
+            await self._saved()
         return weights
 
     # --- samplers ------------------------------------------------------------------------------------------
@@ -295,8 +340,18 @@ class TinkerModels:
                     model_path: str | None) -> Sampler:
         sampler = Sampler(f"samp-{secrets.token_hex(8)}", owner, model, weights, model_path)
         self.samplers[sampler.sampler_id] = sampler
-        _forget_oldest(self.samplers, lambda s: s.owner == owner, MAX_SAMPLERS_PER_KEY)
+        self._names(sampler, +1)
+        for forgotten in _forget_oldest(self.samplers, lambda s: s.owner == owner, MAX_SAMPLERS_PER_KEY):
+            self._names(forgotten, -1)
         return sampler
+
+    def _names(self, sampler: Sampler, change: int) -> None:
+        """A sampler on a model's weights names their version (pruning keeps it) while the front end holds it."""
+        if sampler.model is None or sampler.weights is None:
+            return
+        experiment = self.orchestrator.experiments.get(sampler.model.experiment)
+        if experiment is not None:
+            (experiment.name_version if change > 0 else experiment.unname_version)(sampler.weights.version)
 
     def sampler_for_path(self, owner: str, model_path: str) -> Sampler:
         model_id, name = parse_path(model_path, "sampler_weights")
@@ -317,6 +372,7 @@ class TinkerModels:
     # --- checkpoints ---------------------------------------------------------------------------------------
 
     async def checkpoints(self, model: TinkerModel) -> list[tw.Checkpoint]:
+        await self.expire_checkpoints(model)
         states = await self.orchestrator.workers.learner.list_states(model.experiment)
         listed = [tw.Checkpoint(checkpoint_id=f"weights/{s.label}", checkpoint_type="training",
                                 time=datetime.fromtimestamp(s.saved_at, timezone.utc),
@@ -330,8 +386,13 @@ class TinkerModels:
         kind, _, name = checkpoint_id.partition("/")
         if kind == "weights":
             await self.orchestrator.workers.learner.delete_state(model.experiment, name)
+            model.expires.pop(checkpoint_id, None)
+            await self._saved()
         elif kind == "sampler_weights" and name in model.sampler_weights:
-            del model.sampler_weights[name]
+            weights = model.sampler_weights.pop(name)
+            if model.experiment in self.orchestrator.experiments:
+                self.orchestrator.get(model.experiment).unname_version(weights.version)
+            model.expires.pop(checkpoint_id, None)
             await self._saved()
         else:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
@@ -346,11 +407,11 @@ def probe_from(tokens: list[int] | None) -> wire.VersionProbe | None:
     return wire.VersionProbe(prompt_token_ids=tokens[:cut], completions_token_ids=[tokens[cut:]], temperature=1.0)
 
 
-def _forget_oldest(table: dict, mine, keep: int) -> None:
-    """Drop the oldest entries (dicts keep insertion order) for which `mine(value)` holds, beyond `keep`."""
+def _forget_oldest(table: dict, mine, keep: int) -> list:
+    """Drop the oldest entries (dicts keep insertion order) for which `mine(value)` holds, beyond `keep`; the
+    values dropped."""
     held = [key for key, value in table.items() if mine(value)]
-    for key in held[:max(0, len(held) - keep)]:
-        del table[key]
+    return [table.pop(key) for key in held[:max(0, len(held) - keep)]]
 
 
 def failure(error: ApiError) -> tw.RequestFailedResponse:
