@@ -313,6 +313,25 @@ def test_two_nodes_run_the_learner_as_torchrun_across_nodes(chart):
     assert one(objects, "PersistentVolumeClaim", f"{prefix}-runs")["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
+def pod_template(objects: list[dict], kind: str, role: str) -> dict:
+    return one(objects, kind, f"{RELEASE}-grpo-server-{role}")["spec"]["template"]
+
+
+def test_scaling_the_samplers_restarts_the_front_end_and_no_worker(chart):
+    """More samplers: new pods and a new URL list, which only the front end reads; so its pod template changes
+    (the config's checksum: it restarts and connects to every sampler) and the running workers' do not."""
+    before, after = render(chart, layout("gpus-4")), render(chart, layout("gpus-8"))
+    assert len(server_config(after)["sampler"]["urls"]) == 7
+    assert pod_template(before, "Deployment", "frontend") != pod_template(after, "Deployment", "frontend")
+    for role in ("sampler", "learner"):
+        assert pod_template(before, "StatefulSet", role) == pod_template(after, "StatefulSet", role), role
+    # Any other change to the config rolls every pod.
+    changed = render(chart, {**layout("gpus-4"), "config": {**yaml.safe_load((CHART / "values.yaml").read_text())[
+        "config"], "max_model_len": 4096}})
+    for kind, role in (("Deployment", "frontend"), ("StatefulSet", "sampler"), ("StatefulSet", "learner")):
+        assert pod_template(before, kind, role) != pod_template(changed, kind, role), role
+
+
 # --- secrets and the network ----------------------------------------------------------------------------
 
 def everything_but_secrets(objects: list[dict]) -> str:

@@ -67,9 +67,14 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- toYaml $c -}}
 {{- end -}}
 
-{{/* What every pod has: the config's checksum (a changed config rolls the pods), the volumes. */}}
+{{/* The config's checksum on each pod: a changed config rolls the pods that read it. Only the front end reads the
+list of sampler URLs, so scaling the samplers restarts it (to connect to the new list) and no worker. */}}
 {{- define "grpo.podAnnotations" -}}
-checksum/config: {{ include "grpo.config" .root | sha256sum }}
+{{- $config := include "grpo.config" .root | fromYaml -}}
+{{- if ne .role "frontend" -}}
+{{- $_ := unset $config.sampler "urls" -}}
+{{- end }}
+checksum/config: {{ toYaml $config | sha256sum }}
 {{- with .extra }}
 {{ toYaml . }}
 {{- end }}
