@@ -7,6 +7,7 @@
 #                             docker build --network host --build-arg BASE_IMAGE=grpo-server-base:bookworm \
 #                                 --build-arg EXTRA=cpu --build-arg PIP_FIND_LINKS=... -t grpo-server:cpu .
 #   (scripts/compose-check does the second way, serving the local CPU torch wheel on loopback.)
+#   GPU, this kind of box:    scripts/gpu-image-check   (EXTRA=gpu on the local base image, then checked inside)
 #
 # BASE_IMAGE: any Debian-based image with python3.11, venv and pip (and the Python headers: DeepSpeed compiles
 # its ops on first use). python:3.11-slim has them; so has the image scripts/make-base-image makes.
