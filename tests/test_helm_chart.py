@@ -13,11 +13,10 @@ import shlex
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import helm_python as helm  # the dev extra's helm-python-sdk (import name helm_python)
+import kubernetes_validate
 import pytest
 import yaml
-
-helm = pytest.importorskip("helm_python", reason="the dev extra's helm-python-sdk (scripts/setup installs it)")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "grpo-server"
