@@ -14,9 +14,10 @@ import aiohttp
 from aiohttp import web
 
 from grpo_server.api import prometheus, status_page
-from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON,
-                                      ORCHESTRATOR, RESPONSES, TINKER)
+from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME,
+                                      OPENAPI_JSON, ORCHESTRATOR, RESPONSES, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
+from grpo_server.api.native.downloads import Downloads
 from grpo_server.api.edge import context_middleware, count_middleware, echo_request_id, error_middleware
 from grpo_server.api.native.routes import ROUTES as NATIVE_ROUTES
 from grpo_server.api.openai.responses import response_store
@@ -64,6 +65,11 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app[MODEL_NAME] = Path(config.model).name
     app[OPENAPI_JSON] = openapi_json(ENDPOINTS)
     app[RESPONSES] = response_store(config)
+    app[DOWNLOADS] = downloads = Downloads()
+
+    async def close_downloads(app: web.Application) -> None:
+        downloads.close()
+    app.on_cleanup.append(close_downloads)
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
         workers = WorkerSet(config)

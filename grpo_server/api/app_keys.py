@@ -9,6 +9,7 @@ from prometheus_client.registry import CollectorRegistry
 
 if TYPE_CHECKING:
     from grpo_server.api.auth_limit import FailedAuthLimiter
+    from grpo_server.api.native.downloads import Downloads
     from grpo_server.api.openai.responses_store import ResponseStore
     from grpo_server.api.prometheus import HttpCounter
     from grpo_server.api.tinker.service import TinkerModels
@@ -23,3 +24,4 @@ AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)
 TINKER: web.AppKey["TinkerModels"] = web.AppKey("tinker")  # the Tinker API's sessions, models and futures
 RESPONSES: web.AppKey["ResponseStore"] = web.AppKey("responses")  # stored responses (previous_response_id)
+DOWNLOADS: web.AppKey["Downloads"] = web.AppKey("downloads")  # adapter downloads' own threads and per-key cap

@@ -24,6 +24,7 @@ import errno
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +35,16 @@ from grpo_server.protocol.wire import Completion
 from grpo_server.runtime.groups import Group
 
 log = logging.getLogger(__name__)
+
+# Journal writes (appends and compactions, each fsynced) run on threads of their own: on asyncio's default
+# executor they waited behind whatever else ran there (adapter archives, registry writes), and a feedback's 202
+# waits for its append (issue 46). Each journal still writes one thing at a time (its lock); four threads let
+# four experiments' appends go at once.
+_WRITES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="journal")
+
+
+async def _on_journal_thread(work: Callable[..., Any], *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(_WRITES, work, *args)
 
 
 def group_record(group: Group) -> dict[str, Any]:
@@ -169,7 +180,7 @@ class FeedbackJournal:
         async with self._lock:
             seq = self.last_seq + 1
             try:
-                await asyncio.to_thread(self._write_group, group, seq)
+                await _on_journal_thread(self._write_group, group, seq)
             except OSError as exc:
                 log.error("%s: feedback not journalled: %s", self.path, exc)
                 # The reason without the file's name (an OSError's str carries the server's path): the log has it.
@@ -199,7 +210,7 @@ class FeedbackJournal:
 
     async def compact_async(self, through_seq: int) -> None:
         async with self._lock:
-            await asyncio.to_thread(self.compact, through_seq)
+            await _on_journal_thread(self.compact, through_seq)
 
     def close(self) -> None:
         self._closed = True

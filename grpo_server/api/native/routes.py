@@ -3,18 +3,14 @@ this server's OpenAPI document; the handlers, and `ROUTES`, the table that serve
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import io
 import secrets
-import tarfile
-from pathlib import Path
 
 from aiohttp import web
 from pydantic import SecretStr
 
 from grpo_server.api import prometheus
-from grpo_server.api.app_keys import ADMIN_KEY, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR
+from grpo_server.api.app_keys import ADMIN_KEY, DOWNLOADS, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR
 from grpo_server.api.edge import ADMIN, caller, parse_body, require, respond
 from grpo_server.api.route_table import GZIP, Endpoint, QueryParameter
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, CreatedExperiment, ExperimentList,
@@ -111,7 +107,8 @@ async def tokenize(request: web.Request) -> web.Response:
 async def download_adapter(request: web.Request) -> web.Response:
     """The adapter version as a .tar.gz of its peft folder (adapter_config.json, adapter_model.safetensors)."""
     name = request.match_info["name"]
-    require(caller(request), name)
+    who = caller(request)
+    require(who, name)
     raw_version = request.query.get("version")
     try:
         version = None if raw_version is None else int(raw_version)
@@ -119,19 +116,12 @@ async def download_adapter(request: web.Request) -> web.Response:
         raise BadRequest(f"version must be an integer, got {raw_version!r}", code="bad_version") from exc
     if version is not None and version < 0:  # no such folder, and no version the learner could be asked for
         raise BadRequest(f"version must be 0 or more, got {version}", code="bad_version")
-    async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
-        body = await asyncio.to_thread(tar_gz, folder, f"{name}-{folder.name}")  # seconds for a large adapter
+    downloads = request.app[DOWNLOADS]
+    with downloads.slot(who):  # on a pool of their own, a few per key (native/downloads.py)
+        async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
+            body = await downloads.tar_gz(folder, f"{name}-{folder.name}")  # seconds for a large adapter
     return web.Response(body=body, content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
-
-
-def tar_gz(folder: Path, top: str) -> bytes:
-    """`folder`'s files as a .tar.gz whose entries sit under `top/`."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for path in sorted(folder.iterdir()):
-            archive.add(path, arcname=f"{top}/{path.name}")
-    return buffer.getvalue()
 
 
 async def experiment_metrics(request: web.Request) -> web.Response:
@@ -206,7 +196,7 @@ ROUTES: tuple[Endpoint, ...] = (
              "Rewards for a group (or for external completions)", "experiment", (409, 502, 503),
              error_text=((503, FEEDBACK_503),)),
     Endpoint("GET", EXP + "/adapter", download_adapter, None, None, 200,
-             "An adapter version as a .tar.gz of its peft folder", "experiment", (400, 410), GZIP, ADAPTER_QUERY),
+             "An adapter version as a .tar.gz of its peft folder", "experiment", (400, 410, 429), GZIP, ADAPTER_QUERY),
     Endpoint("GET", EXP + "/metrics", experiment_metrics, None, MetricsHistory, 200,
              "The experiment's newest metrics records (train steps, pushes, sampling throughput)", "experiment",
              (400,), query=METRICS_QUERY),
