@@ -170,7 +170,7 @@ def test_named_weights_outlive_pruning_and_saved_states_expire(server, tiny_mode
             training.save_weights_for_sampler("rolling").result()
         on_disk = sorted(int(p.name[1:]) for p in folder.iterdir() if p.name.startswith("v"))
         assert kept_version in on_disk and kept_version + 1 not in on_disk, on_disk
-        sampled = client.create_sampling_client(model_path=kept).sample(
+        sampled = client.create_sampling_client(model_path=kept).result().sample(
             types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
         assert sampled.sequences[0].tokens
 

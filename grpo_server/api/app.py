@@ -18,12 +18,13 @@ from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, DOWNLOADS, HTTP_C
                                       OPENAPI_JSON, ORCHESTRATOR, RESPONSES, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.native.downloads import Downloads
-from grpo_server.api.edge import context_middleware, count_middleware, echo_request_id, error_middleware
+from grpo_server.api.edge import (aiohttp_routes, context_middleware, count_middleware, echo_request_id,
+                                   error_middleware)
 from grpo_server.api.native.routes import ROUTES as NATIVE_ROUTES
 from grpo_server.api.openai.responses import response_store
 from grpo_server.api.openai.routes import ROUTES as OPENAI_ROUTES
 from grpo_server.api.openapi import openapi_json
-from grpo_server.api.route_table import Endpoint, aiohttp_routes
+from grpo_server.api.route_table import Endpoint
 from grpo_server.api.tinker.routes import ROUTES as TINKER_ROUTES
 from grpo_server.api.tinker.service import TinkerModels
 from grpo_server.config import EMBEDDED_MODEL_HUB_ID, EMBEDDED_MODEL_NAME, ServerConfig

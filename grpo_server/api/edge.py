@@ -11,14 +11,14 @@ import asyncio
 import hmac
 import json
 import logging
-from typing import Any, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import msgpack
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
-from grpo_server.api.route_table import ADMIN
+from grpo_server.api.route_table import ADMIN_PRINCIPAL, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context
 from grpo_server.protocol.codec import MSGPACK
@@ -192,32 +192,32 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def principal(request: web.Request, admin_key: str, experiments: Iterable[ExperimentConfig]) -> str:
-    """ADMIN, or the name of the experiment whose key was given. 401 for an unknown key."""
+def principal(request: web.Request, admin_key: str, experiments: Iterable[ExperimentConfig]) -> Principal:
+    """The admin, or the experiment whose key was given. 401 for an unknown key."""
     token = _bearer(request)
     if _same(token, admin_key):
-        return ADMIN
+        return ADMIN_PRINCIPAL
     found = None
     for config in experiments:  # every key is compared, so timing does not reveal which matched
         if config.api_key is not None and _same(token, config.api_key.get_secret_value()):
             found = config.name
     if found is None:
         raise Unauthorized("invalid API key", code="invalid_key")
-    return found
+    return Principal("experiment", found)
 
 
-def require(who: str, experiment: str | None = None, admin_only: bool = False) -> None:
-    if who == ADMIN:
+def require(who: Principal, experiment: str | None = None, admin_only: bool = False) -> None:
+    if who.is_admin:
         return
     if admin_only:
         raise Forbidden("this call needs the admin key", code="admin_only")
-    if experiment is not None and who != experiment:
+    if experiment is not None and not who.may_use(experiment):
         raise Forbidden("this key does not grant access to that experiment", code="wrong_experiment")
 
 
-def caller(request: web.Request) -> str:
-    """ADMIN, or the name of the experiment whose key the request carries (401 otherwise; 429 while its
-    address has sent too many unknown keys)."""
+def caller(request: web.Request) -> Principal:
+    """The admin or the experiment whose key the request carries (401 otherwise; 429 while its address has sent
+    too many unknown keys)."""
     orchestrator = request.app[ORCHESTRATOR]
     limiter = request.app[AUTH_LIMITER]
     limiter.check(request.remote)
@@ -227,3 +227,32 @@ def caller(request: web.Request) -> str:
         if exc.code == "invalid_key":
             limiter.failed(request.remote)
         raise
+
+
+def aiohttp_routes(endpoints: tuple[Endpoint, ...]) -> list[web.RouteDef]:
+    """The table's rows as aiohttp routes, each handler behind its row's rules (`guarded`)."""
+    return [web.route(e.method, e.path, guarded(e)) for e in endpoints]
+
+
+def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """`endpoint.handler` behind the row's rules, in this order: the caller's key (401 / 429) before the body is
+    looked at; `admin` rows the admin's only, `experiment` rows the admin's or the experiment's own (the path's
+    `{name}`, else the one the body names through `scope`: 403); then the body as the row's model."""
+    auth, scoped_by_path = endpoint.auth, "{name}" in endpoint.path
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        who = None if auth == "public" else caller(request)
+        if auth == "admin":
+            require(who, admin_only=True)
+        elif auth == "experiment" and scoped_by_path:
+            require(who, request.match_info["name"])
+        body = await parse_body(request, endpoint.request) if endpoint.request is not None else None
+        if auth == "experiment" and endpoint.scope is not None:
+            named = endpoint.scope(body)
+            if named is None and not who.is_admin:
+                raise Forbidden("an experiment's key acts on its own experiment: name it", code="wrong_experiment")
+            if named is not None:
+                require(who, named)
+        return await endpoint.handler(request, who, body)
+    return handle
+

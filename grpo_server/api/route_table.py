@@ -1,8 +1,12 @@
 """The shape of a route table. Each API family (`native/`, `openai/`, `tinker/`) exports one tuple of
 `Endpoint` rows, `ROUTES`; `app.py` joins them into the server's table, which drives everything a route needs
-besides its handler's body: aiohttp's registration, who may call it (`tests/test_auth.py` checks every row),
-and the OpenAPI document (`openapi.py`). A route without a row cannot be served; a row without a route
-cannot exist.
+besides its handler's body: aiohttp's registration, who may call it, the body it takes, and the OpenAPI document
+(`openapi.py`). A route without a row cannot be served; a row without a route cannot exist.
+
+The table is executed, not only declared: `edge.aiohttp_routes` wraps each handler in its row's rules. The
+wrapper finds the caller's `Principal` (a 401 or 429 first), applies the row's `auth` and `scope` (a 403), and
+decodes and validates the body as the row's `request` model (400 / 413 / 422); the handler is called as
+`handler(request, who, body)` and never looks at a key itself (`tests/test_auth.py` tries every row).
 
 Who may call (`auth`):
 - `public`: no key needed (an `Authorization` header is ignored);
@@ -31,7 +35,33 @@ Auth = Literal["public", "key", "experiment", "admin"]
 # take this one (config.RESERVED_NAMES): a key of an experiment named so would act as the admin's.
 ADMIN = "admin"
 assert ADMIN in RESERVED_NAMES
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who calls: the admin key, or one experiment's key. Tagged, so an experiment's name can never be taken
+    for the admin (and "admin" is no experiment's name either: config.RESERVED_NAMES)."""
+
+    kind: Literal["admin", "experiment"]
+    experiment: str | None = None  # kind "experiment": its name
+
+    @property
+    def is_admin(self) -> bool:
+        return self.kind == "admin"
+
+    @property
+    def owner(self) -> str:
+        """The string stores keep for what this caller made (Tinker sessions, models, futures): ADMIN or the
+        experiment's name."""
+        return ADMIN if self.is_admin else str(self.experiment)
+
+    def may_use(self, experiment: str) -> bool:
+        return self.is_admin or self.experiment == experiment
+
+
+ADMIN_PRINCIPAL = Principal("admin")
+# handler(request, who, body): `who` None on public routes, `body` None where the row has no request model.
+Handler = Callable[[web.Request, Any, Any], Awaitable[web.StreamResponse]]
 JSON = "application/json"
 EVENT_STREAM = "text/event-stream"
 GZIP = "application/gzip"
@@ -66,6 +96,9 @@ class Endpoint:
     # The operationId, where the one made from the path would be another route's (vLLM's `/tokenize` beside
     # our `/v1/tokenize`: both `post_tokenize`)
     operation: str = ""
+    # With auth "experiment" and no `{name}` in the path: the experiment the validated body names (the OpenAI
+    # routes' `model`, tokenize's `experiment`). None from it: no experiment named, which only the admin may do.
+    scope: Callable[[Any], str | None] | None = field(default=None, compare=False)
 
     @property
     def operation_id(self) -> str:
@@ -73,7 +106,3 @@ class Endpoint:
             return self.operation
         words = [w for w in self.path.replace("{", "").replace("}", "").replace(".", "_").split("/") if w]
         return "_".join([self.method.lower()] + [w for w in words if w not in ("v1", "api")])
-
-
-def aiohttp_routes(endpoints: tuple[Endpoint, ...]) -> list[web.RouteDef]:
-    return [web.route(e.method, e.path, e.handler) for e in endpoints]

@@ -5,24 +5,25 @@ from __future__ import annotations
 
 import hmac
 import secrets
+from typing import Any
 
 from aiohttp import web
 from pydantic import SecretStr
 
 from grpo_server.api import prometheus
 from grpo_server.api.app_keys import ADMIN_KEY, DOWNLOADS, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR
-from grpo_server.api.edge import ADMIN, caller, parse_body, require, respond
-from grpo_server.api.route_table import GZIP, Endpoint, QueryParameter
+from grpo_server.api.edge import respond
+from grpo_server.api.route_table import GZIP, Endpoint, Principal, QueryParameter
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, CreatedExperiment, ExperimentList,
                                     ExperimentStatus, FeedbackRequest, FeedbackResponse, Health, NewExperiment,
                                     TokenizeRequest, TokenizeResponse)
-from grpo_server.protocol.errors import BadRequest, Conflict, Forbidden
+from grpo_server.protocol.errors import BadRequest, Conflict
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
 
 METRICS_LIMIT_DEFAULT = 500
 
 
-async def health(request: web.Request) -> web.Response:
+async def health(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     workers = request.app[ORCHESTRATOR].workers
     states = workers.states()
     ok = all(state == "ready" for state in states.values())
@@ -32,11 +33,9 @@ async def health(request: web.Request) -> web.Response:
                                    event_loop_lag_p99_s=lag.quantile(0.99), event_loop_lag_max_s=lag.recent_max()))
 
 
-async def create_experiment(request: web.Request) -> web.Response:
+async def create_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """A new experiment (an earlier one of its name stays archived), or with `resume` the deleted one again.
     Without an `api_key` the server makes one, returned in this answer only."""
-    require(caller(request), admin_only=True)
-    body = await parse_body(request, NewExperiment)
     config, generated = body.config(), None
     if config.api_key is None:
         generated = secrets.token_urlsafe(24)
@@ -51,64 +50,46 @@ async def create_experiment(request: web.Request) -> web.Response:
     return respond(request, CreatedExperiment(**dict(status), api_key=generated), status=201)
 
 
-async def list_experiments(request: web.Request) -> web.Response:
-    who = caller(request)
+async def list_experiments(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     orchestrator = request.app[ORCHESTRATOR]
-    names = orchestrator.names() if who == ADMIN else [who]
+    names = orchestrator.names() if who.is_admin else [who.experiment]
     return respond(request, ExperimentList(experiments=orchestrator.statuses(names)))
 
 
-async def get_experiment(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    require(caller(request), name)
-    return respond(request, request.app[ORCHESTRATOR].status(name))
+async def get_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    return respond(request, request.app[ORCHESTRATOR].status(request.match_info["name"]))
 
 
-async def delete_experiment(request: web.Request) -> web.Response:
-    require(caller(request), admin_only=True)
+async def delete_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     await request.app[ORCHESTRATOR].delete(request.match_info["name"])
     return web.Response(status=204)
 
 
-async def restore_experiment(request: web.Request) -> web.Response:
+async def restore_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """An experiment the server could not restore at start, created again from its saved config."""
-    require(caller(request), admin_only=True)
     return respond(request, await request.app[ORCHESTRATOR].retry(request.match_info["name"]))
 
 
-async def completions(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    require(caller(request), name)
-    body = await parse_body(request, CompletionsRequest)
-    return respond(request, await request.app[ORCHESTRATOR].get(name).complete(body))
+async def completions(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    return respond(request, await request.app[ORCHESTRATOR].get(request.match_info["name"]).complete(body))
 
 
-async def feedback(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    require(caller(request), name)
-    body = await parse_body(request, FeedbackRequest)
-    return respond(request, await request.app[ORCHESTRATOR].get(name).feedback(body), status=202)
+async def feedback(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    return respond(request, await request.app[ORCHESTRATOR].get(request.match_info["name"]).feedback(body),
+                   status=202)
 
 
-async def tokenize(request: web.Request) -> web.Response:
+async def tokenize(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """Scoped as completions are: an experiment's key names its own experiment in `experiment` (another's, or
     none, is a 403); the admin key may name any (404 if it does not exist) or none."""
-    who = caller(request)
-    body = await parse_body(request, TokenizeRequest)
-    if body.experiment is None and who != ADMIN:
-        raise Forbidden("an experiment's key tokenizes for its own experiment: name it in 'experiment'",
-                        code="wrong_experiment")
-    if body.experiment is not None:
-        require(who, body.experiment)
+    if body.experiment is not None:  # the route's scope checked the key against it
         request.app[ORCHESTRATOR].get(body.experiment)
     return respond(request, await request.app[ORCHESTRATOR].tokenize(body))
 
 
-async def download_adapter(request: web.Request) -> web.Response:
+async def download_adapter(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """The adapter version as a .tar.gz of its peft folder (adapter_config.json, adapter_model.safetensors)."""
     name = request.match_info["name"]
-    who = caller(request)
-    require(who, name)
     raw_version = request.query.get("version")
     try:
         version = None if raw_version is None else int(raw_version)
@@ -117,17 +98,16 @@ async def download_adapter(request: web.Request) -> web.Response:
     if version is not None and version < 0:  # no such folder, and no version the learner could be asked for
         raise BadRequest(f"version must be 0 or more, got {version}", code="bad_version")
     downloads = request.app[DOWNLOADS]
-    with downloads.slot(who):  # on a pool of their own, a few per key (native/downloads.py)
+    with downloads.slot(who.owner):  # on a pool of their own, a few per key (native/downloads.py)
         async with request.app[ORCHESTRATOR].adapter_dir(name, version) as folder:
-            body = await downloads.tar_gz(folder, f"{name}-{folder.name}")  # seconds for a large adapter
-    return web.Response(body=body, content_type="application/gzip", headers={
+            archive = await downloads.tar_gz(folder, f"{name}-{folder.name}")  # seconds for a large adapter
+    return web.Response(body=archive, content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{name}-{folder.name}.tar.gz"'})
 
 
-async def experiment_metrics(request: web.Request) -> web.Response:
+async def experiment_metrics(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """The experiment's newest metrics records (its metrics log's lines), for the status page and scripts."""
     name = request.match_info["name"]
-    require(caller(request), name)
     orchestrator = request.app[ORCHESTRATOR]
     orchestrator.get(name)  # 404 for an unknown experiment
     kind = request.query.get("kind")
@@ -145,15 +125,14 @@ async def experiment_metrics(request: web.Request) -> web.Response:
     return respond(request, MetricsHistory(name=name, records=records))
 
 
-async def openapi(request: web.Request) -> web.Response:
+async def openapi(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """The OpenAPI 3.1 document of this server's routes (every family's), built once when the app is made
     (`openapi.py`). Public: no key needed."""
     return web.Response(body=request.app[OPENAPI_JSON], content_type="application/json")
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     """Prometheus text format; admin key only (it names every experiment)."""
-    require(caller(request), admin_only=True)
     return web.Response(body=prometheus.render(request.app[METRICS_REGISTRY]),
                         headers={"Content-Type": prometheus.CONTENT_TYPE})
 
@@ -178,7 +157,8 @@ ROUTES: tuple[Endpoint, ...] = (
     Endpoint("GET", "/metrics", metrics, None, None, 200, "Prometheus metrics (text format 0.0.4)", "admin",
              content_type="text/plain"),
     Endpoint("POST", "/v1/tokenize", tokenize, TokenizeRequest, TokenizeResponse, 200,
-             "A prompt or messages to the token ids completions would use", "experiment"),
+             "A prompt or messages to the token ids completions would use", "experiment",
+             scope=lambda body: body.experiment),
     Endpoint("POST", "/v1/experiments", create_experiment, NewExperiment, CreatedExperiment, 201,
              "Create an experiment (or, with `resume`, bring back a deleted one)", "admin", (404, 409, 502, 503)),
     Endpoint("GET", "/v1/experiments", list_experiments, None, ExperimentList, 200,

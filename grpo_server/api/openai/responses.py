@@ -17,14 +17,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.api.app_keys import ORCHESTRATOR, RESPONSES
-from grpo_server.api.edge import caller, parse_body, require, respond
+from grpo_server.api.edge import respond
 from grpo_server.api.openai.responses_items import items_to_messages
 from grpo_server.api.openai.responses_models import (LOGPROBS_INCLUDE, Echo, ResponseObject, ResponsesRequest,
                                                      chat_tool_choice, chat_tools, check_fields, conversation)
 from grpo_server.api.openai.responses_store import ResponseStore, StoredResponse
 from grpo_server.api.openai.responses_stream import EVENTS_TEXT, ResponseStreamEvent, stream_response
 from grpo_server.api.openai.streaming import id_header
-from grpo_server.api.route_table import Endpoint
+from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api_models import ChatMessage, CompletionsRequest, CompletionsResponse
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
@@ -72,10 +72,7 @@ def _echo(body: ResponsesRequest, experiment: Experiment) -> Echo:
                 logprobs=LOGPROBS_INCLUDE in (body.include or ()))
 
 
-async def create_response(request: web.Request) -> web.StreamResponse:
-    who = caller(request)  # 401 before the body is looked at
-    body = await parse_body(request, ResponsesRequest)
-    require(who, body.model)
+async def create_response(request: web.Request, who: Principal, body: ResponsesRequest) -> web.StreamResponse:
     experiment = request.app[ORCHESTRATOR].get(body.model)  # 404 experiment_not_found before anything else
     check_fields(body)
     store = request.app[RESPONSES]
@@ -114,5 +111,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 ROUTES: tuple[Endpoint, ...] = (
     Endpoint("POST", "/v1/responses", create_response, ResponsesRequest, ResponseObject, 200,
              "OpenAI-compatible Responses API (`model` is the experiment): one completion, or one turn of an "
-             "episode", "experiment", (429, 502, 503), events=ResponseStreamEvent, events_text=EVENTS_TEXT),
+             "episode", "experiment", (429, 502, 503), events=ResponseStreamEvent, events_text=EVENTS_TEXT,
+             scope=lambda body: body.model),
 )

@@ -19,14 +19,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.api.app_keys import ORCHESTRATOR
-from grpo_server.api.edge import ADMIN, caller, parse_body, require, respond
+from grpo_server.api.edge import respond
 from grpo_server.api.openai.models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
                                            ModelList, OpenAIRequest, TextCompletionResponse, chat_response,
                                            chat_to_request, completion_response, completion_to_request)
 from grpo_server.api.openai.responses import ROUTES as RESPONSES_ROUTES
 from grpo_server.api.openai.streaming import ChatCompletionChunk, TextCompletionChunk, id_header, stream_group
 from grpo_server.api.openai.vllm_tokenize import VLLM_TOKEN_ROUTES
-from grpo_server.api.route_table import Endpoint
+from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 from grpo_server.runtime.experiment import Experiment
@@ -34,9 +34,8 @@ from grpo_server.runtime.experiment import Experiment
 EPISODE_HEADER = "X-Episode-Id"
 
 
-def _admit(request: web.Request, who: str, body: OpenAIRequest,
+def _admit(request: web.Request, body: OpenAIRequest,
            convert: Callable[..., CompletionsRequest]) -> tuple[Experiment, CompletionsRequest]:
-    require(who, body.model)
     experiment = request.app[ORCHESTRATOR].get(body.model)  # 404 experiment_not_found before anything else
     return experiment, _episode_from_header(request, convert(body))
 
@@ -89,17 +88,13 @@ async def _answer(request: web.Request, body: ChatCompletionRequest | Completion
     return response
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    who = caller(request)  # 401 before the body is looked at
-    body = await parse_body(request, ChatCompletionRequest)
-    experiment, sample = _admit(request, who, body, chat_to_request)
+async def chat_completions(request: web.Request, who: Principal, body: ChatCompletionRequest) -> web.StreamResponse:
+    experiment, sample = _admit(request, body, chat_to_request)
     return await _answer(request, body, experiment, sample, chat=True, logprobs=bool(body.logprobs))
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    who = caller(request)
-    body = await parse_body(request, CompletionRequest)
-    experiment, sample = _admit(request, who, body, completion_to_request)
+async def completions(request: web.Request, who: Principal, body: CompletionRequest) -> web.StreamResponse:
+    experiment, sample = _admit(request, body, completion_to_request)
     return await _answer(request, body, experiment, sample, chat=False, logprobs=body.logprobs is not None)
 
 
@@ -107,27 +102,24 @@ def _model(experiment: Experiment) -> Model:
     return Model(id=experiment.name, created=int(experiment.created_at))
 
 
-async def list_models(request: web.Request) -> web.Response:
+async def list_models(request: web.Request, who: Principal, body: None) -> web.Response:
     """The experiments this key may sample: every one for the admin key, its own for an experiment's key."""
-    who = caller(request)
     orchestrator = request.app[ORCHESTRATOR]
-    names = sorted(orchestrator.experiments) if who == ADMIN else [who]
+    names = sorted(orchestrator.experiments) if who.is_admin else [who.experiment]
     return respond(request, ModelList(data=[_model(orchestrator.get(name)) for name in names]))
 
 
-async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    require(caller(request), name)
-    return respond(request, _model(request.app[ORCHESTRATOR].get(name)))
+async def get_model(request: web.Request, who: Principal, body: None) -> web.Response:
+    return respond(request, _model(request.app[ORCHESTRATOR].get(request.match_info["name"])))
 
 
 ROUTES: tuple[Endpoint, ...] = (
     Endpoint("POST", "/v1/chat/completions", chat_completions, ChatCompletionRequest, ChatCompletionResponse, 200,
              "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503),
-             events=ChatCompletionChunk),
+             events=ChatCompletionChunk, scope=lambda body: body.model),
     Endpoint("POST", "/v1/completions", completions, CompletionRequest, TextCompletionResponse, 200,
              "OpenAI-compatible (legacy) completions (`model` is the experiment)", "experiment", (429, 502, 503),
-             events=TextCompletionChunk),
+             events=TextCompletionChunk, scope=lambda body: body.model),
     Endpoint("GET", "/v1/models", list_models, None, ModelList, 200,
              "OpenAI-compatible: the experiments this key may sample, as models", "key"),
     Endpoint("GET", "/v1/models/{name}", get_model, None, Model, 200, "OpenAI-compatible: one experiment as a model",

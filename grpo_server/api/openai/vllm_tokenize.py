@@ -23,10 +23,10 @@ from aiohttp import web
 from pydantic import Field, ValidationError
 
 from grpo_server.api.app_keys import ORCHESTRATOR
-from grpo_server.api.edge import caller, parse_body, require, respond
+from grpo_server.api.edge import respond
 from grpo_server.api.openai.convert import chat_messages
 from grpo_server.api.openai.models import OpenAIBody, OpenAIChatMessage
-from grpo_server.api.route_table import Endpoint
+from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api_models import TokenizeRequest
 from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
 from grpo_server.runtime.prompts import PromptBuilder
@@ -90,10 +90,7 @@ def _detokenize(prompts: PromptBuilder, ids: list[int]) -> str:
     return prompts.decode(ids)
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    who = caller(request)  # 401 before the body is looked at
-    body = await parse_body(request, VllmTokenizeRequest)
-    require(who, body.model)
+async def tokenize(request: web.Request, who: Principal, body: VllmTokenizeRequest) -> web.Response:
     orchestrator = request.app[ORCHESTRATOR]
     orchestrator.get(body.model)  # 404 experiment_not_found
     prompts = orchestrator.prompts
@@ -106,10 +103,7 @@ async def tokenize(request: web.Request) -> web.Response:
                                                  token_strs=strs))
 
 
-async def detokenize(request: web.Request) -> web.Response:
-    who = caller(request)
-    body = await parse_body(request, VllmDetokenizeRequest)
-    require(who, body.model)
+async def detokenize(request: web.Request, who: Principal, body: VllmDetokenizeRequest) -> web.Response:
     orchestrator = request.app[ORCHESTRATOR]
     orchestrator.get(body.model)
     text = await orchestrator.prompts.off_loop(_detokenize, orchestrator.prompts, list(body.tokens))
@@ -119,7 +113,8 @@ async def detokenize(request: web.Request) -> web.Response:
 VLLM_TOKEN_ROUTES: tuple[Endpoint, ...] = (
     Endpoint("POST", "/tokenize", tokenize, VllmTokenizeRequest, VllmTokenizeResponse, 200,
              "vLLM-compatible: a prompt or messages to the token ids completions would use (`model` is the "
-             "experiment)", "experiment", operation="post_tokenize_vllm"),
+             "experiment)", "experiment", operation="post_tokenize_vllm", scope=lambda body: body.model),
     Endpoint("POST", "/detokenize", detokenize, VllmDetokenizeRequest, VllmDetokenizeResponse, 200,
-             "vLLM-compatible: token ids to text (`model` is the experiment)", "experiment"),
+             "vLLM-compatible: token ids to text (`model` is the experiment)", "experiment",
+             scope=lambda body: body.model),
 )

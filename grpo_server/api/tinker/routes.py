@@ -19,8 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from grpo_server.api.app_keys import TINKER
-from grpo_server.api.edge import caller, parse_body
-from grpo_server.api.route_table import Endpoint
+from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api.tinker import wire as tw
 from grpo_server.api.tinker.sampling import sample
 from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
@@ -90,49 +89,41 @@ def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | N
 
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
 
-async def client_config(request: web.Request) -> web.Response:
-    caller(request)
-    await parse_body(request, tw.ClientConfigRequest)
+async def client_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     return _json(tw.ClientConfigResponse())
 
 
-async def dynamic_config(request: web.Request) -> web.Response:
-    caller(request)
+async def dynamic_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     return _json(tw.ClientDynamicConfigResponse())
 
 
-async def create_session(request: web.Request) -> web.Response:
-    owner = caller(request)
-    await parse_body(request, tw.CreateSessionRequest)
+async def create_session(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     return _json(tw.CreateSessionResponse(session_id=await request.app[TINKER].create_session(owner)))
 
 
-async def session_heartbeat(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.SessionHeartbeatRequest)
+async def session_heartbeat(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     request.app[TINKER].session(owner, body.session_id)
     return _json(tw.SessionHeartbeatResponse())
 
 
-async def finish_session(request: web.Request) -> web.Response:
-    owner = caller(request)
-    await parse_body(request, tw.SessionFinishRequest)
+async def finish_session(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     request.app[TINKER].session(owner, request.match_info["session_id"])
     return web.json_response({})
 
 
-async def telemetry(request: web.Request) -> web.Response:
-    caller(request)
-    await parse_body(request, tw.TelemetrySendRequest)  # accepted, not kept: the server's own metrics tell more
+async def telemetry(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    # accepted, not kept: the server's own metrics tell more
     return _json(tw.TelemetryResponse())
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     return _json(tw.HealthResponse())
 
 
-async def capabilities(request: web.Request) -> web.Response:
-    caller(request)
+async def capabilities(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     orchestrator = request.app[TINKER].orchestrator
     return _json(tw.GetServerCapabilitiesResponse(supported_models=[tw.SupportedModel(
         model_name=request.app[TINKER].base_model, max_context_length=orchestrator.config.max_model_len,
@@ -141,9 +132,8 @@ async def capabilities(request: web.Request) -> web.Response:
 
 # --- models and training ------------------------------------------------------------------------------------------
 
-async def create_model(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.CreateModelRequest)
+async def create_model(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     lora = body.lora_config or tw.LoraConfig(rank=32)
 
@@ -153,15 +143,14 @@ async def create_model(request: web.Request) -> web.Response:
     return _submit(request, owner, run)
 
 
-async def get_info(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.GetInfoRequest)
+async def get_info(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     return _json(service.info(service.model(owner, body.model_id)))
 
 
-async def forward_backward(request: web.Request) -> web.Response:
-    owner = caller(request)
+async def forward_backward(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     try:  # on a thread: a body of megabytes takes a while to decode and validate (edge.OFF_LOOP_BYTES)
         body = await asyncio.to_thread(decode_forward_backward_request, await request.read())
     except (ValueError, KeyError, IndexError) as exc:
@@ -171,16 +160,14 @@ async def forward_backward(request: web.Request) -> web.Response:
     return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.forward_backward(m, body))
 
 
-async def optim_step(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.OptimStepRequest)
+async def optim_step(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.optim_step(m, body))
 
 
-async def save_weights(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.SaveWeightsRequest)
+async def save_weights(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
 
     async def run(model: TinkerModel) -> tw.SaveWeightsResponse:
@@ -188,9 +175,8 @@ async def save_weights(request: web.Request) -> web.Response:
     return _model_call(request, owner, body.model_id, body.seq_id, run)
 
 
-async def save_weights_for_sampler(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.SaveWeightsForSamplerRequest)
+async def save_weights_for_sampler(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
 
     async def run(model: TinkerModel) -> tw.SaveWeightsForSamplerResponse:
@@ -202,9 +188,8 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     return _model_call(request, owner, body.model_id, body.seq_id, run)
 
 
-async def load_weights(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.LoadWeightsRequest)
+async def load_weights(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
 
     async def run() -> tw.LoadWeightsResponse:
@@ -217,9 +202,8 @@ async def load_weights(request: web.Request) -> web.Response:
 
 # --- sampling -----------------------------------------------------------------------------------------------------
 
-async def create_sampling_session(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.CreateSamplingSessionRequest)
+async def create_sampling_session(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     service.session(owner, body.session_id)
     if body.model_path is not None:
@@ -230,17 +214,16 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     return _json(tw.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
 
 
-async def get_sampler(request: web.Request) -> web.Response:
-    owner = caller(request)
+async def get_sampler(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     sampler = service.sampler(owner, request.match_info["sampler_id"])
     return _json(tw.GetSamplerResponse(sampler_id=sampler.sampler_id, base_model=service.base_model,
                                        model_path=sampler.model_path))
 
 
-async def asample(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.SampleRequest)
+async def asample(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     limits = service.orchestrator.config
     if body.num_samples > limits.max_n:  # before anything is built for them
@@ -267,9 +250,8 @@ async def asample(request: web.Request) -> web.Response:
 
 # --- futures ------------------------------------------------------------------------------------------------------
 
-async def retrieve_future(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.FutureRetrieveRequest)
+async def retrieve_future(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     futures = request.app[TINKER].futures
     try:
         outcome = await futures.retrieve(body.request_id, owner, LONG_POLL_S)
@@ -286,18 +268,16 @@ async def retrieve_future(request: web.Request) -> web.Response:
     return _json(outcome.value)
 
 
-async def cancel_future(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.CancelFutureRequest)
+async def cancel_future(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     request.app[TINKER].futures.cancel(body.request_id, owner)
     return web.json_response({})
 
 
 # --- checkpoints and runs -----------------------------------------------------------------------------------------
 
-async def weights_info(request: web.Request) -> web.Response:
-    owner = caller(request)
-    body = await parse_body(request, tw.WeightsInfoRequest)
+async def weights_info(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     parts = body.tinker_path.removeprefix("tinker://").split("/")
     model_id, _ = parse_path(body.tinker_path, parts[1] if len(parts) == 3 else "weights")
@@ -307,8 +287,8 @@ async def weights_info(request: web.Request) -> web.Response:
                                         train_unembed=False))
 
 
-async def training_run(request: web.Request) -> web.Response:
-    owner = caller(request)
+async def training_run(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     model = service.model(owner, request.match_info["model_id"])
     return _json(tw.TrainingRun(training_run_id=model.model_id, base_model=service.base_model, model_owner=owner,
@@ -316,15 +296,15 @@ async def training_run(request: web.Request) -> web.Response:
                                 last_request_time=datetime.fromtimestamp(model.last_request_at, timezone.utc)))
 
 
-async def list_checkpoints(request: web.Request) -> web.Response:
-    owner = caller(request)
+async def list_checkpoints(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     model = service.model(owner, request.match_info["model_id"])
     return _json(tw.CheckpointsListResponse(checkpoints=await service.checkpoints(model)))
 
 
-async def delete_checkpoint(request: web.Request) -> web.Response:
-    owner = caller(request)
+async def delete_checkpoint(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    owner = who.owner
     service = request.app[TINKER]
     model = service.model(owner, request.match_info["model_id"])
     await service.delete_checkpoint(model, f"{request.match_info['kind']}/{request.match_info['checkpoint']}")
