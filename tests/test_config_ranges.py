@@ -171,7 +171,7 @@ class _Orchestrator:
 @pytest.fixture
 async def front_end():
     from grpo_server.api.app import create_app
-    from grpo_server.api.app_keys import ORCHESTRATOR
+    from grpo_server.api.app_state import ORCHESTRATOR
 
     app = create_app(ServerConfig(), "admin-key")
     del app.cleanup_ctx[:]  # no workers: the routes only

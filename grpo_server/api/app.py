@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from grpo_server.api import prometheus, status_page
-from grpo_server.api.app_keys import (ADMIN_KEY, AUTH_LIMITER, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME,
+from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME,
                                       OPENAPI_JSON, ORCHESTRATOR, RESPONSES, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.native.downloads import Downloads

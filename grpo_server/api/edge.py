@@ -17,7 +17,7 @@ import msgpack
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.api.app_keys import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
+from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
 from grpo_server.api.route_table import ADMIN_PRINCIPAL, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context

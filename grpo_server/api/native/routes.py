@@ -11,7 +11,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from grpo_server.api import prometheus
-from grpo_server.api.app_keys import ADMIN_KEY, DOWNLOADS, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR
+from grpo_server.api.app_state import ADMIN_KEY, DOWNLOADS, METRICS_REGISTRY, MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR
 from grpo_server.api.edge import respond
 from grpo_server.api.route_table import GZIP, Endpoint, Principal, QueryParameter
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, CreatedExperiment, ExperimentList,

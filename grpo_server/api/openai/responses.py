@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from grpo_server.api.app_keys import ORCHESTRATOR, RESPONSES
+from grpo_server.api.app_state import ORCHESTRATOR, RESPONSES
 from grpo_server.api.edge import respond
 from grpo_server.api.openai.responses_items import items_to_messages
 from grpo_server.api.openai.responses_models import (LOGPROBS_INCLUDE, Echo, ResponseObject, ResponsesRequest,

@@ -18,7 +18,7 @@ from typing import Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from grpo_server.api.app_keys import ORCHESTRATOR
+from grpo_server.api.app_state import ORCHESTRATOR
 from grpo_server.api.edge import respond
 from grpo_server.api.openai.models import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, Model,
                                            ModelList, OpenAIRequest, TextCompletionResponse, chat_response,

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import Field, ValidationError
 
-from grpo_server.api.app_keys import ORCHESTRATOR
+from grpo_server.api.app_state import ORCHESTRATOR
 from grpo_server.api.edge import respond
 from grpo_server.api.openai.convert import chat_messages
 from grpo_server.api.openai.models import OpenAIBody, OpenAIChatMessage

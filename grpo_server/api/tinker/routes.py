@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import BaseModel
 
-from grpo_server.api.app_keys import TINKER
+from grpo_server.api.app_state import TINKER
 from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api.tinker import wire as tw
 from grpo_server.api.tinker.sampling import sample
