@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
     from sampler.app import create_app
-    from sampler.engines import create_engine
+    from sampler.engine_choice import create_engine
 
     engine = create_engine(config)
     log.info("sampler replica %d: %s engine on %s:%d; %s", config.replica, engine.name, config.host, config.port,

@@ -22,7 +22,7 @@ from grpo_server.protocol.wire import (
     UnloadAdapterRequest,
 )
 from sampler.adapter_copies import AdapterCopies
-from sampler.engine import Engine
+from sampler.engine_interface import Engine
 
 log = logging.getLogger(__name__)
 

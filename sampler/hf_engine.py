@@ -32,7 +32,7 @@ from grpo_server.protocol.wire import (
     ScoreRequest,
     ScoreResponse,
 )
-from sampler.engine import (
+from sampler.engine_interface import (
     Engine,
     adapter_not_loaded,
     check_adapter_dir,

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator
 
 from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.wire import AdapterRef, ServedAs
-from sampler.engine import adapter_not_loaded
+from sampler.engine_interface import adapter_not_loaded
 from sampler.weight_turns import WeightTurns
 
 log = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ from grpo_server.protocol.wire import (
     ScoreResponse,
     ServedAs,
 )
-from sampler.engine import (
+from sampler.engine_interface import (
     Engine,
     adapter_not_loaded,
     check_adapter_dir,

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 from grpo_server.protocol.worker_config import SamplerConfig
 from sampler import lora_cpu_ops
-from sampler.engine import torch_dtype_name
+from sampler.engine_interface import torch_dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ ZEN4_AS_AVX2 = CpuFeatures("AMD EPYC", ZEN4.flags, "avx2")  # scripts/test --cpu
 
 @pytest.mark.parametrize("settings, cpu, expected", [
     ({}, ZEN4, "bfloat16"),  # the default on a bf16 CPU: the fast path
-    ({}, ZEN3, "auto"),  # float32 on this CPU (sampler/engine.py resolves auto)
+    ({}, ZEN3, "auto"),  # float32 on this CPU (sampler/engine_interface.py resolves auto)
     ({}, ZEN4_AS_AVX2, "auto"),  # capped below AVX-512: no bf16 instructions in use
     ({"dtype": "float32"}, ZEN4, "float32"),  # exact asked for: no bf16 anywhere
     ({"sampler": {"dtype": "float32"}}, ZEN4, "float32"),  # the samplers' own setting wins

@@ -135,7 +135,7 @@ DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def pick_engine_name(requested: str) -> str:
-    """`requested`, or for `auto` "vllm" when vLLM is importable, else "transformers" (sampler/engines.py builds
+    """`requested`, or for `auto` "vllm" when vLLM is importable, else "transformers" (sampler/engine_choice.py builds
     it; the front end asks too, for the samplers' default dtype: workers/launch.py)."""
     if requested != "auto":
         return requested

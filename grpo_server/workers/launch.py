@@ -44,7 +44,7 @@ def sampler_dtype(config: ServerConfig, cpu: CpuFeatures) -> DTypeName:
     where this is called). That is the fast default: sooner to 0.6 than float32 on such a CPU (BENCHMARKS.md,
     "Fast defaults"), with the learner's weights staying float32 (its steps under bf16 autocast,
     learner.autocast auto), pushes checked by nearest_version and rollout_correction auto making token_tis. On
-    a GPU auto is bfloat16 anyway (sampler/engine.py); an explicit float32 keeps sampler and learner exact."""
+    a GPU auto is bfloat16 anyway (sampler/engine_interface.py); an explicit float32 keeps sampler and learner exact."""
     s = config.sampler
     if s.dtype is not None:
         return s.dtype

@@ -186,7 +186,7 @@ async def sampler_phase(ctx: dict) -> dict:
     from examples.alphabetize import score
     from grpo_server.protocol.wire import AdapterRef, GenerateRequest, ScoreRequest
     from grpo_server.protocol.worker_config import SamplerConfig
-    from sampler.engines import create_engine
+    from sampler.engine_choice import create_engine
 
     smoke = ctx["smoke"]
     groups, n, max_tokens, big_n = (2, 2, 8, 4) if smoke else (8, 8, 40, 64)

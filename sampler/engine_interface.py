@@ -3,7 +3,7 @@
 Two engines implement it: `VllmEngine` (vLLM's in-process async engine, LoRA enabled) and `HfEngine`
 (transformers + peft, for machines without vLLM). Both check requests here first, so they refuse the
 same inputs with the same codes (`grpo_server/protocol/errors.py`'s `ApiError` kinds), and both report the
-same `max_model_len`. Which one runs is sampler/engines.py's choice; this module imports neither.
+same `max_model_len`. Which one runs is sampler/engine_choice.py's choice; this module imports neither.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 transformers + peft.
 
 The chosen engine's module is imported only here and only when it is built, so choosing costs no
-torch / vLLM import (sampler/engine.py, the interface, imports neither engine).
+torch / vLLM import (sampler/engine_interface.py, the interface, imports neither engine).
 """
 
 from __future__ import annotations
 
 from grpo_server.protocol.worker_config import SamplerConfig, pick_engine_name
-from sampler.engine import Engine
+from sampler.engine_interface import Engine
 
 
 def create_engine(config: SamplerConfig) -> Engine:
