@@ -19,7 +19,7 @@ from grpo_server.runtime.groups import Group
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal, group_from_record
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.status import experiment_status
-from grpo_server.runtime.training import ExperimentTrainer, train_samples
+from grpo_server.runtime.training import TrainingLoop, train_samples
 from tests.test_training import FakeWorkers, wait_until
 
 # --- 2. clip defaults per loss -------------------------------------------------------------------------
@@ -96,15 +96,15 @@ def episode_group(seq: int, finish_reason: str) -> Group:
                  loss_masks=[[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]])
 
 
-def setup(tmp_path, **algorithm) -> tuple[Experiment, ExperimentTrainer, FakeWorkers, list]:
+def setup(tmp_path, **algorithm) -> tuple[Experiment, TrainingLoop, FakeWorkers, list]:
     workers = FakeWorkers()
     config = ExperimentConfig.model_validate({
         "name": "exp", "sampling": {"max_tokens": 64},
         "algorithm": {"batch_groups": 1, "max_staleness": 100, "push_every": 1000, **algorithm}})
     exp = Experiment(config=config, workers=workers, journal=FeedbackJournal(tmp_path / "journal" / "exp.jsonl"))
     exp.adapter_paths[0] = "/adapters/v0"
-    trainer = ExperimentTrainer(exp, workers, verify_tolerance=0.05, train_timeout_s=5.0, max_loaded_versions=8,
-                                metrics_log=MetricsLog(tmp_path / "metrics" / "exp.jsonl"))
+    training = TrainingLoop(exp, workers, verify_tolerance=0.05, train_timeout_s=5.0, max_loaded_versions=8,
+                            metrics_log=MetricsLog(tmp_path / "metrics" / "exp.jsonl"))
     requests = []
     learner_train = workers.learner.train
 
@@ -113,20 +113,20 @@ def setup(tmp_path, **algorithm) -> tuple[Experiment, ExperimentTrainer, FakeWor
         return await learner_train(request, timeout_s)
 
     workers.learner.train = recording_train
-    return exp, trainer, workers, requests
+    return exp, training, workers, requests
 
 
 # --- 3. Dr. GRPO's normaliser ----------------------------------------------------------------------------
 
 
 async def test_the_dr_grpo_normaliser_is_sampling_max_tokens_whatever_the_batch(tmp_path):
-    exp, trainer, _, requests = setup(tmp_path, loss="dr_grpo", batch_groups=2)
+    exp, training, _, requests = setup(tmp_path, loss="dr_grpo", batch_groups=2)
     # A group sampled with its own max_tokens 2, one with an external completion of 100 tokens (its group's
     # max_tokens raised to 100, as feedback did before), and an episode group of 6-token sequences.
-    await trainer.train([group(1, [completion([5, 6]), completion([7, 8])], max_tokens=2),
+    await training.train([group(1, [completion([5, 6]), completion([7, 8])], max_tokens=2),
                          group(2, [completion([5] * 100, "external"), completion([7, 8])], max_tokens=100)],
                         exp.queue_generation)
-    await trainer.train([episode_group(3, "episode")], exp.queue_generation)
+    await training.train([episode_group(3, "episode")], exp.queue_generation)
     assert [r.max_tokens for r in requests] == [64, 64]  # sampling.max_tokens, for every batch
     assert [len(r.samples) for r in requests] == [4, 2]
     # A sequence longer than the constant still trains whole: dr_grpo divides its summed token losses by
@@ -138,12 +138,12 @@ async def test_the_dr_grpo_normaliser_is_sampling_max_tokens_whatever_the_batch(
 
 
 async def test_with_push_every_2_staleness_counts_steps_not_versions(tmp_path):
-    exp, trainer, workers, requests = setup(tmp_path, push_every=2, max_staleness=1)
+    exp, training, workers, requests = setup(tmp_path, push_every=2, max_staleness=1)
     for seq in range(1, 5):  # four groups sampled by v0 (step 0), accepted as feedback does
         g = group(seq, [completion([5, 6]), completion([7, 8])])
         await exp._accept(g, g.rewards, g.advantages, skipped=None)
     assert [g.sampled_step for g in exp.queue] == [0, 0, 0, 0]
-    task = asyncio.create_task(trainer.run())
+    task = asyncio.create_task(training.run())
     try:
         # Step 1 trains g1 (lag 0), step 2 trains g2 (lag 1) and pushes v1 (push_every 2). Then the learner
         # is 2 steps past g3 and g4 but only 1 version: max_staleness 1 drops them (by versions, both trained).
@@ -198,28 +198,28 @@ async def test_the_sampled_step_survives_a_restart_in_the_journal(tmp_path):
 
 
 async def test_mask_truncated_leaves_length_cut_completions_out_and_counts_them(tmp_path):
-    exp, trainer, _, requests = setup(tmp_path, mask_truncated=True)
+    exp, training, _, requests = setup(tmp_path, mask_truncated=True)
     cut = group(1, [completion([5, 6]), completion([7, 8], "length"), completion([9, 9], "tool_calls")])
-    await trainer.train([cut], exp.queue_generation)
+    await training.train([cut], exp.queue_generation)
     assert [s.completion_token_ids for s in requests[0].samples] == [[5, 6], [9, 9]]
     # Advantages stay those of the whole group: -1 and +1 (rewards 0, 1, 2; mean 1).
     assert [s.advantage for s in requests[0].samples] == [-1.0, 1.0]
     assert exp.counters.completions_masked_truncated == 1 and exp.counters.groups_trained == 1
     # A group whose every completion was cut trains nothing: counted, no learner call.
-    await trainer.train([group(2, [completion([5, 6], "length"), completion([7, 8], "length")])],
+    await training.train([group(2, [completion([5, 6], "length"), completion([7, 8], "length")])],
                         exp.queue_generation)
     assert len(requests) == 1 and exp.step == 1
     assert exp.counters.completions_masked_truncated == 3 and exp.counters.groups_trained == 1
     # An episode's sequence whose last turn was cut (runtime/episodes.py marks it "length") is left out too.
-    await trainer.train([episode_group(3, "length")], exp.queue_generation)
+    await training.train([episode_group(3, "length")], exp.queue_generation)
     assert [s.completion_token_ids for s in requests[1].samples] == [[5, 6, 40, 41, 9, 9]]
     assert requests[1].samples[0].loss_mask == [1, 1, 0, 0, 1, 1]
     assert exp.counters.completions_masked_truncated == 4
 
 
 async def test_without_mask_truncated_cut_completions_train(tmp_path):
-    exp, trainer, _, requests = setup(tmp_path)
+    exp, training, _, requests = setup(tmp_path)
     assert exp.config.algorithm.mask_truncated is False  # opt-in, as DAPO's overlong filtering
-    await trainer.train([group(1, [completion([5, 6]), completion([7, 8], "length")])], exp.queue_generation)
+    await training.train([group(1, [completion([5, 6]), completion([7, 8], "length")])], exp.queue_generation)
     assert len(requests[0].samples) == 2 and exp.counters.completions_masked_truncated == 0
     assert len(train_samples([episode_group(2, "length")])) == 2

@@ -15,7 +15,7 @@ from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.status import experiment_status
-from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.runtime.training import TrainingLoop
 from grpo_server.workers.pool import ComputeTurns
 from grpo_server.protocol.wire import (AdapterVersion, Completion, SaveAdapterRequest, ScoredVersion, ScoreResponse,
                                        ScoreVersionRequest, TrainMetrics)
@@ -109,13 +109,13 @@ def rated_group(seq: int, policy_version: int = 0) -> Group:
                  journal_seq=seq)
 
 
-def trainer_for(tmp_path, workers: FakeWorkers, idle_check_s: float = 5.0) -> tuple[Experiment, ExperimentTrainer]:
+def training_for(tmp_path, workers: FakeWorkers, idle_check_s: float = 5.0) -> tuple[Experiment, TrainingLoop]:
     exp = Experiment(config=ExperimentConfig.model_validate(
         {"name": "exp", "algorithm": {"batch_groups": 1, "max_staleness": 100}}), workers=workers)
     exp.adapter_paths[0] = "/adapters/v0"
     log = MetricsLog(tmp_path / "metrics" / "exp.jsonl")
-    return exp, ExperimentTrainer(exp, workers, verify_tolerance=0.05, train_timeout_s=5.0, max_loaded_versions=8,
-                                  metrics_log=log, idle_check_s=idle_check_s)
+    return exp, TrainingLoop(exp, workers, verify_tolerance=0.05, train_timeout_s=5.0, max_loaded_versions=8,
+                             metrics_log=log, idle_check_s=idle_check_s)
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:
@@ -131,14 +131,14 @@ def queue(exp: Experiment, group: Group) -> None:
     exp.queue_changed.set()
 
 
-def push_lines(trainer: ExperimentTrainer) -> list[tuple]:
-    return [(r["version"], r["verified"], r["checked_on"]) for r in trainer.metrics_log.records("push")]
+def push_lines(training: TrainingLoop) -> list[tuple]:
+    return [(r["version"], r["verified"], r["checked_on"]) for r in training.metrics_log.records("push")]
 
 
 async def test_the_batch_a_version_sampled_checks_it_without_the_sampler(tmp_path):
     workers = FakeWorkers()
-    exp, trainer = trainer_for(tmp_path, workers)
-    task = asyncio.create_task(trainer.run())
+    exp, training = training_for(tmp_path, workers)
+    task = asyncio.create_task(training.run())
     try:
         for version in range(3):  # each batch sampled by the version served when it was made
             queue(exp, rated_group(version + 1, policy_version=exp.serving_version))
@@ -147,7 +147,7 @@ async def test_the_batch_a_version_sampled_checks_it_without_the_sampler(tmp_pat
         assert exp.last_verification.checked_on == "trained_batch" and exp.last_verification.tokens == 4
         assert not [call for call in workers.calls if call.startswith("score v")]  # no sampler pass
         # v1 and v2 were checked by the next step; v3 waits for a step (or for the idle probe).
-        assert push_lines(trainer) == [(1, True, "trained_batch"), (2, True, "trained_batch")]
+        assert push_lines(training) == [(1, True, "trained_batch"), (2, True, "trained_batch")]
         # The push's check is scored by the learner before the next step moves the weights.
         assert workers.calls[:4] == ["train", "save_adapter", "score_version", "train"]
     finally:
@@ -157,8 +157,8 @@ async def test_the_batch_a_version_sampled_checks_it_without_the_sampler(tmp_pat
 
 async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_path):
     workers = FakeWorkers()
-    exp, trainer = trainer_for(tmp_path, workers, idle_check_s=0.2)
-    task = asyncio.create_task(trainer.run())
+    exp, training = training_for(tmp_path, workers, idle_check_s=0.2)
+    task = asyncio.create_task(training.run())
     try:
         queue(exp, rated_group(1))  # sampled by v0, and the learner is at v0: checked free
         await wait_until(lambda: exp.serving_version == 1)
@@ -175,14 +175,14 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
         # served one, and v1, loaded while its probe runs; v2, given up unchecked, is not any more.
         await wait_until(lambda: len(workers.learner.pruned) == 3)
         assert workers.learner.pruned == [[1], [1, 2], [1, 3]]
-        assert push_lines(trainer) == [(2, None, None)]  # v2: the next push came while v1's probe ran
+        assert push_lines(training) == [(2, None, None)]  # v2: the next push came while v1's probe ran
         workers.the_sampler.release_scores.set()
         await wait_until(lambda: exp.last_verification.version == 1)
         assert exp.last_verification.checked_on == "probe" and exp.last_verification.ok
         await wait_until(lambda: 1 not in workers.loaded)  # retired once checked
         # Training idle: the newest version is probed after idle_check_s.
         await wait_until(lambda: exp.last_verification.version == 3)
-        assert push_lines(trainer) == [(2, None, None), (1, True, "probe"), (3, True, "probe")]
+        assert push_lines(training) == [(2, None, None), (1, True, "probe"), (3, True, "probe")]
         assert list(exp.errors) == [] and experiment_status(exp, 0, 0).state == "active"
     finally:
         task.cancel()
@@ -192,8 +192,8 @@ async def test_a_version_no_batch_checks_is_probed_while_training_goes_on(tmp_pa
 async def test_a_sampler_that_serves_other_weights_fails_the_check(tmp_path):
     workers = FakeWorkers(score_offset=0.2)
     workers.the_sampler.release_scores.set()
-    exp, trainer = trainer_for(tmp_path, workers)
-    task = asyncio.create_task(trainer.run())
+    exp, training = training_for(tmp_path, workers)
+    task = asyncio.create_task(training.run())
     try:
         queue(exp, rated_group(1))
         await wait_until(lambda: exp.serving_version == 1)
@@ -209,13 +209,13 @@ async def test_a_sampler_that_serves_other_weights_fails_the_check(tmp_path):
 
 async def test_a_crashed_training_task_is_reported(tmp_path):
     workers = FakeWorkers()
-    exp, trainer = trainer_for(tmp_path, workers)
+    exp, training = training_for(tmp_path, workers)
 
     async def broken_train(batch, generation):
         raise KeyError("boom")
 
-    trainer.train = broken_train
-    exp.start_training(trainer.run())
+    training.train = broken_train
+    exp.start_training(training.run())
     exp.queue.append(rated_group(1))
     exp.queue_changed.set()
     await asyncio.gather(exp.training_task, return_exceptions=True)

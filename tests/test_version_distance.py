@@ -14,10 +14,10 @@ from grpo_server.protocol.wire import ScoredVersion, ScoreResponse
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.status import experiment_status
-from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.runtime.training import TrainingLoop
 from grpo_server.runtime.version_distance import (ALARM_STANDARD_ERRORS, MAX_STEP_FRACTION_SE, MIN_STEP_FRACTION,
                                                    nearest_version)
-from tests.test_training import LOGPROBS, FakeWorkers, queue, rated_group, trainer_for, wait_until
+from tests.test_training import LOGPROBS, FakeWorkers, queue, rated_group, training_for, wait_until
 
 NOISE = 0.12  # a bf16 sampler's gap to a float32 learner, nats a token (0.07-0.13 measured)
 TOLERANCE = 0.05
@@ -145,22 +145,22 @@ class DistanceWorkers(FakeWorkers):
         return score
 
 
-def _nearest_trainer(tmp_path, workers) -> tuple[Experiment, ExperimentTrainer]:
-    exp, trainer = trainer_for(tmp_path, workers)
-    return exp, ExperimentTrainer(exp, workers, verify_tolerance=TOLERANCE, train_timeout_s=5.0, max_loaded_versions=8,
-                                  metrics_log=MetricsLog(tmp_path / "metrics-nearest.jsonl"), nearest_version=True)
+def _nearest_training(tmp_path, workers) -> tuple[Experiment, TrainingLoop]:
+    exp, training = training_for(tmp_path, workers)
+    return exp, TrainingLoop(exp, workers, verify_tolerance=TOLERANCE, train_timeout_s=5.0, max_loaded_versions=8,
+                             metrics_log=MetricsLog(tmp_path / "metrics-nearest.jsonl"), nearest_version=True)
 
 
 @pytest.mark.parametrize("serves,ok", [("pushed", True), ("previous", False)])
 async def test_version_checks_take_the_floor_from_the_first_step_and_probe_each_push(tmp_path, serves, ok):
     workers = DistanceWorkers(serves)
     workers.learner.call = _with_gap(workers.learner.call, gap=0.1)  # every free check: bf16-sized, within the band
-    exp, trainer = _nearest_trainer(tmp_path, workers)
-    task = asyncio.create_task(trainer.run())
+    exp, training = _nearest_training(tmp_path, workers)
+    task = asyncio.create_task(training.run())
     try:
         queue(exp, rated_group(1))  # v0's batch: its free check is the noise floor
         await wait_until(lambda: exp.serving_version == 1)
-        assert trainer.checks.noise_floor == pytest.approx(0.1) and exp.last_verification is None
+        assert training.checks.noise_floor == pytest.approx(0.1) and exp.last_verification is None
         queue(exp, rated_group(2, policy_version=1))  # v1's own batch: within the band, so the probe decides
         await wait_until(lambda: exp.last_verification is not None and exp.last_verification.version == 1)
         result = exp.last_verification
@@ -168,7 +168,7 @@ async def test_version_checks_take_the_floor_from_the_first_step_and_probe_each_
         assert result.ok is ok and result.previous_version == 0 and result.noise_floor == pytest.approx(0.1)
         assert result.mean_abs_diff > TOLERANCE  # 0.1 or more: the tolerance check would have failed both
         assert (experiment_status(exp, 0, 0).state == "active") is ok
-        push = [r for r in trainer.metrics_log.records("push") if r["version"] == 1]
+        push = [r for r in training.metrics_log.records("push") if r["version"] == 1]
         assert push[0]["verdict"] == ("ok" if ok else "failed")
     finally:
         task.cancel()
@@ -179,8 +179,8 @@ async def test_a_free_check_above_the_noise_band_fails_without_a_probe(tmp_path)
     workers = DistanceWorkers("pushed")
     gaps = iter([0.1, 2.0])  # v0's floor, then v1's batch a wrong adapter's distance away
     workers.learner.call = _with_gap(workers.learner.call, gap=lambda: next(gaps))
-    exp, trainer = _nearest_trainer(tmp_path, workers)
-    task = asyncio.create_task(trainer.run())
+    exp, training = _nearest_training(tmp_path, workers)
+    task = asyncio.create_task(training.run())
     try:
         queue(exp, rated_group(1))
         await wait_until(lambda: exp.serving_version == 1)

@@ -34,7 +34,7 @@ from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.runtime.status import experiment_status, is_sampling, unrestored_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
-from grpo_server.runtime.training import ExperimentTrainer
+from grpo_server.runtime.training import TrainingLoop
 from grpo_server.runtime.verification import nearest_version_needed
 from grpo_server.trackers import TrackerSet, default_trackers, missing_libraries, open_trackers
 from grpo_server.workers.pool import WorkerPool
@@ -74,7 +74,7 @@ class Orchestrator:
         self.learner_restarts = 0  # re-syncs after a learner restart: its in-memory state (gradients) is gone
         self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
         self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
-        self.trainers: dict[str, ExperimentTrainer] = {}  # by experiment name: its training task's owner
+        self.training_loops: dict[str, TrainingLoop] = {}  # by experiment name: its training task's owner
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
         self.upkeep = OwnedTasks("orchestrator")
@@ -208,11 +208,11 @@ class Orchestrator:
         metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
         self.metrics_logs[config.name] = metrics_log
         exp.recall_rewards(metrics_log.recent_group_rewards(RECENT_GROUPS))  # the recent reward survives a restart
-        trainer = ExperimentTrainer(exp, self.workers, self.config.verify_tolerance,
-                                    self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
-                                    nearest_version=nearest, idle_check_s=self.config.verify_idle_s)
-        exp.start_training(trainer.run())
-        self.trainers[config.name] = trainer
+        training = TrainingLoop(exp, self.workers, self.config.verify_tolerance,
+                                self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
+                                nearest_version=nearest, idle_check_s=self.config.verify_idle_s)
+        exp.start_training(training.run())
+        self.training_loops[config.name] = training
         self.experiments[config.name] = exp
         log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
                  "by %s, rollout correction %s (the workers compute in %s%s)", config.name, first.version,
@@ -233,7 +233,7 @@ class Orchestrator:
             self.metrics_logs.pop(name).close()  # the file stays
             # Its tracker runs stay in their stores (not archived: a store holds every experiment's runs).
             await asyncio.to_thread(self.trackers.pop(name).close, self.config.trackers.close_timeout_s)
-            self.trainers.pop(name, None)
+            self.training_loops.pop(name, None)
             self.groups.drop_experiment(name)
             self.episodes.drop_experiment(name)
             self.workers.turns.forget(name)

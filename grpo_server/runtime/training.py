@@ -70,7 +70,7 @@ def truncated_left_out(groups: list[Group], mask_truncated: bool) -> int:
     return sum(bool(c.token_ids) and truncated(c) for g in groups for _, c, *_ in g.training_sequences())
 
 
-class ExperimentTrainer:
+class TrainingLoop:
     """Runs as one task per experiment; the front end's other requests never wait on it."""
 
     def __init__(self, experiment: Experiment, workers: WorkerPool, verify_tolerance: float,

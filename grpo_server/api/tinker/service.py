@@ -321,8 +321,8 @@ class TinkerModels:
         if name is not None and name not in model.sampler_weights and len(model.sampler_weights) >= cap:
             raise Conflict(f"model {model.model_id} holds {len(model.sampler_weights)} named sampler weights, the "
                            "server's tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
-        trainer = self.orchestrator.trainers[model.experiment]
-        version = await trainer.push_now(probe_from(model.probe_tokens))
+        training = self.orchestrator.training_loops[model.experiment]
+        version = await training.push_now(probe_from(model.probe_tokens))
         experiment = self.orchestrator.get(model.experiment)
         weights = SamplerWeights(version, experiment.adapter_paths[version])
         if name is not None:
