@@ -20,7 +20,7 @@ from torch import Tensor
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.loss_table import LOSSES, LossSpec
 from grpo_server.protocol.wire import Datum
-from learner.losses import grpo_settings
+from learner.tinker_losses import grpo_settings
 
 TOKEN_INPUTS = ("target_tokens",)  # integer inputs (token ids); the others are floats
 
@@ -91,7 +91,7 @@ def _check_datum(datum: Datum, spec: LossSpec, vocab_size: int, max_model_len: i
 
 
 def trained_positions(data: list[Datum], spec: LossSpec) -> int:
-    """The GRPO family's token count for its whole-call normaliser (the positions learner/losses.py trains)."""
+    """The GRPO family's token count for its whole-call normaliser (the positions learner/tinker_losses.py trains)."""
     key = "weights" if "weights" in data[0].loss_fn_inputs else "advantages"  # all or none (check_request)
     return sum(sum(1 for v in d.loss_fn_inputs[key] if v != 0) for d in data)
 

@@ -7,7 +7,7 @@ those parameters, so stepping one engine cannot move another experiment's adapte
 Gradient accumulation is owned by the trainer, not by DeepSpeed's micro-step counter, because the number
 of micro-batches changes from batch to batch:
   * `gradient_accumulation_steps` is 1 and `backward(loss, scale_wrt_gas=False)`: DeepSpeed never
-    divides the loss; each micro-batch loss is already its exact share of the batch loss (loss.py's
+    divides the loss; each micro-batch loss is already its exact share of the batch loss (policy_loss.py's
     BatchNormalizer), so the accumulated gradient is the whole-batch gradient.
   * `set_gradient_accumulation_boundary(False)` before every micro-batch but the last, `True` before the
     last, then one `step()`: ZeRO keeps adding gradients into its partition until the boundary, then

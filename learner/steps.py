@@ -2,7 +2,7 @@
 
 `TinkerSteps` is a mixin of learner/trainer.py's MultiAdapterTrainer (it uses the trainer's model, experiments
 and engines, and `_get`, `_activate`, `_reset_engine`). Losses come from the table (grpo_server/protocol/
-loss_table.py, learner/losses.py), datums are checked and batched by learner/datums.py, states are written by
+loss_table.py, learner/tinker_losses.py), datums are checked and batched by learner/datums.py, states are written by
 learner/states.py.
 
 Accumulation. A Tinker client calls forward_backward any number of times, then optim_step; when a backward runs,
@@ -41,8 +41,8 @@ from grpo_server.protocol.wire import (DeleteStateRequest, ForwardBackwardOutput
 from learner import checkpoint, resume, states
 from learner.datums import DatumBatch, check_request, loss_spec, make_datum_batches, resolve_config, trained_positions
 from learner.engine import optimizer_step
-from learner.loss import BatchNormalizer, mismatch_kl_sum, token_logprobs
-from learner.losses import LOSS_FUNCTIONS, LossInput, LossOutput, needs_reference
+from learner.policy_loss import BatchNormalizer, mismatch_kl_sum, token_logprobs
+from learner.tinker_losses import LOSS_FUNCTIONS, LossInput, LossOutput, needs_reference
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from learner.batching import (MicroBatch, Sequence, check_sequence, gather_compl
                               sampler_gap)
 from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
-from learner.loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
-                          token_logprobs)
 from learner.metrics import StepStats
+from learner.policy_loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
+                                 token_logprobs)
 from learner.shm_op import skip_shm_op
 from learner.previous_version import PreviousVersionScoring, SavedWeights
 from learner.sharding import RankShare, rank_share

@@ -26,7 +26,7 @@ def _fresh_base(tiny_model_dir: Path):
 
 def _logprobs_unpadded(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
     """Reference scoring: one sequence, no padding, no logits_to_keep."""
-    from learner.loss import token_logprobs
+    from learner.policy_loss import token_logprobs
 
     ids_1_L = torch.tensor([prompt + completion])
     logits_1_L_V = model(input_ids=ids_1_L).logits

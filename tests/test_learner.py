@@ -110,7 +110,7 @@ def _assert_same_adam_update(a: torch.Tensor, b: torch.Tensor, key: str) -> None
 def test_micro_batched_step_equals_whole_batch_step_and_plain_torch(trainer, tiny_model_dir, loss, beta):
     from peft import PeftModel
 
-    from learner.loss import BatchNormalizer, LossSettings, policy_loss
+    from learner.policy_loss import BatchNormalizer, LossSettings, policy_loss
 
     # The clip as this test was calibrated with (0.2/0.28, not grpo's default 0.2/0.2): with a symmetric clip a
     # few more elements' gradients sit near 0, where Adam's normalised update amplifies float noise.

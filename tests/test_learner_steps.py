@@ -1,5 +1,5 @@
 """Tinker's training verbs on the learner (learner/steps.py) and the loss table (grpo_server/protocol/loss_table.py,
-learner/losses.py), on the real trainer: the tiny Llama, peft multi-adapter, DeepSpeed on CPU (the module-scoped
+learner/tinker_losses.py), on the real trainer: the tiny Llama, peft multi-adapter, DeepSpeed on CPU (the module-scoped
 `trainer` fixture, tests/conftest.py), and the verbs' 4xx answers through the learner's real HTTP app.
 
 Covers: each loss against Tinker's written formula; cross_entropy lowers the loss; importance_sampling raises the
@@ -59,7 +59,7 @@ def _refused(call, status: int, code: str) -> ApiError:
 
 
 def test_one_table_names_the_losses_everywhere():
-    from learner.losses import LOSS_FUNCTIONS
+    from learner.tinker_losses import LOSS_FUNCTIONS
 
     assert LOSS_FUNCTIONS.keys() == LOSSES.keys()
     assert AlgorithmConfig.model_json_schema()["properties"]["loss"]["enum"] == list(NATIVE_LOSSES)
@@ -69,7 +69,7 @@ def test_one_table_names_the_losses_everywhere():
 
 
 def _loss_input(config=None, **inputs):
-    from learner.losses import LossInput
+    from learner.tinker_losses import LossInput
 
     g = torch.Generator().manual_seed(3)
     logp = (-3.0 * torch.rand(2, 6, generator=g)).requires_grad_()
@@ -83,7 +83,7 @@ def _loss_input(config=None, **inputs):
 @pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
 def test_each_tinker_loss_is_its_written_formula(name):
     """Tinker's docs' code for each loss, summed over the real positions, and the same gradient."""
-    from learner.losses import LOSS_FUNCTIONS
+    from learner.tinker_losses import LOSS_FUNCTIONS
 
     config = LOSSES[name].defaults
     x = _loss_input(config)
@@ -109,10 +109,10 @@ def test_each_tinker_loss_is_its_written_formula(name):
 @pytest.mark.parametrize("name", NATIVE_LOSSES)
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_the_grpo_family_is_policy_loss_with_per_token_shares(name, beta):
-    """Through the table the GRPO family is learner/loss.py's own policy_loss (the native step's), and its
+    """Through the table the GRPO family is learner/policy_loss.py's own policy_loss (the native step's), and its
     per-position shares add up to it."""
-    from learner.loss import BatchNormalizer, LossSettings, policy_loss
-    from learner.losses import LOSS_FUNCTIONS
+    from learner.policy_loss import BatchNormalizer, LossSettings, policy_loss
+    from learner.tinker_losses import LOSS_FUNCTIONS
 
     adv = torch.tensor([[0.0, 1.5, 1.5, 1.5, 1.5, 1.5], [-1.0, -1.0, 0.0, -1.0, 0.0, 0.0]])
     config = {**LOSSES[name].defaults, "beta": beta}
@@ -189,8 +189,8 @@ def _offpolicy_batch(trainer, name: str) -> list[Datum]:
 
 def _reference_step(model, params, optimizer, data: list[Datum]) -> float:
     """Plain torch: one unpadded datum at a time, ppo's loss summed, clipped, one AdamW step."""
-    from learner.loss import token_logprobs
-    from learner.losses import LossInput, ppo
+    from learner.policy_loss import token_logprobs
+    from learner.tinker_losses import LossInput, ppo
 
     optimizer.zero_grad()
     for d in data:

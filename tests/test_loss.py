@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
+from learner.policy_loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
 
 # clip range [1 - 0.2, 1 + 0.28] = [0.8, 1.28] unless a test says otherwise
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
@@ -350,7 +350,7 @@ def test_token_logprobs_matches_manual_log_softmax() -> None:
 def test_token_logprobs_gradient_equals_log_softmax_autograd(temperature: float, monkeypatch) -> None:
     """The selective path (no [B, T, V] log-softmax kept) has log_softmax's values and gradient, also when its
     rows go in several chunks (the chunk shrunk to 2 rows of 11 entries here), with padding-like repeats."""
-    import learner.loss as loss_module
+    import learner.policy_loss as loss_module
 
     monkeypatch.setattr(loss_module, "_NUCLEUS_CHUNK_ENTRIES", 22)
     gen = torch.Generator().manual_seed(3)

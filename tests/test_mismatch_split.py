@@ -1,6 +1,6 @@
-"""mismatch_kl apart for fresh and stale tokens (learner/loss.py `mismatch_kl_split`, TrainMetrics.mismatch_kl_fresh
-and offpolicy_kl_stale): by hand on a small example, then in one real learner step (the in-process `trainer`
-fixture, tests/conftest.py) whose batch holds both kinds."""
+"""mismatch_kl apart for fresh and stale tokens (learner/policy_loss.py `mismatch_kl_split`,
+TrainMetrics.mismatch_kl_fresh and offpolicy_kl_stale): by hand on a small example, then in one real learner step
+(the in-process `trainer` fixture, tests/conftest.py) whose batch holds both kinds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from grpo_server.protocol.worker_config import AlgorithmConfig
 from grpo_server.protocol.wire import TrainRequest, TrainSample
-from learner.loss import mismatch_kl_split, mismatch_kl_sum
+from learner.policy_loss import mismatch_kl_split, mismatch_kl_sum
 from tests.learner_helpers import COMPLETION, LORA, PROMPT, _lp
 
 LEARNER = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -3.0, -1.5], [-0.2, -0.4, -0.9]])

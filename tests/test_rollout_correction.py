@@ -1,6 +1,6 @@
-"""The rollout correction (learner/loss.py `rollout_weights`, AlgorithmConfig.rollout_correction): its weights and
-masks, the mismatch KL and the loss gradient on a small example computed by hand; the config's bounds; and a
-learner step with the correction on (the in-process `trainer` fixture, tests/conftest.py)."""
+"""The rollout correction (learner/policy_loss.py `rollout_weights`, AlgorithmConfig.rollout_correction): its
+weights and masks, the mismatch KL and the loss gradient on a small example computed by hand; the config's
+bounds; and a learner step with the correction on (the in-process `trainer` fixture, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from grpo_server.protocol.worker_config import AlgorithmConfig
 from grpo_server.protocol.wire import TrainRequest, TrainSample
-from learner.loss import BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_sum, policy_loss, rollout_weights
+from learner.policy_loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_sum, policy_loss,
+                                 rollout_weights)
 from tests.learner_helpers import COMPLETION, LORA, PROMPT, _adapter_weights, _lp
 
 # Behaviour ratios rho = exp(learner_old - sampler): row 0 has three tokens, row 1 two and one of padding.

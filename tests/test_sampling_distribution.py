@@ -17,7 +17,7 @@ from grpo_server.protocol.worker_config import AlgorithmConfig
 from grpo_server.protocol.wire import Completion, TrainRequest, TrainSample
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.training import train_samples
-from learner.loss import token_logprobs
+from learner.policy_loss import token_logprobs
 from tests.learner_helpers import LORA
 from tests.tolerances import SAMPLER_VS_LEARNER, observed
 
@@ -61,7 +61,7 @@ def test_top_p_1_is_the_plain_softmax() -> None:
     logits_B_T_V = torch.randn(2, 3, 50)
     ids_B_T = torch.randint(0, 50, (2, 3))
     full = torch.log_softmax(logits_B_T_V / 0.7, -1).gather(-1, ids_B_T[..., None])[..., 0]
-    # Equal to float32 round-off: top_p 1 takes the selective path (logit - logsumexp, learner/loss.py), whose
+    # Equal to float32 round-off: top_p 1 takes the selective path (logit - logsumexp, learner/policy_loss.py), whose
     # sums run in another order than log_softmax's. Renormalising over any nucleus would move it by far more.
     assert torch.allclose(token_logprobs(logits_B_T_V, ids_B_T, 0.7, 1.0), full, rtol=0, atol=1e-6)
 

@@ -1,13 +1,13 @@
 """Every loss the learner knows, in one table: name -> family, per-token inputs, config keys with defaults and
 bounds, and a one-line doc. No ML package here: the front end's config (AlgorithmConfig.loss) and the docs read
-the names from this table, and the learner's functions (learner/losses.py) are keyed by the same names (it
+the names from this table, and the learner's functions (learner/tinker_losses.py) are keyed by the same names (it
 checks that at import).
 
 Two families:
   * "tinker": Tinker's built-in losses (its `forward_backward` loss_fn), each a SUM over a datum's positions of
     a per-position loss, as Tinker defines them (tinker-docs.thinkingmachines.ai/tinker/losses); so several
     forward_backward calls before one optim_step add up to one call over all their datums.
-  * "grpo": the server's own GRPO family (learner/loss.py `policy_loss`), normalised by the whole batch (a train
+  * "grpo": the server's own GRPO family (learner/policy_loss.py `policy_loss`), normalised by the whole batch (a train
     step's groups, or one forward_backward call's datums), one advantage per sequence. These are the names an
     experiment's AlgorithmConfig.loss may take (NATIVE_LOSSES).
 

@@ -4,7 +4,7 @@ learner scores under.
 vLLM reports "processed" logprobs (sampler/vllm_engine.py): log softmax(logits / T), renormalised over the
 top-p nucleus. Its nucleus (apply_top_k_top_p): sort the tempered logits ascending, drop every token whose
 cumulative probability is <= 1 - top_p, and always keep the most likely one. The transformers sampler
-(sampler/hf_engine.py) samples from that distribution, and the learner (learner/loss.py) scores its tokens
+(sampler/hf_engine.py) samples from that distribution, and the learner (learner/policy_loss.py) scores its tokens
 under it, so that the importance ratio of a token sampled by the weights the learner holds is 1, whatever
 T and top_p are.
 

@@ -235,7 +235,7 @@ class TrainMetrics(WireModel):
     checkpointed_journal_seq: int | None = None  # set when this step was checkpointed: journal entries up
     # to it are durable in the weights, and the front end may forget them
     # Sampler/learner mismatch over all trained tokens (stale groups included, so it also holds their version
-    # gap): mean k3 estimate of KL(sampler || learner) (learner/loss.py `mismatch_kl_sum`), and the fraction of
+    # gap): mean k3 estimate of KL(sampler || learner) (learner/policy_loss.py `mismatch_kl_sum`), and the fraction of
     # trained tokens the rollout correction capped (token_tis) or masked (token_mask, sequence_mask).
     mismatch_kl: float = 0.0
     rollout_corrected_fraction: float = 0.0

@@ -87,7 +87,7 @@ class AlgorithmConfig(StrictModel):
         "Leave completions that hit max_tokens (finish_reason 'length'; for an episode, a sequence whose last "
         "turn was cut) out of the loss, as DAPO's overlong filtering; counted in the status's "
         "counters.completions_masked_truncated. Their group's advantages are unchanged."))
-    # Rollout correction (learner/loss.py `rollout_weights`): the sampler's logprobs are the behaviour policy,
+    # Rollout correction (learner/policy_loss.py `rollout_weights`): the sampler's logprobs are the behaviour policy,
     # the learner's own pre-step logprobs the proximal one; they differ by numerics (bf16 vLLM) and staleness.
     rollout_correction: Literal["auto", "none", "token_tis", "token_mask", "sequence_mask"] = Field(
         "auto", description=(

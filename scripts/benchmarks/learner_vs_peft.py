@@ -7,7 +7,7 @@ The learner side is `learner.trainer.MultiAdapterTrainer.train` (DeepSpeed ZeRO-
 model, its micro-batches, its GRPO loss), in this process. The plain side is a second copy of the same
 base model wrapped by `peft.get_peft_model` with the same LoRA (r, alpha, the 7 linear layers), a torch
 AdamW over the adapter and the same loop: the learner's own micro-batches (`learner.batching`), the same
-forward (`logits_to_keep`), the same loss (`learner.loss.policy_loss`), gradient clipping, one step.
+forward (`logits_to_keep`), the same loss (`learner.policy_loss.policy_loss`), gradient clipping, one step.
 After one warm-up step each, blocks of `BLOCK` steps alternate (learner, plain, learner without checkpoints,
 each round starting with the next side), so all see the same load (`--autocast`: single steps alternate).
 
@@ -116,7 +116,7 @@ class PlainLoop:
         import torch
 
         from learner.batching import Sequence, gather_completion_logp, make_micro_batches
-        from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
+        from learner.policy_loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
 
         algo = self.algorithm
         seqs = [Sequence(s.prompt_token_ids, s.completion_token_ids, s.sampler_logprobs, s.advantage,

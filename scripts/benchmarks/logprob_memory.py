@@ -1,5 +1,5 @@
 """The learner's memory and time per token for the sampled tokens' logprobs (issue 28's lever): the learner's
-`token_logprobs` (learner/loss.py: top_p 1 takes `_SelectedLogprob`, which keeps no [B, T, V] tensor besides
+`token_logprobs` (learner/policy_loss.py: top_p 1 takes `_SelectedLogprob`, which keeps no [B, T, V] tensor besides
 the logits) against the same logprobs through `log_softmax(logits / T).gather(...)` under autograd, as the
 learner computed them before.
 
@@ -51,7 +51,7 @@ def run_variant(variant: str, batch: int, steps: int) -> dict:
 
     from grpo_server.config import EMBEDDED_MODEL_NAME
     from grpo_server.workers.model_prep import resolve_model
-    from learner.loss import token_logprobs
+    from learner.policy_loss import token_logprobs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(EMBEDDED_MODEL_NAME), dtype=torch.float32)

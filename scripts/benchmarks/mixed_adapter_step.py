@@ -5,7 +5,7 @@
 Issue 28 names "mixed-adapter learner steps": micro-batches of several experiments in one forward and backward,
 each row through its own adapter, as multi-LoRA serving does for sampling. Today the learner runs one
 experiment's step at a time (learner/trainer.py). This measures what that would save on this box, on the
-learner's own pieces (learner.batching's micro-batches, learner.loss), without DeepSpeed (the optimizer steps
+learner's own pieces (learner.batching's micro-batches, learner.policy_loss), without DeepSpeed (the optimizer steps
 stay one per experiment either way):
 
 - `one_by_one`: experiment A's micro-batch of `sequences` through adapter A, forward and backward; then B's;
@@ -41,7 +41,7 @@ def run(rounds: int, sequences: int, max_completion: int, micro_batch: int) -> d
     from grpo_server.workers.model_prep import resolve_model
     from learner.batching import Sequence, gather_completion_logp, make_micro_batches
     from learner.engine import uses_autocast
-    from learner.loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
+    from learner.policy_loss import BatchNormalizer, LossSettings, policy_loss, token_logprobs
 
     lora, algo = LoraConfig(), AlgorithmConfig()  # an experiment's defaults: r 16 on 7 modules, dropout 0
     autocast = uses_autocast("auto", torch.device("cpu"), torch.float32)

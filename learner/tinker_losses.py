@@ -6,7 +6,7 @@ Shapes ride in the names: B datums, T positions (right-padded). Every function t
 (detached, 0 on padding): the shares sum to the loss, and a forward_backward answer reports them per datum.
 
 Tinker's losses are SUMS over positions, so a micro-batch's loss is its exact share of the call's, and calls
-before one optim_step add up. The GRPO family runs learner/loss.py's `policy_loss` (the native train step's own
+before one optim_step add up. The GRPO family runs learner/policy_loss.py's `policy_loss` (the native train step's own
 function) with whole-call sizes (`BatchNormalizer`), which makes its micro-batch losses shares too.
 """
 
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.loss_table import LOSSES, NATIVE_LOSSES, LossSpec
-from learner.loss import BatchNormalizer, LossSettings, _clipped_objective, _masked_log_diff, policy_loss
+from learner.policy_loss import BatchNormalizer, LossSettings, _clipped_objective, _masked_log_diff, policy_loss
 
 
 @dataclass
@@ -49,7 +49,7 @@ def _summed(x: LossInput, elementwise_B_T: Tensor, mask_B_T: Tensor, clipped_B_T
 
 
 def _ratio(x: LossInput) -> Tensor:
-    """exp(logp - sampler logprobs): 1 on padding; the log-ratio clamped to +-20 as in learner/loss.py, so a
+    """exp(logp - sampler logprobs): 1 on padding; the log-ratio clamped to +-20 as in learner/policy_loss.py, so a
     placeholder logprob (Tinker's datums put 0 on prompt positions, whose advantage is 0) cannot make inf * 0."""
     return _masked_log_diff(x.logp_B_T, x.inputs["logprobs"], x.valid_B_T).exp()
 
@@ -119,7 +119,7 @@ def _grpo(name: str) -> Callable[[LossInput], LossOutput]:
 
 
 def _share(tok_B_T: Tensor, mask_B_T: Tensor, loss_type: str, norm: BatchNormalizer) -> Tensor:
-    """learner/loss.py `_aggregate` without its final sum: each token's part of the micro-batch's share."""
+    """learner/policy_loss.py `_aggregate` without its final sum: each token's part of the micro-batch's share."""
     if loss_type in ("grpo", "gspo"):
         return tok_B_T / mask_B_T.sum(-1, keepdim=True).clamp(min=1.0) / norm.num_sequences
     if loss_type == "dr_grpo":
@@ -156,7 +156,8 @@ LOSS_FUNCTIONS: dict[str, Callable[[LossInput], LossOutput]] = {
     "cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo, "cispo": cispo,
     "dro": dro, **{name: _grpo(name) for name in NATIVE_LOSSES}}
 if LOSS_FUNCTIONS.keys() != LOSSES.keys():  # one table: a row without a function (or the reverse) is a bug
-    raise ImportError(f"learner/losses.py and the loss table differ: {sorted(LOSS_FUNCTIONS.keys() ^ LOSSES.keys())}")
+    raise ImportError("learner/tinker_losses.py and the loss table differ: "
+                      f"{sorted(LOSS_FUNCTIONS.keys() ^ LOSSES.keys())}")
 
 
 def needs_reference(spec: LossSpec, config: dict[str, float]) -> bool:
