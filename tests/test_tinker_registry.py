@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.api.tinker.service import SamplerWeights, TinkerModel
 
 
 def _model(model_id: str, experiment: str) -> TinkerModel:
     return TinkerModel(model_id=model_id, experiment=experiment, owner="admin",
-                       lora=tw.LoraConfig(rank=4, train_mlp=False), probe_tokens=[1, 2, 3],
+                       lora=ts.LoraConfig(rank=4, train_mlp=False), probe_tokens=[1, 2, 3],
                        sampler_weights={"final": SamplerWeights(3, "/run/adapters/x/v000003", saved_at=12.5)})
 
 

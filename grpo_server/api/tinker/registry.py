@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker import schema as ts
 from grpo_server.protocol.durable import write_atomic
 
 # service.py's TinkerModel, which this module reads and makes through `make_model` without importing service.py
@@ -55,7 +55,7 @@ class TinkerRegistry:
                     continue
                 models[row["model_id"]] = make_model(
                     model_id=row["model_id"], experiment=row["experiment"], owner=row["owner"],
-                    lora=tw.LoraConfig.model_validate(row["lora"]), probe_tokens=row.get("probe_tokens"),
+                    lora=ts.LoraConfig.model_validate(row["lora"]), probe_tokens=row.get("probe_tokens"),
                     created_at=row["created_at"], step=row.get("step", 0), expires=row.get("expires", {}),
                     sampler_weights={name: weights(**w) for name, w in row["sampler_weights"].items()})
         except (OSError, ValueError, KeyError, TypeError) as exc:

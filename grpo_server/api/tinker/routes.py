@@ -20,11 +20,11 @@ from pydantic import BaseModel
 
 from grpo_server.api.app_state import TINKER
 from grpo_server.api.route_table import Endpoint, Principal
-from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.sampling import sample
 from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
-from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, SampleResponse
-from grpo_server.api.tinker.wire_proto import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
+from grpo_server.api.tinker.data import ForwardBackwardOutput, SampleResponse
+from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
                                                encode_forward_backward_output, encode_sample_response)
 from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, Unprocessable
 from grpo_server.runtime.futures import Pending
@@ -44,10 +44,10 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
     retry of the same call: the same future."""
     futures = request.app[TINKER].futures
     if model is None:
-        return _json(tw.UntypedAPIFuture(request_id=futures.submit(owner, work), **extra))
+        return _json(ts.UntypedAPIFuture(request_id=futures.submit(owner, work), **extra))
     known = model.lane.known(seq_id)
     if known is not None:
-        return _json(tw.UntypedAPIFuture(request_id=known, model_id=model.model_id, **extra))
+        return _json(ts.UntypedAPIFuture(request_id=known, model_id=model.model_id, **extra))
     try:
         model.lane.check(seq_id)
     except ApiError as exc:
@@ -55,14 +55,14 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
 
         async def refused() -> Any:
             raise error
-        return _json(tw.UntypedAPIFuture(request_id=futures.submit(owner, refused), **extra))
+        return _json(ts.UntypedAPIFuture(request_id=futures.submit(owner, refused), **extra))
 
     async def in_order() -> Any:
         async with model.lane.turn(seq_id):
             return await work()
     request_id = futures.submit(owner, in_order)
     model.lane.remember(seq_id, request_id)
-    return _json(tw.UntypedAPIFuture(request_id=request_id, model_id=model.model_id, **extra))
+    return _json(ts.UntypedAPIFuture(request_id=request_id, model_id=model.model_id, **extra))
 
 
 def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | None,
@@ -90,22 +90,22 @@ def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | N
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
 
 async def client_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    return _json(tw.ClientConfigResponse())
+    return _json(ts.ClientConfigResponse())
 
 
 async def dynamic_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    return _json(tw.ClientDynamicConfigResponse())
+    return _json(ts.ClientDynamicConfigResponse())
 
 
 async def create_session(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     owner = who.owner
-    return _json(tw.CreateSessionResponse(session_id=await request.app[TINKER].create_session(owner)))
+    return _json(ts.CreateSessionResponse(session_id=await request.app[TINKER].create_session(owner)))
 
 
 async def session_heartbeat(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     owner = who.owner
     request.app[TINKER].session(owner, body.session_id)
-    return _json(tw.SessionHeartbeatResponse())
+    return _json(ts.SessionHeartbeatResponse())
 
 
 async def finish_session(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -116,16 +116,16 @@ async def finish_session(request: web.Request, who: Principal | None, body: Any)
 
 async def telemetry(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     # accepted, not kept: the server's own metrics tell more
-    return _json(tw.TelemetryResponse())
+    return _json(ts.TelemetryResponse())
 
 
 async def healthz(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    return _json(tw.HealthResponse())
+    return _json(ts.HealthResponse())
 
 
 async def capabilities(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     orchestrator = request.app[TINKER].orchestrator
-    return _json(tw.GetServerCapabilitiesResponse(supported_models=[tw.SupportedModel(
+    return _json(ts.GetServerCapabilitiesResponse(supported_models=[ts.SupportedModel(
         model_name=request.app[TINKER].base_model, max_context_length=orchestrator.config.max_model_len,
         trainable=True, sampleable=True)]))
 
@@ -135,11 +135,11 @@ async def capabilities(request: web.Request, who: Principal | None, body: Any) -
 async def create_model(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     owner = who.owner
     service = request.app[TINKER]
-    lora = body.lora_config or tw.LoraConfig(rank=32)
+    lora = body.lora_config or ts.LoraConfig(rank=32)
 
-    async def run() -> tw.CreateModelResponse:
+    async def run() -> ts.CreateModelResponse:
         model = await service.create_model(owner, body.session_id, body.model_seq_id, body.base_model, lora)
-        return tw.CreateModelResponse(model_id=model.model_id)
+        return ts.CreateModelResponse(model_id=model.model_id)
     return _submit(request, owner, run)
 
 
@@ -170,8 +170,8 @@ async def save_weights(request: web.Request, who: Principal | None, body: Any) -
     owner = who.owner
     service = request.app[TINKER]
 
-    async def run(model: TinkerModel) -> tw.SaveWeightsResponse:
-        return tw.SaveWeightsResponse(path=await service.save_weights(model, body.path, body.ttl_seconds))
+    async def run(model: TinkerModel) -> ts.SaveWeightsResponse:
+        return ts.SaveWeightsResponse(path=await service.save_weights(model, body.path, body.ttl_seconds))
     return _model_call(request, owner, body.model_id, body.seq_id, run)
 
 
@@ -179,12 +179,12 @@ async def save_weights_for_sampler(request: web.Request, who: Principal | None, 
     owner = who.owner
     service = request.app[TINKER]
 
-    async def run(model: TinkerModel) -> tw.SaveWeightsForSamplerResponse:
+    async def run(model: TinkerModel) -> ts.SaveWeightsForSamplerResponse:
         weights = await service.save_for_sampler(model, body.path, body.ttl_seconds)
         if body.path is not None:
-            return tw.SaveWeightsForSamplerResponse(path=f"tinker://{model.model_id}/sampler_weights/{body.path}")
+            return ts.SaveWeightsForSamplerResponse(path=f"tinker://{model.model_id}/sampler_weights/{body.path}")
         sampler = service.new_sampler(owner, model, weights, None)
-        return tw.SaveWeightsForSamplerResponse(sampling_session_id=sampler.sampler_id)
+        return ts.SaveWeightsForSamplerResponse(sampling_session_id=sampler.sampler_id)
     return _model_call(request, owner, body.model_id, body.seq_id, run)
 
 
@@ -192,9 +192,9 @@ async def load_weights(request: web.Request, who: Principal | None, body: Any) -
     owner = who.owner
     service = request.app[TINKER]
 
-    async def run() -> tw.LoadWeightsResponse:
+    async def run() -> ts.LoadWeightsResponse:
         model = await service.load_weights(owner, body)
-        return tw.LoadWeightsResponse(path=body.path, model_id=model.model_id)
+        return ts.LoadWeightsResponse(path=body.path, model_id=model.model_id)
     if body.model_id is not None:  # the legacy load into a live model: in its seq_id order
         return _model_call(request, owner, body.model_id, body.seq_id, lambda _: run())
     return _submit(request, owner, run)
@@ -211,14 +211,14 @@ async def create_sampling_session(request: web.Request, who: Principal | None, b
     else:
         service.check_base_model(body.base_model)
         sampler = service.new_sampler(owner, None, None, None)
-    return _json(tw.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
+    return _json(ts.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
 
 
 async def get_sampler(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     owner = who.owner
     service = request.app[TINKER]
     sampler = service.sampler(owner, request.match_info["sampler_id"])
-    return _json(tw.GetSamplerResponse(sampler_id=sampler.sampler_id, base_model=service.base_model,
+    return _json(ts.GetSamplerResponse(sampler_id=sampler.sampler_id, base_model=service.base_model,
                                        model_path=sampler.model_path))
 
 
@@ -241,10 +241,10 @@ async def asample(request: web.Request, who: Principal | None, body: Any) -> web
         sampler = service.new_sampler(owner, None, None, None)
     ids = [f"{sampler.sampler_id}:{body.seq_id or 0}:{i}" for i in range(body.num_samples)]
     if body.seq_id is not None and body.seq_id in sampler.seen:  # the SDK's resubmission after a 429
-        return _json(tw.UntypedAPIFuture(request_id=sampler.seen[body.seq_id], sample_sequence_ids=ids))
+        return _json(ts.UntypedAPIFuture(request_id=sampler.seen[body.seq_id], sample_sequence_ids=ids))
     response = _submit(request, owner, lambda: sample(service, sampler, body), sample_sequence_ids=ids)
     if body.seq_id is not None:
-        sampler.remember(body.seq_id, tw.UntypedAPIFuture.model_validate_json(response.text).request_id)
+        sampler.remember(body.seq_id, ts.UntypedAPIFuture.model_validate_json(response.text).request_id)
     return response
 
 
@@ -256,7 +256,7 @@ async def retrieve_future(request: web.Request, who: Principal | None, body: Any
     try:
         outcome = await futures.retrieve(body.request_id, owner, LONG_POLL_S)
     except Pending:
-        return _json(tw.TryAgainResponse(request_id=body.request_id), status=408)
+        return _json(ts.TryAgainResponse(request_id=body.request_id), status=408)
     except NotFound as exc:  # 410: the SDK's "expired" (a sample is resubmitted; a training call fails)
         raise ApiError(exc.message, code=exc.code, status=410) from exc
     if outcome.error is not None:
@@ -282,7 +282,7 @@ async def weights_info(request: web.Request, who: Principal | None, body: Any) -
     parts = body.tinker_path.removeprefix("tinker://").split("/")
     model_id, _ = parse_path(body.tinker_path, parts[1] if len(parts) == 3 else "weights")
     model = service.model(owner, model_id)
-    return _json(tw.WeightsInfoResponse(base_model=service.base_model, is_lora=True, lora_rank=model.lora.rank,
+    return _json(ts.WeightsInfoResponse(base_model=service.base_model, is_lora=True, lora_rank=model.lora.rank,
                                         train_mlp=model.lora.train_mlp, train_attn=model.lora.train_attn,
                                         train_unembed=False))
 
@@ -291,7 +291,7 @@ async def training_run(request: web.Request, who: Principal | None, body: Any) -
     owner = who.owner
     service = request.app[TINKER]
     model = service.model(owner, request.match_info["model_id"])
-    return _json(tw.TrainingRun(training_run_id=model.model_id, base_model=service.base_model, model_owner=owner,
+    return _json(ts.TrainingRun(training_run_id=model.model_id, base_model=service.base_model, model_owner=owner,
                                 is_lora=True, lora_rank=model.lora.rank,
                                 last_request_time=datetime.fromtimestamp(model.last_request_at, timezone.utc)))
 
@@ -300,7 +300,7 @@ async def list_checkpoints(request: web.Request, who: Principal | None, body: An
     owner = who.owner
     service = request.app[TINKER]
     model = service.model(owner, request.match_info["model_id"])
-    return _json(tw.CheckpointsListResponse(checkpoints=await service.checkpoints(model)))
+    return _json(ts.CheckpointsListResponse(checkpoints=await service.checkpoints(model)))
 
 
 async def delete_checkpoint(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -322,48 +322,48 @@ def _row(method: str, path: str, handler, request_model, response_model, summary
 
 
 ROUTES: tuple[Endpoint, ...] = (
-    _row("POST", "/client/config", client_config, tw.ClientConfigRequest, tw.ClientConfigResponse,
+    _row("POST", "/client/config", client_config, ts.ClientConfigRequest, ts.ClientConfigResponse,
          "the SDK's feature flags"),
-    _row("POST", "/client/dynamic_config", dynamic_config, None, tw.ClientDynamicConfigResponse,
+    _row("POST", "/client/dynamic_config", dynamic_config, None, ts.ClientDynamicConfigResponse,
          "the SDK's refreshed flags"),
-    _row("POST", "/create_session", create_session, tw.CreateSessionRequest, tw.CreateSessionResponse,
+    _row("POST", "/create_session", create_session, ts.CreateSessionRequest, ts.CreateSessionResponse,
          "a session for this key's models and samplers"),
-    _row("POST", "/session_heartbeat", session_heartbeat, tw.SessionHeartbeatRequest, tw.SessionHeartbeatResponse,
+    _row("POST", "/session_heartbeat", session_heartbeat, ts.SessionHeartbeatRequest, ts.SessionHeartbeatResponse,
          "a session is alive", errors=(404,)),
-    _row("POST", "/sessions/{session_id}/finish", finish_session, tw.SessionFinishRequest, None,
+    _row("POST", "/sessions/{session_id}/finish", finish_session, ts.SessionFinishRequest, None,
          "a session ended", errors=(404,)),
-    _row("POST", "/telemetry", telemetry, tw.TelemetrySendRequest, tw.TelemetryResponse, "accepted, not kept"),
-    _row("GET", "/healthz", healthz, None, tw.HealthResponse, "alive", auth="public"),
-    _row("GET", "/get_server_capabilities", capabilities, None, tw.GetServerCapabilitiesResponse,
+    _row("POST", "/telemetry", telemetry, ts.TelemetrySendRequest, ts.TelemetryResponse, "accepted, not kept"),
+    _row("GET", "/healthz", healthz, None, ts.HealthResponse, "alive", auth="public"),
+    _row("GET", "/get_server_capabilities", capabilities, None, ts.GetServerCapabilitiesResponse,
          "the base model this server trains and samples"),
-    _row("POST", "/create_model", create_model, tw.CreateModelRequest, tw.UntypedAPIFuture,
+    _row("POST", "/create_model", create_model, ts.CreateModelRequest, ts.UntypedAPIFuture,
          "a LoRA training model (an experiment); future of CreateModelResponse"),
-    _row("POST", "/get_info", get_info, tw.GetInfoRequest, tw.GetInfoResponse, "a model's base model and LoRA rank",
+    _row("POST", "/get_info", get_info, ts.GetInfoRequest, ts.GetInfoResponse, "a model's base model and LoRA rank",
          errors=(404,)),
-    _row("POST", "/forward_backward", forward_backward, None, tw.UntypedAPIFuture,
+    _row("POST", "/forward_backward", forward_backward, None, ts.UntypedAPIFuture,
          "forward (forward_only) or forward and backward; the body is a protobuf ForwardBackwardRequest; future "
          "of a protobuf ForwardBackwardOutput", errors=(400, 413)),
-    _row("POST", "/optim_step", optim_step, tw.OptimStepRequest, tw.UntypedAPIFuture,
+    _row("POST", "/optim_step", optim_step, ts.OptimStepRequest, ts.UntypedAPIFuture,
          "one AdamW step on the gradients summed since the last; future of OptimStepResponse"),
-    _row("POST", "/save_weights", save_weights, tw.SaveWeightsRequest, tw.UntypedAPIFuture,
+    _row("POST", "/save_weights", save_weights, ts.SaveWeightsRequest, ts.UntypedAPIFuture,
          "a training checkpoint (adapter and optimizer state); future of SaveWeightsResponse"),
-    _row("POST", "/save_weights_for_sampler", save_weights_for_sampler, tw.SaveWeightsForSamplerRequest,
-         tw.UntypedAPIFuture, "a version pushed to the samplers; future of SaveWeightsForSamplerResponse"),
-    _row("POST", "/load_weights", load_weights, tw.LoadWeightsRequest, tw.UntypedAPIFuture,
+    _row("POST", "/save_weights_for_sampler", save_weights_for_sampler, ts.SaveWeightsForSamplerRequest,
+         ts.UntypedAPIFuture, "a version pushed to the samplers; future of SaveWeightsForSamplerResponse"),
+    _row("POST", "/load_weights", load_weights, ts.LoadWeightsRequest, ts.UntypedAPIFuture,
          "a checkpoint into a new or live model; future of LoadWeightsResponse"),
-    _row("POST", "/create_sampling_session", create_sampling_session, tw.CreateSamplingSessionRequest,
-         tw.CreateSamplingSessionResponse, "a sampler on saved weights or the base model", errors=(404,)),
-    _row("GET", "/samplers/{sampler_id}", get_sampler, None, tw.GetSamplerResponse, "a sampler", errors=(404,)),
-    _row("POST", "/asample", asample, tw.SampleRequest, tw.UntypedAPIFuture,
+    _row("POST", "/create_sampling_session", create_sampling_session, ts.CreateSamplingSessionRequest,
+         ts.CreateSamplingSessionResponse, "a sampler on saved weights or the base model", errors=(404,)),
+    _row("GET", "/samplers/{sampler_id}", get_sampler, None, ts.GetSamplerResponse, "a sampler", errors=(404,)),
+    _row("POST", "/asample", asample, ts.SampleRequest, ts.UntypedAPIFuture,
          "samples of a prompt; future of a protobuf SampleResponse", errors=(404,)),
-    _row("POST", "/retrieve_future", retrieve_future, tw.FutureRetrieveRequest, None,
+    _row("POST", "/retrieve_future", retrieve_future, ts.FutureRetrieveRequest, None,
          "a call's result (long poll; 408 while it runs, 410 once expired)", errors=(408, 410)),
-    _row("POST", "/cancel_future", cancel_future, tw.CancelFutureRequest, None, "cancel a call"),
-    _row("POST", "/weights_info", weights_info, tw.WeightsInfoRequest, tw.WeightsInfoResponse,
+    _row("POST", "/cancel_future", cancel_future, ts.CancelFutureRequest, None, "cancel a call"),
+    _row("POST", "/weights_info", weights_info, ts.WeightsInfoRequest, ts.WeightsInfoResponse,
          "what a checkpoint holds", errors=(404,)),
-    _row("GET", "/training_runs/{model_id}", training_run, None, tw.TrainingRun, "a model as a training run",
+    _row("GET", "/training_runs/{model_id}", training_run, None, ts.TrainingRun, "a model as a training run",
          errors=(404,)),
-    _row("GET", "/training_runs/{model_id}/checkpoints", list_checkpoints, None, tw.CheckpointsListResponse,
+    _row("GET", "/training_runs/{model_id}/checkpoints", list_checkpoints, None, ts.CheckpointsListResponse,
          "a model's checkpoints", errors=(404,)),
     _row("DELETE", "/training_runs/{model_id}/checkpoints/{kind}/{checkpoint}", delete_checkpoint, None, None,
          "delete a checkpoint", status=204, errors=(404,)),

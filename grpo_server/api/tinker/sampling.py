@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import contextlib
 
-from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.service import Sampler, TinkerModels
-from grpo_server.api.tinker.wire_data import SampledSequence, SampleResponse
+from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import AdapterRef, GenerateRequest, ScoreRequest
 
 DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
 
 
-def _check(request: tw.SampleRequest) -> None:
+def _check(request: ts.SampleRequest) -> None:
     params = request.sampling_params
     unsupported = [name for name, on in (
         ("top_k", params.top_k not in (-1, 0)), ("topk_prompt_logprobs", request.topk_prompt_logprobs > 0),
@@ -37,7 +37,7 @@ def _check(request: tw.SampleRequest) -> None:
         raise BadRequest("num_samples must be at least 1", code="bad_request")
 
 
-async def sample(models: TinkerModels, sampler: Sampler, request: tw.SampleRequest) -> SampleResponse:
+async def sample(models: TinkerModels, sampler: Sampler, request: ts.SampleRequest) -> SampleResponse:
     _check(request)
     prompt = request.prompt.tokens()
     if not prompt:

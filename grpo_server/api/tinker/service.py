@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from grpo_server.api.route_table import ADMIN
-from grpo_server.api.tinker import wire as tw
+from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.registry import TinkerRegistry
-from grpo_server.api.tinker.wire_data import ForwardBackwardOutput, ForwardBackwardRequest
+from grpo_server.api.tinker.data import ForwardBackwardOutput, ForwardBackwardRequest
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, Unprocessable
@@ -58,7 +58,7 @@ class TinkerModel:
     model_id: str
     experiment: str
     owner: str
-    lora: tw.LoraConfig
+    lora: ts.LoraConfig
     lane: SeqLane = field(default_factory=SeqLane)
     sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
     probe_tokens: list[int] | None = None  # a sequence it trained on: what its pushes' checks score
@@ -158,7 +158,7 @@ class TinkerModels:
             raise BadRequest(f"this server trains {self.base_model!r}, not {base_model!r}", code="unknown_base_model")
 
     async def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
-                           lora: tw.LoraConfig) -> TinkerModel:
+                           lora: ts.LoraConfig) -> TinkerModel:
         self.session(owner, session_id)
         self.check_base_model(base_model)
         model_id = f"{session_id}:train:{model_seq_id}"
@@ -186,8 +186,8 @@ class TinkerModels:
         await self._saved()
         return model
 
-    def info(self, model: TinkerModel) -> tw.GetInfoResponse:
-        return tw.GetInfoResponse(model_id=model.model_id, model_data=tw.ModelData(
+    def info(self, model: TinkerModel) -> ts.GetInfoResponse:
+        return ts.GetInfoResponse(model_id=model.model_id, model_data=ts.ModelData(
             arch=None, model_name=self.base_model, tokenizer_id=None), is_lora=True, lora_rank=model.lora.rank,
             model_name=self.base_model)
 
@@ -224,11 +224,11 @@ class TinkerModels:
         if not request.forward_only:
             model.gradients_pending, model.learner_life = True, self.orchestrator.learner_restarts
         return ForwardBackwardOutput(
-            loss_fn_outputs=[{k: tw.TensorData.from_list(v, "float32") for k, v in row.items()}
+            loss_fn_outputs=[{k: ts.TensorData.from_list(v, "float32") for k, v in row.items()}
                              for row in out.loss_fn_outputs],
             metrics=out.metrics)
 
-    async def optim_step(self, model: TinkerModel, request: tw.OptimStepRequest) -> tw.OptimStepResponse:
+    async def optim_step(self, model: TinkerModel, request: ts.OptimStepRequest) -> ts.OptimStepResponse:
         if request.adam_params is None:
             kind = (request.optimizer_params or {}).get("type", "?")
             raise BadRequest(f"only AdamW steps (adam_params) are served, not {kind!r}", code="unsupported_optimizer")
@@ -238,7 +238,7 @@ class TinkerModels:
         self.orchestrator.get(model.experiment).optimizer_stepped(out.step)
         model.step, model.gradients_pending = out.step, False
         await self._saved()  # the step reached, so that a restart that rolls it back can say so
-        return tw.OptimStepResponse(metrics=out.metrics)
+        return ts.OptimStepResponse(metrics=out.metrics)
 
     def rollback(self, model: TinkerModel) -> ApiError | None:
         """A restart rolled `model` back since its last call (the learner resumed an older checkpoint, or lost
@@ -292,7 +292,7 @@ class TinkerModels:
             except NotFound:
                 model.expires.pop(checkpoint_id, None)
 
-    async def load_weights(self, owner: str, request: tw.LoadWeightsRequest) -> TinkerModel:
+    async def load_weights(self, owner: str, request: ts.LoadWeightsRequest) -> TinkerModel:
         """Into a new model (create-via-load, the SDK's create_training_client_from_state*) or, legacy, into
         `request.model_id`: the source model's checkpoint, with its optimizer state when asked."""
         source_id, label = parse_path(request.path, "weights")
@@ -371,13 +371,13 @@ class TinkerModels:
 
     # --- checkpoints ---------------------------------------------------------------------------------------
 
-    async def checkpoints(self, model: TinkerModel) -> list[tw.Checkpoint]:
+    async def checkpoints(self, model: TinkerModel) -> list[ts.Checkpoint]:
         await self.expire_checkpoints(model)
         states = await self.orchestrator.workers.learner.list_states(model.experiment)
-        listed = [tw.Checkpoint(checkpoint_id=f"weights/{s.label}", checkpoint_type="training",
+        listed = [ts.Checkpoint(checkpoint_id=f"weights/{s.label}", checkpoint_type="training",
                                 time=datetime.fromtimestamp(s.saved_at, timezone.utc),
                                 tinker_path=f"tinker://{model.model_id}/weights/{s.label}") for s in states.states]
-        listed += [tw.Checkpoint(checkpoint_id=f"sampler_weights/{name}", checkpoint_type="sampler",
+        listed += [ts.Checkpoint(checkpoint_id=f"sampler_weights/{name}", checkpoint_type="sampler",
                                  time=datetime.fromtimestamp(w.saved_at, timezone.utc), tinker_path=f"tinker://{model.model_id}/sampler_weights/{name}")
                    for name, w in model.sampler_weights.items()]
         return listed
@@ -414,7 +414,7 @@ def _forget_oldest(table: dict, mine, keep: int) -> list:
     return [table.pop(key) for key in held[:max(0, len(held) - keep)]]
 
 
-def failure(error: ApiError) -> tw.RequestFailedResponse:
+def failure(error: ApiError) -> ts.RequestFailedResponse:
     """A failed call as the SDK reads it: the client's fault (4xx) is category `user`, the rest `server`."""
-    category = tw.RequestErrorCategory.User if 400 <= error.status < 500 else tw.RequestErrorCategory.Server
-    return tw.RequestFailedResponse(error=f"{error.code}: {error.message}", category=category)
+    category = ts.RequestErrorCategory.User if 400 <= error.status < 500 else ts.RequestErrorCategory.Server
+    return ts.RequestFailedResponse(error=f"{error.code}: {error.message}", category=category)

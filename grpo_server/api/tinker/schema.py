@@ -4,7 +4,7 @@ Requests ignore fields this server does not read (the SDK adds some with each re
 SDK validates strictly, so serialize them with `model_dump(mode="json", exclude_none=True)`. The calls that run
 on a model answer `UntypedAPIFuture` at once; `POST /api/v1/retrieve_future` then long-polls for the result,
 answering 408 (`TryAgainResponse` body) while it is pending and `RequestFailedResponse` when it failed. Results
-of forward/forward_backward/sample are protobuf (wire_proto), every other result is the JSON model named below.
+of forward/forward_backward/sample are protobuf (protobuf.py), every other result is the JSON model named below.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# The RestClient records live in wire_data; they are re-exported so that every body can be imported from here.
-from .wire_data import (  # noqa: F401
+# The RestClient records live in data.py; they are re-exported so that every body can be imported from here.
+from .data import (  # noqa: F401
     Checkpoint, CheckpointsListResponse, Cursor, GetServerCapabilitiesResponse, HealthResponse, ModelInput,
     OptimizerConfig, SupportedModel, TensorData, TrainingRun, WeightsInfoRequest, WeightsInfoResponse)
 

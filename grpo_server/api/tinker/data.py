@@ -2,10 +2,10 @@
 
 Named as in the SDK (`tinker.types`). A `TensorData` is a flat value list plus a dtype and shape (dense, or sparse
 CSR); a `ModelInput` is a list of chunks, of which this server reads only `encoded_text`. Requests reach these
-types two ways: `forward_backward` as protobuf (wire_proto.decode_forward_backward_request), `asample`'s prompt
-and `target_prompt_logprobs` as JSON (wire.SampleRequest). The result types here are the server's own
-representation of what wire_proto encodes back. The RestClient's checkpoint and training-run records (JSON) are at
-the end; wire.py re-exports them.
+types two ways: `forward_backward` as protobuf (protobuf.decode_forward_backward_request), `asample`'s prompt
+and `target_prompt_logprobs` as JSON (schema.SampleRequest). The result types here are the server's own
+representation of what protobuf.py encodes back. The RestClient's checkpoint and training-run records (JSON) are
+at the end; schema.py re-exports them.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ class SampleResponse(_Wire):
     target_prompt_logprobs: TensorData | None = None
 
 
-# --- RestClient records (JSON; re-exported by wire.py) ------------------------------------------------------------
+# --- RestClient records (JSON; re-exported by schema.py) ----------------------------------------------------------
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())

@@ -16,7 +16,7 @@ import sys
 from array import array
 from collections.abc import Iterator, Sequence
 
-from .wire_data import (
+from .data import (
     Datum,
     DmelChunk,
     EncodedTextChunk,
