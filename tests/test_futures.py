@@ -1,5 +1,5 @@
-"""grpo_server/runtime/futures.py on its own: calls run in seq_id order whatever order they arrive in, a gap that
-stays open fails its waiter and lets the rest go on, results are owned, polled, and expire."""
+"""grpo_server/api/tinker/futures.py on its own: calls run in seq_id order whatever order they arrive in, a gap
+that stays open fails its waiter and lets the rest go on, results are owned, polled, and expire."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from grpo_server.protocol.errors import ApiError
-from grpo_server.runtime.futures import FutureStore, Pending, SeqLane
+from grpo_server.api.tinker.futures import FutureStore, Pending, SeqLane
 
 
 async def test_calls_run_in_seq_id_order_whatever_order_they_arrive_in():

@@ -25,11 +25,11 @@ from grpo_server.api.openai.responses import response_store
 from grpo_server.api.openai.routes import ROUTES as OPENAI_ROUTES
 from grpo_server.api.openapi import openapi_json
 from grpo_server.api.route_table import Endpoint
+from grpo_server.api.tinker.futures import FutureStore
 from grpo_server.api.tinker.routes import ROUTES as TINKER_ROUTES
-from grpo_server.api.tinker.service import TinkerModels
+from grpo_server.api.tinker.service import TinkerService
 from grpo_server.config import EMBEDDED_MODEL_HUB_ID, EMBEDDED_MODEL_NAME, ServerConfig
 from grpo_server.protocol.worker_auth import auth_headers
-from grpo_server.runtime.futures import FutureStore
 from grpo_server.runtime.orchestrator import Orchestrator
 from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.workers.launch import WorkerSet
@@ -87,7 +87,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
                                        on_learner_restart=lambda: orchestrator.resync_learner())
             orchestrator = Orchestrator(config, pool, await prompts_loading)
             app[ORCHESTRATOR] = orchestrator
-            app[TINKER] = TinkerModels(orchestrator, tinker_base_model(config), FutureStore(
+            app[TINKER] = TinkerService(orchestrator, tinker_base_model(config), FutureStore(
                 max_running_per_owner=config.tinker_max_calls_per_key))
             # Experiments of an earlier run in this run directory resume first; the config's own are
             # created if they are not among them. Both start from their files as they are (a restart

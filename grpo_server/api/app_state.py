@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from grpo_server.api.native.downloads import Downloads
     from grpo_server.api.openai.responses_store import ResponseStore
     from grpo_server.api.prometheus import HttpCounter
-    from grpo_server.api.tinker.service import TinkerModels
+    from grpo_server.api.tinker.service import TinkerService
     from grpo_server.runtime.orchestrator import Orchestrator
 
 ORCHESTRATOR: web.AppKey["Orchestrator"] = web.AppKey("orchestrator")
@@ -22,6 +22,6 @@ OPENAPI_JSON: web.AppKey[bytes] = web.AppKey("openapi_json", bytes)  # built onc
 HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")
 AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)
-TINKER: web.AppKey["TinkerModels"] = web.AppKey("tinker")  # the Tinker API's sessions, models and futures
+TINKER: web.AppKey["TinkerService"] = web.AppKey("tinker")  # the Tinker API's sessions, models and futures
 RESPONSES: web.AppKey["ResponseStore"] = web.AppKey("responses")  # stored responses (previous_response_id)
 DOWNLOADS: web.AppKey["Downloads"] = web.AppKey("downloads")  # adapter downloads' own threads and per-key cap

@@ -3,7 +3,7 @@
 prefix); a Tinker model is an experiment, scoped like one (service.py).
 
 A call that runs on a model answers at once with a request id (`UntypedAPIFuture`); the work runs in the
-model's `seq_id` order (runtime/futures.py) and `retrieve_future` long-polls for it: 408 with a try-again body
+model's `seq_id` order (futures.py) and `retrieve_future` long-polls for it: 408 with a try-again body
 while it runs, the result (protobuf for forward/forward_backward/sample, JSON otherwise), a failed call as
 `{"error", "category"}` (`user` for the client's mistakes, `server` for ours), 410 once a result expired.
 Checks that need no model (the body's shape, the key) answer at once with the server's usual 4xx.
@@ -21,13 +21,13 @@ from pydantic import BaseModel
 from grpo_server.api.app_state import TINKER
 from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api.tinker import schema as ts
+from grpo_server.api.tinker.data import ForwardBackwardOutput, SampleResponse
+from grpo_server.api.tinker.futures import Pending
+from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
+                                             encode_forward_backward_output, encode_sample_response)
 from grpo_server.api.tinker.sampling import sample
 from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
-from grpo_server.api.tinker.data import ForwardBackwardOutput, SampleResponse
-from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
-                                               encode_forward_backward_output, encode_sample_response)
 from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, Unprocessable
-from grpo_server.runtime.futures import Pending
 
 LONG_POLL_S = 30.0  # the SDK's read timeout is 45 s, and it polls again at once after a 408
 

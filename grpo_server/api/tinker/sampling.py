@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from grpo_server.api.tinker import schema as ts
-from grpo_server.api.tinker.service import Sampler, TinkerModels
+from grpo_server.api.tinker.service import Sampler, TinkerService
 from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import AdapterRef, GenerateRequest, ScoreRequest
@@ -37,13 +37,13 @@ def _check(request: ts.SampleRequest) -> None:
         raise BadRequest("num_samples must be at least 1", code="bad_request")
 
 
-async def sample(models: TinkerModels, sampler: Sampler, request: ts.SampleRequest) -> SampleResponse:
+async def sample(service: TinkerService, sampler: Sampler, request: ts.SampleRequest) -> SampleResponse:
     _check(request)
     prompt = request.prompt.tokens()
     if not prompt:
         raise BadRequest("the prompt has no tokens", code="bad_request")
     params = request.sampling_params
-    orchestrator = models.orchestrator
+    orchestrator = service.orchestrator
     workers = orchestrator.workers
     adapter, experiment_name, loaded = None, None, contextlib.nullcontext()
     if sampler.model is not None and sampler.weights is not None:

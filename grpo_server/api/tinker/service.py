@@ -5,7 +5,7 @@ learner's as for any experiment, and its requests run through the same learner, 
 Tinker adds is held here:
   * sessions (`create_session`), the key that made each, and the models and samplers made in it;
   * models: `{session_id}:train:{model_seq_id}` (the SDK computes that id itself when it loads a checkpoint
-    into a new model), the experiment behind each, and its calls run in `seq_id` order (runtime/futures.py);
+    into a new model), the experiment behind each, and its calls run in `seq_id` order (futures.py);
   * sampler weights: a name (or an unnamed save's sampler) -> the adapter version that save pushed. Any of
     them can be sampled while newer ones exist: a version the samplers unloaded is loaded again.
 Who may use what: the admin key makes models on experiments of their own; an experiment's key makes the one
@@ -25,13 +25,13 @@ from datetime import datetime, timezone
 
 from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import schema as ts
-from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.api.tinker.data import ForwardBackwardOutput, ForwardBackwardRequest
+from grpo_server.api.tinker.futures import FutureStore, SeqLane
+from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, Unprocessable
 from grpo_server.protocol.worker_config import LoraConfig
-from grpo_server.runtime.futures import FutureStore, SeqLane
 from grpo_server.runtime.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def parse_path(path: str, kind: str) -> tuple[str, str]:
     return parts[0], parts[2]
 
 
-class TinkerModels:
+class TinkerService:
     def __init__(self, orchestrator: Orchestrator, base_model: str, futures: FutureStore):
         self.orchestrator = orchestrator
         self.base_model = base_model

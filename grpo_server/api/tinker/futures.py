@@ -5,9 +5,11 @@ then long-polls `retrieve_future` for the result. `FutureStore` runs each call's
 the outcome until it is read, plus `read_grace_s` for the SDK's retry of the same poll, or at most `ttl_s` after
 it finished (then the id is `future_expired`). It bounds how many calls any one owner may have unread (running,
 or finished and not retrieved): a client that reads its results never meets the bound. Each owner's unread ids
-are indexed and the deadlines kept in a heap, so a call costs the same however many results are held. `SeqLane` runs one model's calls in the client's `seq_id` order, whatever order the
-HTTP requests arrived in (the SDK sends them concurrently): a call waits for every lower id of its model, and a
-gap that stays open fails the waiting call rather than hanging it.
+are indexed and the deadlines kept in a heap, so a call costs the same however many results are held.
+
+`SeqLane` runs one model's calls in the client's `seq_id` order, whatever order the HTTP requests arrived in
+(the SDK sends them concurrently): a call waits for every lower id of its model, and a gap that stays open fails
+the waiting call rather than hanging it.
 """
 
 from __future__ import annotations
