@@ -119,8 +119,11 @@ class Experiment:
 
     async def _admitted(self, request: CompletionsRequest, group_id: str | None,
                         admitted: asyncio.Event | None) -> CompletionsResponse:
-        name, limits, defaults = self.name, self.server, self.config.sampling
-        n, max_tokens = request.n or defaults.n, request.max_tokens or defaults.max_tokens
+        name = self.name
+        limits = self.server
+        defaults = self.config.sampling
+        n = request.n or defaults.n
+        max_tokens = request.max_tokens or defaults.max_tokens
         if request.episode_id is not None:
             if request.n not in (None, 1):
                 raise Unprocessable(f"an episode's turn is one completion (n = 1), not {request.n}: a group is "
@@ -221,10 +224,14 @@ class Experiment:
             raise Unprocessable("a group sampled at temperature 0 (greedy) has no policy gradient to train on: "
                                 "sample with temperature > 0 to give feedback", code="greedy_group")
         skipped, advantages = rate(request.rewards, self.config.algorithm)
-        external_ids = (await self.prompts.off_loop(external_token_ids, self.prompts, group, external)  # 400s for bad
-                        if external else [])
-        self.budget.check(name, len(group.prompt_token_ids) * (request.group_id is None) + sum(map(len, external_ids)))
-        scored_version, external_logprobs = None, None
+        external_ids = []
+        if external:  # a bad one is a 400 here, before anything is taken
+            external_ids = await self.prompts.off_loop(external_token_ids, self.prompts, group, external)
+        # What this feedback adds to the tokens held: a new group's prompt, and the external completions.
+        new_prompt = len(group.prompt_token_ids) if request.group_id is None else 0
+        self.budget.check(name, new_prompt + sum(len(ids) for ids in external_ids))
+        scored_version = None
+        external_logprobs = None
         if external_ids and skipped is None:
             scored_version, added = await score_external(self, group, external_ids)
             external_logprobs = [c.logprobs for c in added]
@@ -232,8 +239,12 @@ class Experiment:
         if request.group_id is not None:
             self.groups.take(name, request.group_id)  # 404/409 if it expired or was rated meanwhile
         rated = replace(group, completions=group.completions + added) if external and skipped is None else group
-        await asyncio.shield(self._accept(rated, request.rewards, advantages, skipped, put_back=lambda: (
-            request.group_id is None or self.groups.put_back(group))))  # as it was: `rated` is a copy
+
+        def put_back() -> None:  # the group as it was (`rated` is a copy); a group made here was in no store
+            if request.group_id is not None:
+                self.groups.put_back(group)
+
+        await asyncio.shield(self._accept(rated, request.rewards, advantages, skipped, put_back=put_back))
         self.counters.completions_external += len(rated.completions) - len(group.completions)
         return FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
                                 external_logprobs=external_logprobs, skipped=skipped)
@@ -257,7 +268,8 @@ class Experiment:
         A failed journal write (503 journal_write_failed) calls `put_back` instead, so the retry succeeds. Callers
         shield it: a request cancelled meanwhile cannot leave the group taken but neither queued nor put back."""
         if not skipped:
-            group.rewards, group.advantages = list(rewards), advantages
+            group.rewards = list(rewards)
+            group.advantages = advantages
             group.sampled_step = self.version_steps.get(group.policy_version, 0)  # max_staleness counts from it
             try:  # on a thread; queued as soon as it is durable, before any later append: in journal order
                 await self.journal.append_async(group, then=lambda: self.queue.append(group))
@@ -277,11 +289,16 @@ class Experiment:
         self.serving_version = version
         self.retire_unused_versions()
 
-    def learned(self, version: int, step: int) -> None:  # the learner wrote `version`, weights after `step` steps
-        self.learner_version, self.version_steps[version] = version, step
+    def learned(self, version: int, step: int) -> None:
+        """The learner wrote `version`: its weights after `step` optimizer steps."""
+        self.learner_version = version
+        self.version_steps[version] = step
 
     def pushed(self, seconds: float, at: float) -> None:
-        self.last_push_seconds, self.last_push_at = seconds, at
+        """A push took `seconds` and ended `at` (epoch seconds)."""
+        self.last_push_seconds = seconds
+        self.last_push_at = at
+
     def keep_for_check(self, version: int) -> None:
         """Keep `version` loaded on the samplers until `checked` (a probe may score it)."""
         self.versions_in_check.add(version)
@@ -303,7 +320,8 @@ class Experiment:
     @contextlib.contextmanager
     def sampling_request(self, share: float = 1.0) -> Iterator[None]:
         """Counts a sampler request (`share` of a group) from its admission (it may await a turn) to its end."""
-        self.sampling_requests, self.last_sampling_at = self.sampling_requests + share, time.monotonic()
+        self.sampling_requests += share
+        self.last_sampling_at = time.monotonic()
         try:
             yield
         finally:
@@ -355,7 +373,8 @@ class Experiment:
             self.episodes.undo_turn(self.name, episode_id)
             log.info("%s: episode %s: newest turn undone: its client left the stream before it", self.name, episode_id)
 
-    def expired(self, groups: int = 0, episodes: int = 0) -> None:  # their stores dropped them without feedback
+    def expired(self, groups: int = 0, episodes: int = 0) -> None:
+        """Their stores dropped `groups` and `episodes` of this experiment without feedback."""
         self.counters.groups_expired += groups
         self.counters.episodes_expired += episodes
 
@@ -363,7 +382,9 @@ class Experiment:
 
     def resume_from(self, state: AdapterVersion) -> None:
         """Take the learner's durable position: every journalled group after it is queued (again)."""
-        self.step, self.learner_version, self.version_steps[state.version] = state.step, state.version, state.step
+        self.step = state.step
+        self.learner_version = state.version
+        self.version_steps[state.version] = state.step
         self.counters.groups_trained = state.groups_trained
         self.queue[:] = self.journal.pending(after_seq=state.journal_seq)
         self.queue_generation += 1
@@ -386,7 +407,8 @@ class Experiment:
 
     def take_batch(self, size: int) -> tuple[list[Group], int]:
         """The oldest `size` queued groups, and the queue's generation they were taken from."""
-        batch, self.queue[:size] = self.queue[:size], []
+        batch = self.queue[:size]
+        del self.queue[:size]
         return batch, self.queue_generation
 
     def put_back(self, batch: list[Group], generation: int) -> bool:
