@@ -207,7 +207,8 @@ def rollout_weights(learner_old_logp_B_T: Tensor, sampler_logp_B_T: Tensor, mask
                                    valid_B_T)
     rho_B_T = log_rho_B_T.exp()
     if correction.mode == "token_tis":
-        weight_B_T, acted_B_T = rho_B_T.clamp(max=correction.is_cap), rho_B_T > correction.is_cap
+        weight_B_T = rho_B_T.clamp(max=correction.is_cap)
+        acted_B_T = rho_B_T > correction.is_cap
     elif correction.mode == "token_mask":
         acted_B_T = (rho_B_T < correction.mask_low) | (rho_B_T > correction.mask_high)
         weight_B_T = (~acted_B_T).float()

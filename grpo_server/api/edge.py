@@ -238,7 +238,8 @@ def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamR
     """`endpoint.handler` behind the row's rules, in this order: the caller's key (401 / 429) before the body is
     looked at; `admin` rows the admin's only, `experiment` rows the admin's or the experiment's own (the path's
     `{name}`, else the one the body names through `scope`: 403); then the body as the row's model."""
-    auth, scoped_by_path = endpoint.auth, "{name}" in endpoint.path
+    auth = endpoint.auth
+    scoped_by_path = "{name}" in endpoint.path
 
     async def handle(request: web.Request) -> web.StreamResponse:
         who = None if auth == "public" else caller(request)

@@ -203,7 +203,10 @@ class FeedbackJournal:
         `compact_async`. On a failure the file is as it was (it only holds more than needed)."""
         keep = b"".join(line for line, record in self._lines() if through_seq < record["seq"] <= self.last_seq)
         write_atomic(self.path, keep, mode=0o666)
-        old, self._fd, self._torn = self._fd, None, False  # appends go to the new file, whole records only
+        # Appends go to the new file, whole records only.
+        old = self._fd
+        self._fd = None
+        self._torn = False
         if old is not None:
             os.close(old)
         self._open()

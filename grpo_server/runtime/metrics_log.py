@@ -143,7 +143,8 @@ class MetricsLog:
     def sampling(self, counters: ExperimentCounters) -> None:
         """A `sampling` line for what `counters` gained since the last call, if anything was sampled."""
         now = time.monotonic()
-        interval, self._sampled_at = now - self._sampled_at, now
+        interval = now - self._sampled_at
+        self._sampled_at = now
         groups = counters.groups_sampled - self._sampled.groups_sampled
         completions = counters.completions_sampled - self._sampled.completions_sampled
         tokens = counters.tokens_sampled - self._sampled.tokens_sampled

@@ -111,7 +111,8 @@ class TrainingLoop:
     async def train(self, groups: list[Group], generation: int) -> None:
         exp = self.exp
         mask_truncated = exp.config.algorithm.mask_truncated
-        samples, left_out = train_samples(groups, mask_truncated), truncated_left_out(groups, mask_truncated)
+        samples = train_samples(groups, mask_truncated)
+        left_out = truncated_left_out(groups, mask_truncated)
         if not samples:
             exp.trained(groups, None, left_out)  # nothing left to train: counted, not sent
             return
@@ -197,7 +198,8 @@ class TrainingLoop:
         under the one before), scored before this experiment's next step can move the weights; then the check
         waits for its chance (grpo_server/runtime/verification.py). This was part of the push, and took 0.6-0.7 of
         its 0.8-0.9 s on the bench's SmolLM2 (two float32 forwards); now the version serves meanwhile."""
-        exp, learner_side = self.exp, None
+        exp = self.exp
+        learner_side = None
         if pushed.probe is not None:
             try:
                 learner_side = await self.workers.learner.score_version(exp.name, pushed.version, pushed.probe,

@@ -93,7 +93,10 @@ class Pushed:
 class VersionChecks:
     def __init__(self, exp: Experiment, workers: WorkerPool, tolerance: float, metrics_log: MetricsLog,
                  nearest_version: bool = False):
-        self.exp, self.workers, self.tolerance, self.metrics_log = exp, workers, tolerance, metrics_log
+        self.exp = exp
+        self.workers = workers
+        self.tolerance = tolerance
+        self.metrics_log = metrics_log
         self.nearest_version = nearest_version
         self.noise_floor: float | None = None  # nearest_version: the start version's free-check gap
         self.unchecked: Pushed | None = None

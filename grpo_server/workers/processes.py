@@ -92,7 +92,8 @@ class WorkerProcess:
 
     async def _wait_healthy(self) -> None:
         started = time.monotonic()
-        deadline, next_report = started + self.startup_timeout_s, started + HEALTH_PROGRESS_S
+        deadline = started + self.startup_timeout_s
+        next_report = started + HEALTH_PROGRESS_S
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while time.monotonic() < deadline:
                 if time.monotonic() >= next_report:  # a model load takes minutes: say it is not stuck

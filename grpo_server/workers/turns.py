@@ -159,7 +159,8 @@ class ComputeTurns:
         return True
 
     def _begin_solo(self, experiment: str | None) -> None:
-        self._solo, self._held_since = experiment, self.clock()
+        self._solo = experiment
+        self._held_since = self.clock()
         self._no_solo.clear()
 
     def _end_solo(self) -> None:

@@ -321,7 +321,8 @@ class Echo:
                 for t, lp in zip(completion.token_ids, completion.logprobs)]
             samples.append(Sample(output=output_items(completion, status, logprobs), token_ids=completion.token_ids,
                                   finish_reason=completion.finish_reason))
-        first, prompt_tokens = result.completions[0], len(result.prompt_token_ids)
+        first = result.completions[0]
+        prompt_tokens = len(result.prompt_token_ids)
         output_tokens = sum(len(c.token_ids) for c in result.completions)
         incomplete = first.finish_reason == "length"  # OpenAI: cut by max_output_tokens
         return self.skeleton(result.group_id, result.episode_id).model_copy(update=dict(

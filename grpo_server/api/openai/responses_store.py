@@ -29,7 +29,9 @@ class StoredResponse:
 
 class ResponseStore:
     def __init__(self, per_experiment: int, total: int, ttl_s: float):
-        self.per_experiment, self.total, self.ttl_s = per_experiment, total, ttl_s
+        self.per_experiment = per_experiment
+        self.total = total
+        self.ttl_s = ttl_s
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
         self._count: Counter[str] = Counter()
 

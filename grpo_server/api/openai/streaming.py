@@ -147,7 +147,9 @@ def pieces(decode: Decode, token_ids: Sequence[int], text: str) -> list[tuple[li
             break
         out.append((list(token_ids[start:i + 1]), piece))
         used += len(piece)
-        start, prefix_offset, read_offset = i + 1, read_offset, i + 1
+        start = i + 1
+        prefix_offset = read_offset
+        read_offset = i + 1
     out.append((list(token_ids[start:]), text[used:]))
     return out
 
@@ -196,7 +198,8 @@ class Framing:
 
     @staticmethod
     def _chat_choice(choice: ChatChoice, decode: Decode) -> Iterator[ChatChunkChoice]:
-        message, entries = choice.message, choice.logprobs.content if choice.logprobs else None
+        message = choice.message
+        entries = choice.logprobs.content if choice.logprobs else None
         if message.tool_calls:  # the calls come whole, after the text outside them
             calls = [ChatDeltaToolCall(index=k, id=call.id, function=ChatDeltaFunction(
                 name=call.function.name, arguments=call.function.arguments))

@@ -45,7 +45,9 @@ async def sample(service: TinkerService, sampler: Sampler, request: ts.SampleReq
     params = request.sampling_params
     orchestrator = service.orchestrator
     workers = orchestrator.workers
-    adapter, experiment_name, loaded = None, None, contextlib.nullcontext()
+    adapter = None
+    experiment_name = None
+    loaded = contextlib.nullcontext()
     if sampler.model is not None and sampler.weights is not None:
         experiment = orchestrator.get(sampler.model.experiment)
         experiment_name = experiment.name

@@ -222,7 +222,8 @@ class TinkerService:
             verb = workers.learner.forward if request.forward_only else workers.learner.forward_backward
             out = await verb(learner_request, timeout_s=self.orchestrator.config.worker_timeout_s)
         if not request.forward_only:
-            model.gradients_pending, model.learner_life = True, self.orchestrator.learner_restarts
+            model.gradients_pending = True
+            model.learner_life = self.orchestrator.learner_restarts
         return ForwardBackwardOutput(
             loss_fn_outputs=[{k: ts.TensorData.from_list(v, "float32") for k, v in row.items()}
                              for row in out.loss_fn_outputs],
@@ -236,7 +237,8 @@ class TinkerService:
         async with workers.turns.training(model.experiment):
             out = await workers.learner.optim_step(model.experiment, wire.AdamParams(**request.adam_params.model_dump()))
         self.orchestrator.get(model.experiment).optimizer_stepped(out.step)
-        model.step, model.gradients_pending = out.step, False
+        model.step = out.step
+        model.gradients_pending = False
         await self._saved()  # the step reached, so that a restart that rolls it back can say so
         return ts.OptimStepResponse(metrics=out.metrics)
 
@@ -253,7 +255,8 @@ class TinkerService:
                         "(the steps after it and their AdamW state are lost)")
         if model.gradients_pending and model.learner_life != self.orchestrator.learner_restarts:
             lost.append("the gradients summed by forward_backward since the last optim_step are lost")
-        model.step, model.learner_life = exp.step, self.orchestrator.learner_restarts
+        model.step = exp.step
+        model.learner_life = self.orchestrator.learner_restarts
         model.gradients_pending = model.gradients_pending and not lost
         if not lost:
             return None
