@@ -59,7 +59,9 @@ class SamplingConfig(StrictModel):
         "episode (whose sequences hold several turns, and may be longer) brings."))
 
 
-TrackerName = Literal["trackio", "wandb", "mlflow", "tensorboard"]  # grpo_server/trackers/, the `trackers` extra
+# The experiment trackers (grpo_server/trackers/): each needs the `trackers` extra's libraries.
+TrackerName = Literal["trackio", "wandb", "mlflow", "tensorboard"]
+
 MIN_KEY_LENGTH = 16  # an experiment's key: 96 bits when random (secrets.token_urlsafe(12) is 16 characters)
 # Off only while the registry of an earlier run is read (`keys_as_saved`): a key saved before the rule
 # existed keeps its experiment reachable across a restart; every new experiment meets the rule.
@@ -97,7 +99,9 @@ class ExperimentConfig(StrictModel):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     trackers: list[TrackerName] | None = Field(None, max_length=4, description=(
-        "Trackers fed its metrics log's records (the `trackers` extra), each once; None: `trackers.default`."))
+        "Experiment trackers that get its metrics besides its metrics log, each named once: trackio, wandb "
+        "(offline unless the server config says online), mlflow, tensorboard (needs the `trackers` extra). None: "
+        "the server's `trackers.default`; [] none."))
 
     @field_validator("name")
     @classmethod
@@ -185,17 +189,23 @@ class LearnerSettings(LearnerOptions):
 
 class TrackersSettings(StrictModel):
     """Experiment trackers (grpo_server/trackers/): where they write, and what an experiment gets by default."""
+
     default: list[TrackerName] | None = Field(None, max_length=4, description=(
         "Trackers of every experiment whose config names none. None: trackio, offline, where it is installed."))
-    directory: Path | None = Field(None, description="Where trackers write. None: <run_dir>/trackers.")
+    directory: Path | None = Field(None, description=(
+        "Where local trackers write (trackio/, wandb/, tensorboard/, mlflow.db). None: <run_dir>/trackers."))
     project: str = Field("grpo_server", pattern=r"^[A-Za-z0-9_.-]{1,128}$", description=(
         "The trackio project, wandb project and MLflow experiment that hold every experiment's runs."))
     wandb_mode: Literal["offline", "online"] = Field("offline", description=(
-        "offline: runs stay under `directory` (for `wandb sync`). WANDB_MODE=offline (or disabled) wins."))
-    mlflow_tracking_uri: str | None = Field(None, max_length=4096, description="None: sqlite:///<directory>/mlflow.db")
+        "offline: runs are written under the trackers folder (`directory`) for `wandb sync`, nothing leaves the "
+        "host. The environment's WANDB_MODE=offline (or disabled) wins over online."))
+    mlflow_tracking_uri: str | None = Field(None, max_length=4096, description=(
+        "MLflow's tracking store. None: sqlite:///<directory>/mlflow.db."))
     buffer_records: int = Field(1000, ge=1, le=1_000_000, description=(
-        "Records a tracker may hold unwritten; past that one is dropped and counted (training never waits)."))
-    close_timeout_s: float = Field(30.0, gt=0, le=3600, description="Longest wait for a tracker to finish, at close.")
+        "Records each tracker may hold unwritten; past that a record is dropped and counted (a slow tracker never "
+        "holds up training)."))
+    close_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
+        "How long deleting an experiment or stopping the server waits for a tracker to write what it holds."))
 
 
 # ----------------------------------------------------------------------------------------------
