@@ -31,12 +31,16 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from grpo_server.protocol.worker_config import LoraConfig
 from learner import checkpoint, rank_transfer
+
+if TYPE_CHECKING:  # learner/trainer.py imports this module
+    from learner.trainer import AdapterUnderTraining
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +103,15 @@ class CheckpointWriter:
 class Checkpointing:
     """A mixin of MultiAdapterTrainer: its checkpoints, started in a verb and written by `_checkpoints`."""
 
-    experiments: dict[str, Any]
-    _lora_configs: dict[str, Any]
+    # What it uses of its host, MultiAdapterTrainer.
+    experiments: dict[str, AdapterUnderTraining]
+    _lora_configs: dict[str, LoraConfig]
     _checkpoints: CheckpointWriter
-    _cpu_group: Any
-    model: Any
+    _cpu_group: Any  # torch.distributed's gloo group, with several ranks
+    model: Any  # the PeftModel
     rank: int
     world_size: int
-    _get: Callable[[str], Any]
+    _get: Callable[[str], AdapterUnderTraining]
 
     def checkpoint(self, name: str) -> None:
         """Write the experiment's durable state (see learner/checkpoint.py); on disk when this returns."""
@@ -125,7 +130,7 @@ class Checkpointing:
         """Until the checkpoint in flight is on disk (before anything reads or moves checkpoint folders)."""
         self._checkpoints.wait()
 
-    def _checkpoint_due(self, exp: Any) -> bool:
+    def _checkpoint_due(self, exp: AdapterUnderTraining) -> bool:
         """After a train step: every `checkpoint_every` steps once `checkpoint_interval_s` has passed since the
         last checkpoint started, or at once if the experiment has none since its add. Rank 0's clock decides for
         every rank: the checkpoint is a collective."""

@@ -13,12 +13,15 @@ tensors, which swapping `.data` would cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from grpo_server.protocol.errors import Conflict
 from grpo_server.protocol.wire import LogprobsRequest, ScoredVersion, ScoreVersionRequest
+
+if TYPE_CHECKING:  # learner/trainer.py imports this module
+    from learner.trainer import AdapterUnderTraining
 
 
 @dataclass
@@ -32,8 +35,11 @@ class SavedWeights:
 class PreviousVersionScoring:
     """A mixin of MultiAdapterTrainer: it calls `_remember_saved` at every version it starts from or saves."""
 
-    experiments: dict[str, Any]
+    # What it uses of its host, MultiAdapterTrainer.
+    experiments: dict[str, AdapterUnderTraining]
     _saved: dict[str, SavedWeights]
+    _get: Callable[[str], AdapterUnderTraining]  # NotFound if absent
+    logprobs: Callable[[LogprobsRequest], list[list[float]]]
 
     def _remember_saved(self, name: str) -> None:
         """The experiment's weights are its saved version now: keep a copy, and the one before as the previous."""
@@ -46,7 +52,7 @@ class PreviousVersionScoring:
     def previous_logprobs(self, request: LogprobsRequest) -> tuple[int, list[list[float]]] | None:
         """(the previous saved version, the request's logprobs under it); None when the experiment has saved only
         the version it started from. Right after a save: the weights must still be that version's."""
-        exp = self._get(request.name)  # type: ignore[attr-defined]  # MultiAdapterTrainer's: NotFound if absent
+        exp = self._get(request.name)
         saved = self._saved.get(request.name)
         if saved is None or saved.previous is None:
             return None
@@ -55,19 +61,19 @@ class PreviousVersionScoring:
                            "scored only right after a save", code="weights_moved")
         self._copy_into(exp.params, saved.previous)
         try:
-            return saved.previous_version, self.logprobs(request)  # type: ignore[attr-defined]
+            return saved.previous_version, self.logprobs(request)
         finally:
             self._copy_into(exp.params, saved.weights)
 
     def score_version(self, request: ScoreVersionRequest) -> ScoredVersion:
         """The push check's learner side: the probe under the version just saved, and with `previous` under the one
         before. The front end asks right after the push, before the experiment's next step."""
-        exp = self._get(request.name)  # type: ignore[attr-defined]
+        exp = self._get(request.name)
         if exp.weights_version != request.version:
             holds = "has trained past its last save" if exp.weights_version is None else f"holds v{exp.weights_version}"
             raise Conflict(f"experiment {request.name!r} {holds}, not v{request.version}: a version is scored only "
                            "right after its save", code="weights_moved")
-        scored = ScoredVersion(version=request.version, logprobs=self.logprobs(request))  # type: ignore[attr-defined]
+        scored = ScoredVersion(version=request.version, logprobs=self.logprobs(request))
         if request.previous:
             previous = self.previous_logprobs(request)
             if previous is not None:

@@ -1,9 +1,9 @@
 """Tinker's training verbs on the learner: forward, forward_backward, optim_step, and saved states.
 
 `TinkerSteps` is a mixin of learner/trainer.py's MultiAdapterTrainer (it uses the trainer's model, experiments
-and engines, and `_get`, `_activate`, `_reset_engine`). Losses come from the table (grpo_server/protocol/
-loss_table.py, learner/tinker_losses.py), datums are checked and batched by learner/datums.py, states are written by
-learner/states.py.
+and engines, and `_get`, `_activate`, `_reset_engine`: the class names each, typed). Losses come from the table
+(grpo_server/protocol/loss_table.py, learner/tinker_losses.py), datums are checked and batched by
+learner/datums.py, states are written by learner/states.py.
 
 Accumulation. A Tinker client calls forward_backward any number of times, then optim_step; when a backward runs,
 nobody knows whether it is the last before a step. So no backward is an accumulation boundary: each runs with
@@ -30,7 +30,7 @@ optimizer shard, and a gather of the answers on every rank. Not done yet: those 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -38,11 +38,15 @@ from grpo_server.protocol.errors import ApiError, Conflict
 from grpo_server.protocol.wire import (DeleteStateRequest, ForwardBackwardOutput, ForwardBackwardRequest,
                                        LoadStateRequest, OptimStepRequest, OptimStepResponse, SavedState, SavedStates,
                                        SaveStateRequest, StatesRequest)
+from grpo_server.protocol.worker_config import LearnerConfig, LoraConfig
 from learner import checkpoint, resume, states
 from learner.datums import DatumBatch, check_request, loss_spec, make_datum_batches, resolve_config, trained_positions
 from learner.engine import optimizer_step
 from learner.policy_loss import BatchNormalizer, mismatch_kl_sum, token_logprobs
 from learner.tinker_losses import LOSS_FUNCTIONS, LossInput, LossOutput, needs_reference
+
+if TYPE_CHECKING:  # learner/trainer.py imports this module
+    from learner.trainer import AdapterUnderTraining
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +56,39 @@ _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 class TinkerSteps:
     """Tinker's verbs, one method each, over the trainer's experiments (see the module's docstring)."""
 
+    # What it uses of its host, MultiAdapterTrainer (the last two are Checkpointing's, its other mixin).
+    config: LearnerConfig
+    model: Any  # the PeftModel
+    device: torch.device
+    autocast: bool  # the train steps run in bf16 autocast
+    vocab_size: int
+    world_size: int
+    _lora_configs: dict[str, LoraConfig]
+    _get: Callable[[str], AdapterUnderTraining]
+    _activate: Callable[[str], None]
+    _reset_engine: Callable[[AdapterUnderTraining], None]
+    _checkpoint_due: Callable[[AdapterUnderTraining], bool]
+    _start_checkpoint: Callable[[str], None]
+
     # --- verbs -------------------------------------------------------------------------------------
 
-    def forward(self: Any, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+    def forward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
         """The loss and each position's logprob under the current weights, without gradient."""
         return self._score(request, backward=False)
 
-    def forward_backward(self: Any, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+    def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
         """As forward, and the loss's gradient added to what earlier calls left since the last optim_step."""
         self._one_rank("forward_backward")
         return self._score(request, backward=True)
 
-    def optim_step(self: Any, request: OptimStepRequest) -> OptimStepResponse:
+    def optim_step(self, request: OptimStepRequest) -> OptimStepResponse:
         self._one_rank("optim_step")
         exp = self._get(request.name)
         if exp.pending_backwards == 0:
             raise Conflict(f"experiment {exp.name!r} has no gradients: no forward_backward since its last step",
                            code="no_gradients")
-        adam, engine = request.adam_params, exp.engine
+        adam = request.adam_params
+        engine = exp.engine
         kept = _apply_adam(engine, adam)
         try:
             engine.set_gradient_accumulation_boundary(True)
@@ -96,7 +115,7 @@ class TinkerSteps:
         return OptimStepResponse(step=exp.step, metrics={"grad_norm:mean": grad_norm,
                                                          "learning_rate:mean": adam.learning_rate})
 
-    def save_state(self: Any, request: SaveStateRequest) -> SavedState:
+    def save_state(self, request: SaveStateRequest) -> SavedState:
         """The adapter's weights (and its AdamW state, `with_optimizer`) as state `label`; gradients summed since
         the last optim_step are not part of it."""
         from peft import get_peft_model_state_dict
@@ -112,7 +131,7 @@ class TinkerSteps:
             ranks=self.world_size)
         return states.write(self.config.run_dir, exp.name, request.label, state, weights, shard, request.overwrite)
 
-    def load_state(self: Any, request: LoadStateRequest) -> SavedState:
+    def load_state(self, request: LoadStateRequest) -> SavedState:
         """State `label` of `source` (default: the experiment itself) into the live experiment: its weights, and its
         AdamW state when `with_optimizer` (else AdamW starts afresh). Pending gradients are dropped; the
         experiment's own step and version numbers go on. RNG is not restored (it only drives LoRA dropout)."""
@@ -136,32 +155,33 @@ class TinkerSteps:
                  " with its optimizer" if request.with_optimizer else "")
         return states.describe(self.config.run_dir, source, request.label)
 
-    def list_states(self: Any, request: StatesRequest) -> SavedStates:
+    def list_states(self, request: StatesRequest) -> SavedStates:
         return states.listing(self.config.run_dir, request.name)
 
-    def delete_state(self: Any, request: DeleteStateRequest) -> SavedState:
+    def delete_state(self, request: DeleteStateRequest) -> SavedState:
         return states.delete(self.config.run_dir, request.name, request.label)
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _one_rank(self: Any, verb: str) -> None:
+    def _one_rank(self, verb: str) -> None:
         if self.world_size > 1:
             raise ApiError(f"{verb} runs on a one-rank learner only for now (this one has {self.world_size} ranks: "
                            f"set learner.ranks to 1)", code="multi_rank_unsupported", status=409)
 
-    def _drop_gradients(self: Any, exp: Any) -> None:
+    def _drop_gradients(self, exp: AdapterUnderTraining) -> None:
         """Gradients summed inside ZeRO cannot be taken back one call at a time: a fresh engine over the weights."""
         exp.pending_backwards = 0
         self._reset_engine(exp)
 
-    def _score(self: Any, request: ForwardBackwardRequest, backward: bool) -> ForwardBackwardOutput:
+    def _score(self, request: ForwardBackwardRequest, backward: bool) -> ForwardBackwardOutput:
         exp = self._get(request.name)
         spec = loss_spec(request.loss_fn)
         config = resolve_config(spec, request.loss_fn_config)
         check_request(request.data, spec, self.vocab_size, self.config.max_model_len)
         norm = (BatchNormalizer(len(request.data), trained_positions(request.data, spec), int(config["max_tokens"]))
                 if spec.family == "grpo" else None)
-        loss_fn, reference = LOSS_FUNCTIONS[spec.name], needs_reference(spec, config)
+        loss_fn = LOSS_FUNCTIONS[spec.name]
+        reference = needs_reference(spec, config)
         self._activate(exp.adapter)
         # forward_backward trains in train mode; forward scores the same function, unless LoRA dropout would make
         # train mode random (then eval mode: the function the samplers serve).
@@ -194,14 +214,14 @@ class TinkerSteps:
             exp.pending_backwards += 1
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=totals.metrics())
 
-    def _datum_logp(self: Any, forward: Any, batch: DatumBatch) -> torch.Tensor:
+    def _datum_logp(self, forward: Any, batch: DatumBatch) -> torch.Tensor:
         """Each position's logprob of its target [B, T] under `forward` (the engine or the peft model), at
         temperature 1 (Tinker's). Every position's logits are kept: the answer has a logprob per position."""
         logits_B_T_V = forward(input_ids=batch.input_ids_B_T, attention_mask=batch.attention_mask_B_T,
                                use_cache=False).logits
         return token_logprobs(logits_B_T_V, batch.targets_B_T)
 
-    def _datum_reference_logp(self: Any, batch: DatumBatch) -> torch.Tensor:
+    def _datum_reference_logp(self, batch: DatumBatch) -> torch.Tensor:
         """The base model's (adapter off), for the GRPO family's KL penalty."""
         with torch.no_grad(), self.model.disable_adapter():
             return self._datum_logp(self.model, batch)
@@ -211,8 +231,14 @@ class _Totals:
     """A call's metrics over its micro-batches, named as Tinker names them ("name:reduction")."""
 
     def __init__(self) -> None:
-        self.loss, self.tokens, self.clipped, self.clip_tokens = 0.0, 0, 0, 0
-        self.gap_sum, self.gap_max, self.kl_sum, self.gap_tokens = 0.0, 0.0, 0.0, 0
+        self.loss = 0.0
+        self.tokens = 0
+        self.clipped = 0
+        self.clip_tokens = 0
+        self.gap_sum = 0.0
+        self.gap_max = 0.0
+        self.kl_sum = 0.0
+        self.gap_tokens = 0
 
     def add(self, out: LossOutput, logp_B_T: torch.Tensor, batch: DatumBatch) -> None:
         self.loss += float(out.loss.detach())
