@@ -218,8 +218,17 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
     """Parse the body of `POST /api/v1/forward_backward` (decompress `Content-Encoding: zstd` first).
 
     `loss_fn_config` is read from `loss_fn_config_v2` (numbers and strings) when present, else from the legacy
-    float map the SDK writes alongside it. Raises ValueError on a malformed message.
+    float map the SDK writes alongside it. Raises ValueError on a malformed message, whatever is wrong with it:
+    a field of another wire type than its number's (an int where bytes belong), a packed run of the wrong
+    length, a number out of range (tests/test_fuzz_tinker.py sends all of these).
     """
+    try:
+        return _decode_forward_backward_request(body)
+    except (AttributeError, TypeError, KeyError, IndexError, struct.error, OverflowError) as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
     model_id, loss_fn, seq_id, forward_only = "", "", 0, False
     data: list[Datum] = []
     legacy: dict[str, float] = {}

@@ -201,6 +201,8 @@ class TinkerService:
                 for d in given.data])
         except ValueError as exc:
             raise BadRequest(str(exc), code="unsupported_input") from exc
+        if not data:
+            raise BadRequest("forward_backward needs at least one datum", code="bad_request")
         positions, cap = sum(len(d.tokens) for d in data), self.orchestrator.config.tinker_max_tokens_per_call
         if positions > cap:
             raise Unprocessable(f"{positions} token positions in one call, over the server's "
