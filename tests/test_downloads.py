@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import tarfile
 import threading
 
@@ -46,3 +47,25 @@ async def test_journal_writes_do_not_wait_behind_the_default_executor(tmp_path):
     finally:
         release.set()
         await waiting
+
+
+async def test_a_versions_archive_is_made_once_and_a_new_folder_is_another(tmp_path):
+    downloads = Downloads(cache_bytes=10_000)
+    folder = tmp_path / "v000001"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"\1" * 100)
+    first = await downloads.tar_gz(folder, "exp-v000001")
+    made = []
+    real = __import__("grpo_server.api.native.downloads", fromlist=["tar_gz"])
+    original = real.tar_gz
+    real.tar_gz = lambda *args: made.append(args) or original(*args)
+    try:
+        assert await downloads.tar_gz(folder, "exp-v000001") == first and made == []  # from the cache
+        os.rename(folder, tmp_path / "old")  # a name's later life: the same path, another folder
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(b"\2" * 100)
+        again = await downloads.tar_gz(folder, "exp-v000001")
+        assert len(made) == 1 and again != first
+    finally:
+        real.tar_gz = original
+        downloads.close()
