@@ -34,6 +34,9 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
 5. fairness (only when asked: `--only fairness`; a server of its own, a few minutes): a quiet experiment's
    completion latency alone vs beside a noisy experiment flooded by 8 clients with its learner steps running,
    and the event-loop lag (fairness.py).
+6. hostile (only when asked: `--only hostile`; a server of its own, a few minutes): one key floods the Tinker API
+   (asample with prompt logprobs, forward_backward + optim_step) and adapter downloads; another key's completion
+   and feedback latency alone vs beside it, and whether every group it had acknowledged was trained (hostile.py).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
 `<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it). A figure that fails is reported
@@ -64,13 +67,14 @@ from . import REPO
 from .adapter import adapter_figure
 from .end_to_end import end_to_end_figure, end_to_end_minutes, with_settings
 from .fairness import own_server_figure
+from .hostile import own_server_figure as hostile_server_figure
 from .host import default_sampler_dtype, figure, loadavg
 from .learner_vs_peft import learner_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import render, replace_block
 
 FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes", "learner", "adapter", "end_to_end")
-EXTRA_FIGURES = ("fairness",)  # run only when named in --only
+EXTRA_FIGURES = ("fairness", "hostile")  # run only when named in --only
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,11 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
         meta = results["meta"]
         await figure(results, "fairness", own_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
                                                             requests=mode.fair_requests, window_s=mode.fair_window_s))
+    if "hostile" in only:
+        meta = results["meta"]
+        await figure(results, "hostile", hostile_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
+                                                               requests=mode.fair_requests,
+                                                               window_s=mode.fair_window_s))
     if "end_to_end" in only:
         if mode.end_to_end:
             await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))

@@ -182,6 +182,28 @@ def _fairness_row(fa: dict) -> tuple[str, str, str, str, str]:
     return (name, what, measured, target, f"**missed**: {'; '.join(missed)}" if missed else "met")
 
 
+def _hostile_row(ho: dict) -> tuple[str, str, str, str, str]:
+    name, target = "hostile tenant", "<= 2x each; every 202 trained"
+    err = _error(ho)
+    if err:
+        return (name, "a tenant's native latency alone vs beside another key's Tinker and download flood", err, target,
+                "")
+    v, answers = ho["victim"], ho["hostile"]["answers"]
+    what = (f"`victim`'s completion + feedback latency ({ho['requests']}+ rounds one after another, n={ho['n']}, "
+            f"max_tokens {ho['max_tokens']}, batch_groups {ho['batch_groups']}) alone vs while another key floods "
+            f"Tinker asample with prompt logprobs, forward_backward + optim_step and adapter downloads "
+            f"({ho['hostile']['threads_per_kind']} threads each), on a server of its own")
+    measured = (f"completion median {_f(v['alone']['completion']['median_s'], 3)} -> "
+                f"{_f(v['flooded']['completion']['median_s'], 3)} s: **{_f(ho['ratio_completion_median'], 2)}x**; "
+                f"feedback {_f(v['alone']['feedback']['median_s'], 4)} -> {_f(v['flooded']['feedback']['median_s'], 4)}"
+                f" s: **{_f(ho['ratio_feedback_median'], 2)}x**; every 202 trained: **{ho['every_202_trained']}** "
+                f"({v['counters']['groups_trained']} trained). Hostile calls: "
+                + ", ".join(f"{k} {n}" for k, n in list(answers.items())[:6]))
+    missed = [f"{k} {ho[f'ratio_{k}_median']:.2f}x" for k in ("completion", "feedback")
+              if ho[f"ratio_{k}_median"] > ho["target"]] + ([] if ho["every_202_trained"] else ["a 202 not trained"])
+    return (name, what, measured, target, f"**missed**: {'; '.join(missed)}" if missed else "met")
+
+
 def _rounds(fig: dict) -> str:
     """The request mix and its alternating rounds, as the front-end and overlap figures run them."""
     return (f"{fig['requests']} requests x n={fig['n']}, max_tokens {fig['max_tokens']}, concurrency "
@@ -348,6 +370,8 @@ def render(results: dict) -> str:
 
     if "fairness" in figs:  # only when asked for (scripts/bench --only fairness)
         rows.append(_fairness_row(figs["fairness"]))
+    if "hostile" in figs:  # only when asked for (scripts/bench --only hostile)
+        rows.append(_hostile_row(figs["hostile"]))
     rows.append(_end_to_end_row(figs.get("end_to_end")))
 
     lines = [
