@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 from pathlib import Path
 
 
@@ -86,8 +87,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an argument it does not know is named without its value: a secret typed on the command line
+    (the workers' secret belongs in the environment, never here) must not be echoed into a container's log."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments:"
+        if message.startswith(prefix):
+            words = message.removeprefix(prefix).split()
+            message = f"{prefix} " + " ".join(w.split("=", 1)[0] if w.startswith("-") else "<value>" for w in words)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-server", description=__doc__)
+    parser = _Parser(prog="grpo-server", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -293,6 +293,20 @@ def test_compose_needs_the_admin_key_and_the_worker_secret():
         active_services({"GRPO_SERVER_API_KEY": "x"})
 
 
+def test_a_secret_on_the_command_line_is_refused_without_being_echoed(capsys):
+    """The workers' secret goes in the environment; typed as an option it is refused, and the error names the
+    option, never its value (which would land in a container's log)."""
+    from grpo_server.cli import main
+
+    for argv in (["serve", "--role", "sampler", "--worker-secret", "s3cret-value-123"],
+                 ["serve", "--worker-secret=s3cret-value-123"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "--worker-secret" in err and "s3cret-value-123" not in err, err
+
+
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.stem)
 def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file, monkeypatch):
     from grpo_server.config import load_server_config
