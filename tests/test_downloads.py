@@ -69,3 +69,17 @@ async def test_a_versions_archive_is_made_once_and_a_new_folder_is_another(tmp_p
     finally:
         real.tar_gz = original
         downloads.close()
+
+
+def test_a_key_has_a_budget_of_downloads_a_minute():
+    downloads = Downloads(per_key=8, per_key_per_minute=3)
+    for _ in range(3):
+        with downloads.slot("alice"):
+            pass
+    with pytest.raises(ApiError) as caught:
+        with downloads.slot("alice"):
+            pass
+    assert caught.value.status == 429 and 0 < caught.value.retry_after <= 60
+    with downloads.slot("bob"):  # another key has its own
+        pass
+    downloads.close()

@@ -7,9 +7,10 @@ native completions and feedback must stay within 2x of their figures alone, and 
 
 On a server of its own (scripts/benchmarks/server.py's `start`, the server's defaults), two experiments with keys of
 their own: `victim`, whose client loops completion + feedback one after another (random rewards, batch_groups 2:
-its learner steps run), and `hostile`, whose key floods, each with HOSTILE_CLIENTS threads that retry at once
-whatever the answer: Tinker `asample` with `prompt_logprobs` on its own model's sampler, `forward_backward` +
-`optim_step` on its model, and `GET /v1/experiments/hostile/adapter`. Phases: victim alone; victim during the
+its learner steps run), and `hostile`, whose key floods with HOSTILE_CLIENTS threads for each of: Tinker `asample`
+with `prompt_logprobs` on its own model's sampler, `forward_backward` + `optim_step` on its model, and
+`GET /v1/experiments/hostile/adapter`; each thread calls again at once, or 50 ms after a refusal whatever its
+Retry-After said (as fairness.py's noisy tenant). Phases: victim alone; victim during the
 flood (REQUESTS rounds and more until WINDOW_S have passed); then the flood stops and the victim's groups are
 waited for until every 202 is trained (or DRAIN_S pass).
 
@@ -46,6 +47,7 @@ HOSTILE_CLIENTS = 4  # threads per kind of flood
 WINDOW_S = 30.0
 DRAIN_S = 300.0
 TARGET = 2.0
+RETRY_S = 0.05  # a refused hostile call is sent again after this, not after its Retry-After
 VICTIM_KEY = "victim-tenant-key-3c1d9e7a"
 HOSTILE_KEY = "hostile-tenant-key-8b2f6d40"
 
@@ -95,6 +97,7 @@ def _flood(url: str, model_dir: str, stop: threading.Event, answers: Counter, lo
                 count(f"{kind} ok")
             except Exception as exc:  # noqa: BLE001 - a refused call is counted, and the flood goes on
                 count(f"{kind} {type(exc).__name__}: {str(exc)[:60]}")
+                time.sleep(RETRY_S)  # at once again, whatever Retry-After said (as fairness.py's noisy tenant)
 
     def sample() -> None:
         sampler.sample(types.ModelInput.from_ints(tokens[:32]), 4, types.SamplingParams(max_tokens=MAX_TOKENS),
@@ -150,14 +153,13 @@ async def hostile_figure(url: str, admin_key: str, model_dir: str, *, requests: 
         deadline = time.monotonic() + DRAIN_S
         while True:
             status = await victim.status("victim")
-            drained = not status.queued_groups and status.learner_version == status.policy_version
-            if drained or time.monotonic() > deadline:
+            counters = status.counters
+            # Acknowledged for training: every 202 but the zero-variance groups (no gradient) and the ones
+            # max_staleness dropped by design (counted apart).
+            owed = counters.groups_received - counters.groups_zero_variance - counters.groups_dropped_stale
+            if counters.groups_trained >= owed or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1)
-        counters = status.counters
-        # Acknowledged for training: every 202 but the zero-variance groups (no gradient) and the ones
-        # max_staleness dropped by design (counted apart).
-        owed = counters.groups_received - counters.groups_zero_variance - counters.groups_dropped_stale
     trained_all = counters.groups_trained == owed
     ratios = {kind: round(flooded[kind]["median_s"] / alone[kind]["median_s"], 3) for kind in ("completion",
                                                                                                  "feedback")}

@@ -1,5 +1,5 @@
 """Adapter downloads (`GET /v1/experiments/{name}/adapter`): each a .tar.gz built on a small thread pool of their
-own, at most `per_key` at once for one key (429 beyond).
+own, at most `per_key` at once and `per_key_per_minute` a minute for one key (429 beyond).
 
 Why apart: building the archive reads and compresses the adapter's files for up to seconds. On asyncio's default
 executor (a few threads on a small box) it shared the threads with every journal append, so one key's downloads
@@ -10,7 +10,10 @@ A version's folder never changes once published (written whole, then renamed int
 once: the newest archives are kept, up to CACHE_BYTES, under the folder's identity (its inode and its files' sizes
 and times: a name's later life, or a version pruned and written again, is another folder). A client that downloads
 the same version over and over costs the front end the bytes sent, not the compression (the hostile-tenant round,
-scripts/benchmarks/hostile.py, does it from several threads).
+scripts/benchmarks/hostile.py, does it from several threads). Sending them is the event loop's work, though: a
+key that downloaded a cached archive as fast as it could (170 a second of a few MB each, measured there) slowed
+every other tenant's requests 5-6x, so a key also has a budget a minute, well above a client's need (one download
+per new version).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import contextlib
 import io
 import os
 import tarfile
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -29,11 +33,15 @@ from grpo_server.protocol.errors import TooManyRequests
 
 COMPRESS_LEVEL = 1
 CACHE_BYTES = 64 * 1024 * 1024
+PER_KEY_PER_MINUTE = 60
 
 
 class Downloads:
-    def __init__(self, threads: int = 2, per_key: int = 2, cache_bytes: int = CACHE_BYTES):
+    def __init__(self, threads: int = 2, per_key: int = 2, cache_bytes: int = CACHE_BYTES,
+                 per_key_per_minute: int = PER_KEY_PER_MINUTE):
         self.per_key = per_key
+        self.per_key_per_minute = per_key_per_minute
+        self._recent: dict[str, deque[float]] = {}  # key -> monotonic times of its downloads in the last minute
         self.cache_bytes = cache_bytes
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="adapter-download")
         self._running: Counter[str] = Counter()
@@ -42,12 +50,20 @@ class Downloads:
 
     @contextlib.contextmanager
     def slot(self, key: str) -> Iterator[None]:
-        """One of `key`'s `per_key` downloads at once; 429 when it holds them all."""
+        """One of `key`'s `per_key` downloads at once, and of its `per_key_per_minute` a minute; 429 beyond."""
+        now, recent = time.monotonic(), self._recent.setdefault(key, deque())
+        while recent and recent[0] <= now - 60:
+            recent.popleft()
+        if len(recent) >= self.per_key_per_minute:
+            raise TooManyRequests(f"this key downloaded {len(recent)} adapters in the last minute (max "
+                                  f"{self.per_key_per_minute}): retry later", code="too_many_downloads",
+                                  retry_after=max(0.1, recent[0] + 60 - now))
         if self._running[key] >= self.per_key:
             raise TooManyRequests(f"{self._running[key]} adapter downloads of this key are running (max "
                                   f"{self.per_key} at once): retry when one has finished", code="too_many_downloads",
                                   retry_after=2.0)
         self._running[key] += 1
+        recent.append(now)
         try:
             yield
         finally:
