@@ -7,13 +7,9 @@ arithmetic problems this script writes, no download), (3) gives rl_loop `loss_fn
 default `stable_reinforce` is not served), and small sizes for a CPU server. Any `key=value` after the loop's
 name is passed to the recipe's own chz entry point and wins over these defaults.
 
-Install, from the repository's root, into an overlay venv (under runs/, git-ignored) on top of the project's .venv
-(tml-renderers>=0.4.1, which the wheel requires, is not on PyPI; the text renderers do not need it):
-
-    .venv/bin/python -m venv runs/cookbook-venv
-    echo "$PWD/.venv/lib/python3.11/site-packages" > runs/cookbook-venv/lib/python3.11/site-packages/zz_repo_venv.pth
-    runs/cookbook-venv/bin/pip install --no-deps tinker-cookbook==0.6.1
-    runs/cookbook-venv/bin/pip install chz termcolor blobfile pyrage datasets sympy pylatexenc math-verify
+Install, from the repository's root, in one step: `scripts/setup-cookbook` (an overlay venv, runs/cookbook-venv,
+git-ignored, on top of the project's .venv; the versions of constraints-cookbook.txt; tml-renderers>=0.4.1, which
+the wheel requires, is not on PyPI, and the text renderers do not need it).
 
 Run (a server on :8765 with GRPO_SERVER_API_KEY=$KEY; --hf-home makes the tokenizer's offline HF cache there):
 
