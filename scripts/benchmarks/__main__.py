@@ -179,6 +179,30 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
                            f"scripts/bench --only end_to_end"}
 
 
+def commit() -> str | None:
+    """The checkout's commit, and whether it had changes (a figure belongs to the code that made it)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
+def cpu() -> dict:
+    """The CPU's model and the flags the kernels choose by (figures compare only within one kind of CPU)."""
+    from grpo_server.protocol.cpu_features import read_cpu_features
+
+    features = read_cpu_features()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": features.model, "flags": sorted(f for f in wanted if f in features.flags), "isa": features.isa,
+            "bf16_native": features.bf16_native}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,7 +249,7 @@ def main() -> int:
                               "host": platform.node() or "this machine", "cpus": os.cpu_count(),
                               "mem_gib": mem_kib / 2**20, "python": platform.python_version(),
                               "model": EMBEDDED_MODEL_NAME, "dtype": dtype, "versions": versions(), "load_start": loadavg(), "out": os.path.relpath(args.out, REPO),
-                              "sampler_settings": sampler_settings},
+                              "sampler_settings": sampler_settings, "commit": commit(), "cpu": cpu()},
                      "figures": {}}
     stop_on_signals()
     asyncio.run(run_all(mode, only, results))
