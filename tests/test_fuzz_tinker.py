@@ -7,7 +7,7 @@ Properties of every case:
   never the server's (a `server` failure is a 5xx by another name);
 - meanwhile `/v1/health` answers within a second: no body holds the event loop.
 
-How many cases: GRPO_FUZZ_PROTO_EXAMPLES (default 200). The long run (over 10,000 cases):
+How many cases: GRPO_FUZZ_PROTO_EXAMPLES (default 120). The long run (over 10,000 cases):
 `GRPO_FUZZ_PROTO_EXAMPLES=10000 pytest tests/test_fuzz_tinker.py -s`.
 """
 
@@ -29,7 +29,7 @@ from tests.fuzz_tinker_proto import requests as bodies  # noqa: E402
 from tests.serving import ADMIN_KEY  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-EXAMPLES = int(os.environ.get("GRPO_FUZZ_PROTO_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("GRPO_FUZZ_PROTO_EXAMPLES", "120"))
 SEEN: Counter = Counter()
 
 
