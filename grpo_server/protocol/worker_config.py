@@ -184,6 +184,10 @@ class SamplerOptions(StrictModel):
         "on 2 cores, alone; no sooner to 0.6 in 2 races: BENCHMARKS.md \"A sampler's start\"). The model's worker "
         "runs inside vLLM's engine-core process unless VLLM_CPU_OMP_THREADS_BIND is set (then vLLM's own "
         "worker process and binding, and this is ignored)."))
+    block_size: int | None = Field(None, ge=16, le=256, multiple_of=16, description=(
+        "vLLM's KV block, in tokens: the prefix cache reuses whole blocks only, so a later turn of an episode "
+        "reuses its history only in blocks it filled. None: 32 on a CPU host (vllm-cpu's own 128 reused nothing "
+        "of short turns; sampler/vllm_start.py has the figures), vLLM's default on a GPU."))
     engine_core_start: Literal["fork", "spawn"] = Field("fork", description=(
         "vLLM on CPU, its worker inside the engine core: how that process starts. fork = from the sampler, with "
         "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: BENCHMARKS.md "
