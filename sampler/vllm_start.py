@@ -72,8 +72,8 @@ def block_size(cfg: SamplerConfig) -> int | None:
     default on a GPU. The prefix cache reuses whole blocks only: at 128 tokens an episode's later turns reused
     nothing of their history, and a group's n completions nothing of their shared prompt. Measured on the 2-core
     box, one run a side, the same box and hour (scripts/bench --quick, SmolLM2): episodes 2.72 vs 2.20 episodes/s
-    through the OpenAI route with 32 vs 128, later turns' prefix-cache hit rate 0.521 vs 0.000; completions
-    through the front end 248 vs 152 tok/s."""
+    through the OpenAI route with 32 vs 128, later turns' prefix-cache hit rate 0.521 vs 0.000 (0.173 in the whole
+    quick run that followed, BENCHMARKS.md); completions through the front end 248 vs 152 tok/s."""
     if cfg.block_size is not None:
         return cfg.block_size
     from vllm.platforms import current_platform
