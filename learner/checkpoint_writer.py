@@ -31,16 +31,15 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from grpo_server.protocol.worker_config import LoraConfig
 from learner import checkpoint, rank_transfer
+from learner.adapter_state import AdapterUnderTraining
 
-if TYPE_CHECKING:  # learner/trainer.py imports this module
-    from learner.trainer import AdapterUnderTraining
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,14 @@ tensors, which swapping `.data` would cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from grpo_server.protocol.errors import Conflict
 from grpo_server.protocol.wire import LogprobsRequest, ScoredVersion, ScoreVersionRequest
+from learner.adapter_state import AdapterUnderTraining
 
-if TYPE_CHECKING:  # learner/trainer.py imports this module
-    from learner.trainer import AdapterUnderTraining
 
 
 @dataclass

@@ -30,7 +30,7 @@ optimizer shard, and a gather of the answers on every rank. Not done yet: those 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -40,13 +40,12 @@ from grpo_server.protocol.wire import (DeleteStateRequest, ForwardBackwardOutput
                                        SaveStateRequest, StatesRequest)
 from grpo_server.protocol.worker_config import LearnerConfig, LoraConfig
 from learner import checkpoint, resume, states
+from learner.adapter_state import AdapterUnderTraining
 from learner.datums import DatumBatch, check_request, loss_spec, make_datum_batches, resolve_config, trained_positions
 from learner.engine import optimizer_step
 from learner.policy_loss import BatchNormalizer, mismatch_kl_sum, token_logprobs
 from learner.tinker_losses import LOSS_FUNCTIONS, LossInput, LossOutput, needs_reference
 
-if TYPE_CHECKING:  # learner/trainer.py imports this module
-    from learner.trainer import AdapterUnderTraining
 
 log = logging.getLogger(__name__)
 

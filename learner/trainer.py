@@ -28,7 +28,6 @@ import re
 import time
 import warnings
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetr
 from learner import adapter_io, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
+from learner.adapter_state import AdapterUnderTraining
 from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
 from learner.metrics import StepStats
@@ -54,27 +54,6 @@ from learner.steps import TinkerSteps
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
-
-
-@dataclass
-class AdapterUnderTraining:
-    """One experiment in the learner: its peft adapter, DeepSpeed engine (and optimizer) and counters."""
-
-    name: str
-    adapter: str  # peft adapter name: "exp_" + name, never a substring of peft's "lora_" key prefix
-    algorithm: AlgorithmConfig
-    params: list[torch.nn.Parameter]
-    engine: Any
-    step: int
-    version: int
-    journal_seq: int = 0  # the newest feedback-journal entry these weights include (front end's numbering)
-    groups_trained: int = 0
-    checkpointed_step: int = -1
-    checkpoint_started_s: float = field(default_factory=time.monotonic)  # the newest checkpoint's start
-    # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
-    # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
-    weights_version: int | None = None
-    pending_backwards: int = 0  # Tinker's forward_backward calls summed into the gradients since its optim_step
 
 
 def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:

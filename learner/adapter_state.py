@@ -1,0 +1,33 @@
+"""One experiment as the learner holds it (`AdapterUnderTraining`): its own module, so that the trainer and its
+mixins (learner/steps.py, previous_version.py, checkpoint_writer.py) all name it without importing each other."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpo_server.protocol.worker_config import AlgorithmConfig
+
+
+@dataclass
+class AdapterUnderTraining:
+    """One experiment in the learner: its peft adapter, DeepSpeed engine (and optimizer) and counters."""
+
+    name: str
+    adapter: str  # peft adapter name: "exp_" + name, never a substring of peft's "lora_" key prefix
+    algorithm: AlgorithmConfig
+    params: list[torch.nn.Parameter]
+    engine: Any
+    step: int
+    version: int
+    journal_seq: int = 0  # the newest feedback-journal entry these weights include (front end's numbering)
+    groups_trained: int = 0
+    checkpointed_step: int = -1
+    checkpoint_started_s: float = field(default_factory=time.monotonic)  # the newest checkpoint's start
+    # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
+    # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
+    weights_version: int | None = None
+    pending_backwards: int = 0  # Tinker's forward_backward calls summed into the gradients since its optim_step
