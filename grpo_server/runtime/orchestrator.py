@@ -239,43 +239,35 @@ class Orchestrator:
             self.workers.turns.forget(name)
             for version in list(exp.adapter_paths):
                 await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
-            try:
-                await self.workers.learner.remove_experiment(name)
-            except ApiError as exc:  # the learner may be restarting; it will not re-add a deleted one
-                log.warning("remove_experiment %s: %s", name, exc.message)
-            label = archive.new_label(name)
-            try:
-                await self.workers.learner.archive_experiment(name, label)
-            except ApiError as exc:  # what stays is archived before a new experiment of this name starts
-                log.warning("archive_experiment %s: %s", name, exc.message)
-            # Renames and fsyncs: on a thread, as every disk write of a request.
-            await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
-            await self._deleted(name)
-            log.info("experiment %s deleted, its files archived as %s", name, label)
+            await self._archive_deleted(name)
 
     async def _delete_unrestored(self, name: str) -> None:
-        """An experiment held as unrestored, deleted: out of the registry, its files archived as a delete's are."""
+        """An experiment held as unrestored, deleted: out of the registry, its files archived as a delete's are
+        (the learner is asked to remove it too, in case its failed start left it half added)."""
         del self.unrestored[name]
         await asyncio.to_thread(self.registry.remove, name)
-        label = archive.new_label(name)
+        await self._archive_deleted(name)
+
+    async def _archive_deleted(self, name: str) -> None:
+        """The end of every delete: the learner lets the experiment go, its files and the front end's are
+        archived, and what an API family kept under the name (`on_delete`) goes too."""
         try:
-            await self.workers.learner.remove_experiment(name)  # in case its failed start left it half added
-        except ApiError as exc:
+            await self.workers.learner.remove_experiment(name)
+        except ApiError as exc:  # the learner may be restarting; it will not re-add a deleted one
             log.warning("remove_experiment %s: %s", name, exc.message)
+        label = archive.new_label(name)
         try:
             await self.workers.learner.archive_experiment(name, label)
         except ApiError as exc:  # what stays is archived before a new experiment of this name starts
             log.warning("archive_experiment %s: %s", name, exc.message)
+        # Renames and fsyncs: on a thread, as every disk write of a request.
         await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
-        await self._deleted(name)
-        log.info("unrestored experiment %s deleted, its files archived as %s", name, label)
-
-    async def _deleted(self, name: str) -> None:
         for forget in self.on_delete:
             try:
                 await forget(name)
             except Exception:  # one family's failure must not leave the delete half done for the others
                 log.exception("experiment %s: forgetting what an API kept under its name failed", name)
+        log.info("experiment %s deleted, its files archived as %s", name, label)
 
     def trackers_of(self, config: ExperimentConfig) -> list[str]:
         """The experiment's trackers: its own list, or the server's default (unset: trackio where installed)."""
