@@ -191,7 +191,7 @@ async def test_readme_curl_block_runs(server):
 
 def _run_python(code: str, server, **scope) -> dict:
     code = code.replace('"http://127.0.0.1:8000"', repr(server.url)).replace(
-        '"my-admin-key-0123456789"', repr(server.api_key))
+        '"my-admin-key-change-me"', repr(server.api_key))
     namespace = {"__name__": "docs_snippet", **scope}
     exec(compile(code, "snippet", "exec"), namespace)  # noqa: S102 - the docs' own code
     return namespace
