@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import random
@@ -271,6 +270,7 @@ def main() -> None:
 
     sampler_settings = with_settings({}, args.sampler)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .host import print_result
     from .server import bench_model, stop_on_signals
 
     stop_on_signals()
@@ -278,11 +278,7 @@ def main() -> None:
     result = asyncio.run(own_server_figure(model_dir, sampler_settings, args.keep, requests=args.requests, n=args.n,
                                            max_tokens=args.max_tokens,
                                            noisy_clients=args.noisy_clients, window_s=args.window))
-    text = json.dumps({"model": str(model_dir), **result}, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_result({"model": str(model_dir), **result}, args.out)
 
 
 if __name__ == "__main__":

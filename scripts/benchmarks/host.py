@@ -93,3 +93,13 @@ async def figure(results: dict, name: str, coro) -> None:
     results["figures"][name]["load"] = [load0, loadavg()]
     results["figures"][name]["others_at_start"] = others
     print(f"[bench] {name}: {json.dumps(results['figures'][name])[:400]}", flush=True)
+
+
+def print_result(result: dict, out: "Path | None") -> None:
+    """A standalone figure's JSON result, printed, and written to `out` when given (its --out)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -203,16 +202,13 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    from .host import print_result
     from .server import bench_model, stop_on_signals
 
     stop_on_signals()
     model_dir = bench_model(args.tiny, "bench-hostile-tiny-llama")
     result = asyncio.run(own_server_figure(model_dir, None, args.keep, requests=args.requests, window_s=args.window))
-    text = json.dumps({"model": str(model_dir), **result}, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_result({"model": str(model_dir), **result}, args.out)
 
 
 if __name__ == "__main__":
