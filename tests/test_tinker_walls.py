@@ -71,7 +71,8 @@ def test_a_new_tenant_of_a_deleted_name_inherits_nothing(server, tiny_model_dir)
 
 async def test_feedback_acknowledged_while_tinker_gradients_wait_is_trained(server, tiny_model_dir):
     """Issue 46: a native step met the Tinker model's pending gradients (409 gradients_pending), its batch was not
-    put back, and a later checkpoint compacted those acknowledged groups out of the journal."""
+    put back, and a later checkpoint compacted those acknowledged groups out of the journal. Now batches wait in
+    the experiment's one training queue while a Tinker client's gradients wait for its optim_step."""
     key = "pending-grads-key-8c9d0e1f"
     config = _experiment("walls-pending", key)
     assert _call(server, "POST", "/v1/experiments", ADMIN_KEY, config)[0] == 201
@@ -107,6 +108,8 @@ async def test_feedback_acknowledged_while_tinker_gradients_wait_is_trained(serv
 
             status = await wait_for(all_trained, timeout_s=120)
             assert status.counters.groups_trained == rated and not status.queued_groups
+            # One queue, one rule: the batches waited for the optim_step; no step was sent to fail on the gradients
+            assert not [e for e in status.errors if "train step failed" in e], status.errors
     finally:
         await asyncio.to_thread(tenant.close, "success")
         assert _call(server, "DELETE", "/v1/experiments/walls-pending", ADMIN_KEY)[0] == 204

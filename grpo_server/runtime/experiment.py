@@ -68,6 +68,9 @@ class Experiment:
     # that is in the new queue again and must not be sent as well.
     queue_generation: int = 0
     queue_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The learner holds gradients a Tinker forward_backward summed for this experiment, which only its optim_step
+    # applies: no batch is taken meanwhile (training.py), as a native step would meet them (409).
+    gradients_pending: bool = False
     recent_rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUPS))
     last_metrics: dict[str, Any] | None = None
     last_push_at: float | None = None
@@ -360,9 +363,16 @@ class Experiment:
         if self.named_versions[version] <= 0:
             del self.named_versions[version]
 
+    def gradients_summed(self) -> None:
+        """A Tinker forward_backward left gradients on the learner for its optim_step: batches wait for it."""
+        self.gradients_pending = True
+
     def optimizer_stepped(self, step: int) -> None:
-        """A Tinker optim_step moved the weights to optimizer step `step` (native steps count in `trained`)."""
+        """A Tinker optim_step moved the weights to optimizer step `step` (native steps count in `trained`), and
+        applied the gradients pending: the queue's batches may go on."""
         self.step = step
+        self.gradients_pending = False
+        self.queue_changed.set()
 
     def abandon(self, group_id: str | None, episode_id: str | None = None) -> None:
         """Drop what `complete` stored for a client that left before receiving it (a stream cut short): its group
@@ -388,10 +398,17 @@ class Experiment:
         self.counters.groups_trained = state.groups_trained
         self.queue[:] = self.journal.pending(after_seq=state.journal_seq)
         self.queue_generation += 1
+        self.gradients_pending = False  # a learner that restarted holds none
         self.queue_changed.set()
 
+    def batch_ready(self, size: int) -> bool:
+        """A batch of `size` fresh groups can be taken, and no Tinker gradients wait for their optim_step. One rule
+        for both kinds of step: neither fails the other, and each waits its turn in this queue."""
+        return self.drop_stale() >= size and not self.gradients_pending
+
     async def queue_grew(self, timeout_s: float) -> bool:
-        """Wait until a group is queued (or the queue is rebuilt); False after `timeout_s` without one."""
+        """Wait until a group is queued, the queue is rebuilt or pending gradients are applied; False after
+        `timeout_s` without any of these."""
         self.queue_changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.queue_changed.wait(), timeout_s)

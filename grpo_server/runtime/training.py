@@ -22,7 +22,7 @@ from grpo_server.workers.pool import WorkerPool
 log = logging.getLogger(__name__)
 
 # After a failed step whose batch went back to the queue, the next try waits this long: a failure that lasts
-# (a Tinker client's gradients pending) is tried a few times a minute, not in a loop.
+# (a learner that answers errors) is tried a few times a minute, not in a loop.
 FAILED_STEP_PAUSE_S = 2.0
 
 
@@ -99,7 +99,7 @@ class TrainingLoop:
         exp = self.exp
         while True:
             # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
-            while exp.drop_stale() < batch_groups:
+            while not exp.batch_ready(batch_groups):
                 if not await exp.queue_grew(self.idle_check_s):  # no step soon to check the newest version
                     if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
                         self.checks.probe_unchecked()
@@ -134,12 +134,14 @@ class TrainingLoop:
         async with self.workers.turns.training(exp.name):
             if exp.queue_generation != generation:
                 return  # the learner restarted meanwhile and these groups were queued again from the journal
+            if exp.gradients_pending:  # a Tinker forward_backward took the turn first: after its optim_step
+                exp.put_back(groups, generation)
+                return
             try:
                 metrics = await self.workers.learner.train(request, timeout_s=self.train_timeout_s)
             except ApiError as exc:
                 # Not trained yet, visibly (status and log carry the error): the batch goes back to the head of
-                # the queue and is tried again after a pause (e.g. a Tinker forward_backward's gradients wait for
-                # their optim_step: 409 gradients_pending). If the learner crashed, its restart has queued these
+                # the queue and is tried again after a pause. If the learner crashed, its restart has queued these
                 # groups again from the journal instead.
                 again = exp.put_back(groups, generation)
                 exp.record_error(f"train step failed, {len(groups)} groups not trained"

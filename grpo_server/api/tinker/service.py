@@ -223,6 +223,8 @@ class TinkerService:
         async with workers.turns.training(model.experiment):
             verb = workers.learner.forward if request.forward_only else workers.learner.forward_backward
             out = await verb(learner_request, timeout_s=self.orchestrator.config.worker_timeout_s)
+            if not request.forward_only:  # in the turn: a batch waiting for it sees them (training.py)
+                self.orchestrator.get(model.experiment).gradients_summed()
         if not request.forward_only:
             model.gradients_pending = True
             model.learner_life = self.orchestrator.learner_restarts
