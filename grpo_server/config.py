@@ -261,6 +261,9 @@ class ServerConfig(BaseSettings):
     tinker_max_calls_per_key: int = Field(256, ge=1, le=65_536, description=(
         "Tinker calls one key may have running or queued at once (their futures not finished); beyond, 429 "
         "`too_many_calls` (the SDK retries). Bounds the work and memory one tenant's pipelined calls hold."))
+    tinker_max_result_mib_per_key: int = Field(256, ge=1, le=2**20, description=(
+        "MiB the results of one key's finished Tinker calls may hold in the front end until they are retrieved "
+        "(and their retry grace passes); beyond, 429 `too_many_futures` until the client reads them."))
     tinker_max_saved_per_model: int = Field(64, ge=1, le=100_000, description=(
         "Saved training states (save_weights) one Tinker model may hold, and named sampler weights apart; beyond, "
         "409 `too_many_checkpoints` until some are deleted (or their ttl_seconds pass). Bounds its disk."))

@@ -122,3 +122,32 @@ async def test_one_key_has_a_bounded_number_of_calls_running():
     assert (await store.retrieve(first, "alice", wait_s=1)).value == 1
     store.submit("alice", held)  # finished calls free their places, read or not
     await store.close()
+
+
+async def test_the_bytes_one_key_holds_in_results_are_bounded():
+    """Issue 46: the store bounds the bytes held. Results count from when they finish until they go (read ones after
+    their grace); a key over its bytes is refused new calls (429) until its results go, and others are not."""
+    store = FutureStore(max_bytes_per_owner=1_000_000, read_grace_s=0.2)
+
+    async def big() -> dict:
+        return {"logprobs": [0.5] * 50_000}  # about 1.6 MB in Python
+
+    first = store.submit("alice", big)
+    assert (await store.retrieve(first, "alice", wait_s=1)).value["logprobs"][0] == 0.5
+    assert store.held_bytes("alice") > 1_000_000  # read, but held for a retried poll
+    with pytest.raises(ApiError) as caught:
+        store.submit("alice", big)
+    assert caught.value.status == 429 and caught.value.code == "too_many_futures"
+    store.submit("bob", big)  # others are not held back
+    await asyncio.sleep(0.25)  # the read result's grace passes
+    again = store.submit("alice", big)
+    assert store.held_bytes("alice") == 0 and (await store.retrieve(again, "alice", wait_s=1)).value
+    await store.close()
+
+
+def test_payload_bytes_costs_a_list_of_numbers_by_its_length():
+    from grpo_server.api.tinker.futures import payload_bytes
+
+    small, large = payload_bytes([1.0] * 10), payload_bytes([1.0] * 1_000_000)
+    assert 30_000_000 <= large <= 40_000_000 and small < 1_000
+    assert payload_bytes({"rows": [[1] * 1000, [2] * 10]}) > payload_bytes({"rows": [[1] * 10, [2] * 10]})

@@ -88,7 +88,8 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             orchestrator = Orchestrator(config, pool, await prompts_loading)
             app[ORCHESTRATOR] = orchestrator
             app[TINKER] = TinkerService(orchestrator, tinker_base_model(config), FutureStore(
-                max_running_per_owner=config.tinker_max_calls_per_key))
+                max_running_per_owner=config.tinker_max_calls_per_key,
+                max_bytes_per_owner=config.tinker_max_result_mib_per_key * 2**20))
             # Experiments of an earlier run in this run directory resume first; the config's own are
             # created if they are not among them. Both start from their files as they are (a restart
             # archives nothing; only an API create does, grpo_server/protocol/archive.py).

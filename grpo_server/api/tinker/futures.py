@@ -4,8 +4,9 @@ A Tinker call (forward_backward, optim_step, save_weights, ...) answers at once 
 then long-polls `retrieve_future` for the result. `FutureStore` runs each call's work as a task it owns and keeps
 the outcome until it is read, plus `read_grace_s` for the SDK's retry of the same poll, or at most `ttl_s` after
 it finished (then the id is `future_expired`). It bounds how many calls any one owner may have unread (running,
-or finished and not retrieved): a client that reads its results never meets the bound. Each owner's unread ids
-are indexed and the deadlines kept in a heap, so a call costs the same however many results are held.
+or finished and not retrieved), and the bytes of the results it holds (`payload_bytes`, until they go): a client
+that reads its results never meets the bounds. Each owner's unread ids are indexed and the deadlines kept in a
+heap, so a call costs the same however many results are held.
 
 `SeqLane` runs one model's calls in the client's `seq_id` order, whatever order the HTTP requests arrived in
 (the SDK sends them concurrently): a call waits for every lower id of its model, and a gap that stays open fails
@@ -48,6 +49,7 @@ class _Entry:
     outcome: Outcome | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     read: bool = False  # retrieved once: no longer counts as unread, and goes after the grace
+    bytes: int = 0  # its outcome's size (payload_bytes), counted in its owner's held bytes until it goes
 
 
 class Pending(Exception):
@@ -56,18 +58,25 @@ class Pending(Exception):
 
 class FutureStore:
     def __init__(self, ttl_s: float = 3600.0, max_unread_per_owner: int = 4096, read_grace_s: float = 120.0,
-                 max_running_per_owner: int = 256):
+                 max_running_per_owner: int = 256, max_bytes_per_owner: int = 256 * 2**20):
         self.ttl_s = ttl_s
         self.max_unread_per_owner = max_unread_per_owner
+        # Results one owner's finished calls hold (read ones within their grace too). A call is refused while its
+        # owner is over; the calls already running may take it past by their own results, no more.
+        self.max_bytes_per_owner = max_bytes_per_owner
         self.max_running_per_owner = max_running_per_owner  # calls not finished: work queued for the workers
         self.read_grace_s = read_grace_s  # the SDK polls a result again if the answer was lost on the way
         self._entries: dict[str, _Entry] = {}
         self._unread: defaultdict[str, set[str]] = defaultdict(set)  # owner -> ids it has not retrieved
         self._deadlines: list[tuple[float, str]] = []  # (monotonic time, id): when an entry may go, a heap
         self._running: defaultdict[str, int] = defaultdict(int)  # owner -> its calls not finished
+        self._bytes: defaultdict[str, int] = defaultdict(int)  # owner -> bytes its held results take
 
     def unread(self, owner: str) -> int:
         return len(self._unread.get(owner, ()))
+
+    def held_bytes(self, owner: str) -> int:
+        return self._bytes.get(owner, 0)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -84,6 +93,10 @@ class FutureStore:
             raise TooManyRequests(f"{self._running[owner]} calls of this key are running or queued (max "
                                   f"{self.max_running_per_owner}): retry when some have finished",
                                   code="too_many_calls", retry_after=1.0)
+        if self.held_bytes(owner) >= self.max_bytes_per_owner:
+            raise TooManyRequests(f"results of this key's calls hold {self.held_bytes(owner) / 2**20:.0f} MiB (max "
+                                  f"{self.max_bytes_per_owner / 2**20:.0f} MiB): retrieve them first, read ones go "
+                                  f"{self.read_grace_s:.0f} s later", code="too_many_futures", retry_after=5.0)
         request_id = f"fut-{secrets.token_hex(12)}"
         entry = _Entry(owner)
         self._entries[request_id] = entry
@@ -138,6 +151,8 @@ class FutureStore:
             entry.outcome = Outcome(error=ApiError("internal error (logged on the server)", code="internal",
                                                    status=500))
         finally:
+            entry.bytes = payload_bytes(entry.outcome.value) if entry.outcome is not None else 0
+            self._bytes[entry.owner] += entry.bytes
             entry.done.set()
             self._running[entry.owner] -= 1
             if not self._running[entry.owner]:
@@ -152,6 +167,9 @@ class FutureStore:
             entry = self._entries.pop(request_id, None)
             if entry is not None:
                 self._forget_unread(entry.owner, request_id)
+                self._bytes[entry.owner] -= entry.bytes
+                if not self._bytes[entry.owner]:
+                    del self._bytes[entry.owner]
 
     def _forget_unread(self, owner: str, request_id: str) -> None:
         unread = self._unread.get(owner)
@@ -159,6 +177,25 @@ class FutureStore:
             unread.discard(request_id)
             if not unread:
                 del self._unread[owner]
+
+
+def payload_bytes(value: Any) -> int:
+    """About how many bytes `value` (a result: pydantic models, dicts, lists of numbers) holds in memory. A list
+    of numbers is costed by its length, so a result of a million floats costs one look, not a million; other
+    containers are walked (a result has few of them: datums, sequences, tensors). Estimated rather than measured:
+    sys.getsizeof misses what containers point to, and pympler's deep size walks every number."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 8
+    if isinstance(value, (str, bytes, bytearray)):
+        return 49 + len(value)
+    if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], (bool, int, float)):
+            return 56 + 32 * len(value)  # a pointer and a boxed number each
+        return 56 + sum(8 + payload_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return 64 + sum(payload_bytes(k) + payload_bytes(v) for k, v in value.items())
+    fields = getattr(value, "__dict__", None)  # a pydantic model or a dataclass: its fields
+    return 56 + payload_bytes(fields) if isinstance(fields, dict) else 64
 
 
 class SeqLane:
