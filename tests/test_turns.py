@@ -286,3 +286,39 @@ async def test_a_step_cancelled_while_claiming_holds_no_one():
     b2.set()
     await asyncio.gather(*tasks)
     assert training.cancelled()
+
+
+async def test_the_gate_is_phase_fair():
+    """A stream of exclusive holders (one tenant's prompt-logprob scores or train steps) no longer holds shared
+    calls back for as long as it lasts: a shared waiter waits out one exclusive hold, and an exclusive waiter
+    still goes before shared calls that come after it."""
+    from grpo_server.protocol.gate import Gate
+
+    gate, order = Gate(), []
+
+    async def exclusive(tag: str) -> None:
+        async with gate.exclusive():
+            order.append(tag)
+            await asyncio.sleep(0.02)
+
+    async def shared(tag: str) -> None:
+        async with gate.shared():
+            order.append(tag)
+            await asyncio.sleep(0.02)
+
+    first = asyncio.create_task(exclusive("x1"))
+    await asyncio.sleep(0.005)
+    queued = [asyncio.create_task(exclusive(f"x{i}")) for i in (2, 3, 4)]
+    await asyncio.sleep(0.005)
+    reader = asyncio.create_task(shared("s1"))  # arrives while x1 holds and x2..x4 wait
+    await asyncio.gather(first, *queued, reader)
+    assert order.index("s1") == 1, order  # after x1, before x2: one exclusive hold waited out
+
+    order.clear()
+    reading = asyncio.create_task(shared("s2"))
+    await asyncio.sleep(0.005)
+    writer = asyncio.create_task(exclusive("x5"))
+    await asyncio.sleep(0.005)
+    late = asyncio.create_task(shared("s3"))  # came after x5 began to wait: after it
+    await asyncio.gather(reading, writer, late)
+    assert order == ["s2", "x5", "s3"], order

@@ -24,7 +24,8 @@ SOLO_POLL_S = 0.05
 
 
 class ComputeTurns:
-    """Sampler calls share their turn; a train step has it alone and goes first (protocol/gate.py).
+    """Sampler calls share their turn; a train step has it alone, and goes before the calls that arrive after it
+    (protocol/gate.py, phase-fair: calls that waited through one step go before the next).
     With `alternate` False nothing waits; sampler calls are counted either way.
 
     Turns are by experiment (one gate each) unless `by_experiment` is False (schedule `alternate_all`, one gate
