@@ -222,3 +222,33 @@ def test_named_weights_outlive_pruning_and_saved_states_expire(server, tiny_mode
                                              listed.list_checkpoints(training.model_id).result().checkpoints}
         assert not (server.run_dir / "checkpoints" / experiment / "states" / "short-lived").exists()
     assert _call(server, "DELETE", f"/v1/experiments/{experiment}", ADMIN_KEY)[0] == 204
+
+
+async def test_tinker_samples_go_through_the_experiments_own_verb(server, tiny_model_dir):
+    """Issue 46: Tinker's asample called the workers directly, around the token budget and the counters. Now an
+    experiment key's samples (its model's saved weights, or the base model) are its experiment's: counted in its
+    status, and their prompt logprobs come with them."""
+    key = "sampling-verb-key-2b7e9c4d"
+    assert _call(server, "POST", "/v1/experiments", ADMIN_KEY, _experiment("walls-sampling", key))[0] == 201
+    try:
+        def sample_both() -> tuple:
+            with tinker.ServiceClient(base_url=server.url, api_key=f"tml-{key}") as tenant:
+                training = tenant.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result()
+                own = training.save_weights_and_get_sampling_client().result().sample(
+                    types.ModelInput.from_ints([5, 6, 7, 8]), 3, types.SamplingParams(max_tokens=2),
+                    include_prompt_logprobs=True).result()
+                base = tenant.create_sampling_client(base_model=str(tiny_model_dir)).result().sample(
+                    types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=2)).result()
+                return own, base
+
+        async with AsyncClient(server.url, key) as client:
+            before = (await client.status("walls-sampling")).counters
+            own, base = await asyncio.to_thread(sample_both)
+            after = (await client.status("walls-sampling")).counters
+        assert len(own.sequences) == 3 and len(base.sequences) == 2
+        assert own.prompt_logprobs[0] is None and len(own.prompt_logprobs) == 4
+        assert after.completions_sampled - before.completions_sampled == 5
+        sampled_tokens = sum(len(s.tokens) for s in own.sequences + base.sequences)
+        assert after.tokens_sampled - before.tokens_sampled == sampled_tokens
+    finally:
+        assert _call(server, "DELETE", "/v1/experiments/walls-sampling", ADMIN_KEY)[0] == 204

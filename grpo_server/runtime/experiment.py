@@ -22,7 +22,8 @@ from grpo_server.api_models import (CompletionOut, CompletionsRequest, Completio
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol import log_context
 from grpo_server.protocol.errors import TooManyRequests, Unprocessable
-from grpo_server.protocol.wire import AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse, TrainMetrics
+from grpo_server.protocol.wire import (AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse, ScoreRequest,
+                                       TrainMetrics)
 from grpo_server.runtime.advantages import rate
 from grpo_server.runtime.chat_render import tool_calling_of
 from grpo_server.runtime.episodes import EpisodeStore, check_rateable, trajectory_group
@@ -373,6 +374,30 @@ class Experiment:
         self.step = step
         self.gradients_pending = False
         self.queue_changed.set()
+
+    async def sample_for_client(self, request: GenerateRequest, version: tuple[int, str] | None,
+                                score_prompt: bool = False) -> tuple[GenerateResponse, list[float] | None]:
+        """Samples a client keeps itself (the Tinker API's asample), under `version` (its number and folder, loaded
+        and pinned while they run; None: the base model), with the prompt's own logprobs when `score_prompt`. Not
+        a group for training, so no admission by the learner's backlog; but the same walls as `complete`
+        otherwise: the token budget holds the worst case while it runs (429 before any work), it is sampled in
+        this experiment's sampling turn, and the counters count it."""
+        prompt = request.prompt_token_ids
+        worst = len(prompt) * (2 if score_prompt else 1) + request.n * request.max_tokens
+        loaded = self.version_loaded(*version) if version is not None else contextlib.nullcontext()
+        adapter = AdapterRef(name=self.name, version=version[0]) if version is not None else None
+        scored = None
+        with self.budget.reserve(self.name, worst):
+            self.last_sampling_at = time.monotonic()
+            async with loaded, self.workers.sampler(experiment=self.name) as sampler:
+                result = await sampler.generate(request.model_copy(update={"adapter": adapter}))
+                if score_prompt and len(prompt) > 1:  # the first token has no logprob
+                    scored = (await sampler.score(ScoreRequest(prompt_token_ids=prompt[:1],
+                                                               completions_token_ids=[prompt[1:]],
+                                                               adapter=adapter))).logprobs[0]
+        self.counters.completions_sampled += len(result.completions)
+        self.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
+        return result, scored
 
     def abandon(self, group_id: str | None, episode_id: str | None = None) -> None:
         """Drop what `complete` stored for a client that left before receiving it (a stream cut short): its group

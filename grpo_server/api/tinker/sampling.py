@@ -2,21 +2,21 @@
 base model), with the sampled tokens' logprobs, and the prompt's own logprobs when asked (what
 `SamplingClient.compute_logprobs` reads).
 
-The version is loaded on the samplers if they let it go (only the serving version and those in use stay
-loaded), kept loaded while the request runs, and sampled in a sampling turn of its experiment, as native
-completions are. Prompt logprobs are the sampler's `score` of the prompt's tokens after the first: the same
-engine and weights that sample, so a sample's logprobs and compute_logprobs agree.
+Sampling goes through the experiment's own verb (`Experiment.sample_for_client`): the version is loaded on the
+samplers if they let it go (only the serving version and those in use stay loaded) and kept loaded while the
+request runs, the token budget holds its worst case, it is sampled in a sampling turn of its experiment, as
+native completions are, and counted. Prompt logprobs are the sampler's `score` of the prompt's tokens after the
+first: the same engine and weights that sample, so a sample's logprobs and compute_logprobs agree.
 """
 
 from __future__ import annotations
 
-import contextlib
-
+from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.service import Sampler, TinkerService
 from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
-from grpo_server.protocol.wire import AdapterRef, GenerateRequest, ScoreRequest
+from grpo_server.protocol.wire import GenerateRequest, GenerateResponse, ScoreRequest
 
 DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
 
@@ -44,31 +44,37 @@ async def sample(service: TinkerService, sampler: Sampler, request: ts.SampleReq
         raise BadRequest("the prompt has no tokens", code="bad_request")
     params = request.sampling_params
     orchestrator = service.orchestrator
-    workers = orchestrator.workers
-    adapter = None
-    experiment_name = None
-    loaded = contextlib.nullcontext()
-    if sampler.model is not None and sampler.weights is not None:
-        experiment = orchestrator.get(sampler.model.experiment)
-        experiment_name = experiment.name
-        adapter = AdapterRef(name=experiment.name, version=sampler.weights.version)
-        loaded = experiment.version_loaded(sampler.weights.version, sampler.weights.path)
     max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
     orchestrator.prompts.check_fits(len(prompt), max_tokens)
-    async with loaded:
-        async with workers.sampler(experiment=experiment_name) as client:
-            result = await client.generate(GenerateRequest(
-                prompt_token_ids=prompt, n=request.num_samples, temperature=params.temperature, top_p=params.top_p,
-                max_tokens=max_tokens, stop=params.stop_strings() or None, seed=params.seed, adapter=adapter,
-                stop_token_ids=params.stop_token_ids() or None, ignore_eos=params.stop == []))
-            prompt_logprobs = None
-            if request.prompt_logprobs:
-                prompt_logprobs = [None]
-                if len(prompt) > 1:
-                    scored = await client.score(ScoreRequest(prompt_token_ids=prompt[:1],
-                                                             completions_token_ids=[prompt[1:]], adapter=adapter))
-                    prompt_logprobs += scored.logprobs[0]
+    generate = GenerateRequest(
+        prompt_token_ids=prompt, n=request.num_samples, temperature=params.temperature, top_p=params.top_p,
+        max_tokens=max_tokens, stop=params.stop_strings() or None, seed=params.seed,
+        stop_token_ids=params.stop_token_ids() or None, ignore_eos=params.stop == [])
+    if sampler.model is not None and sampler.weights is not None:  # a saved version of a model: its experiment's
+        experiment = orchestrator.get(sampler.model.experiment)
+        version = (sampler.weights.version, sampler.weights.path)
+    elif sampler.owner != ADMIN:  # the base model, for an experiment's key: inside its experiment's walls
+        experiment, version = orchestrator.get(sampler.owner), None
+    else:
+        experiment = version = None
+    if experiment is not None:
+        result, scored = await experiment.sample_for_client(generate, version, score_prompt=request.prompt_logprobs)
+    else:  # the admin's own samples of the base model: the server's token budget still holds their worst case
+        result, scored = await _admin_base_sample(orchestrator, generate, request.prompt_logprobs)
     return SampleResponse(
         sequences=[SampledSequence(stop_reason="length" if c.finish_reason == "length" else "stop",
                                    tokens=c.token_ids, logprobs=c.logprobs) for c in result.completions],
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=None if not request.prompt_logprobs else [None, *(scored or [])])
+
+
+async def _admin_base_sample(orchestrator, generate: GenerateRequest,
+                             score_prompt: bool) -> tuple[GenerateResponse, list[float] | None]:
+    prompt, scored = generate.prompt_token_ids, None
+    worst = len(prompt) * (2 if score_prompt else 1) + generate.n * generate.max_tokens
+    with orchestrator.budget.reserve(ADMIN, worst):
+        async with orchestrator.workers.sampler() as client:
+            result = await client.generate(generate)
+            if score_prompt and len(prompt) > 1:
+                scored = (await client.score(ScoreRequest(prompt_token_ids=prompt[:1],
+                                                          completions_token_ids=[prompt[1:]]))).logprobs[0]
+    return result, scored
