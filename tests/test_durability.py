@@ -109,6 +109,15 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
             learner = next(p for p in server.worker_pids()
                            if b"learner" in open(f"/proc/{p}/cmdline", "rb").read().split(b"\0"))
             os.killpg(learner, signal.SIGKILL)  # groups are queued: it dies mid-training
+
+            async def learner_down():
+                health = await client.health()
+                return health if health.workers.get("learner") != "ready" else None
+
+            await wait_for(learner_down, timeout_s=60)
+            # The Tinker client's next call, made while the learner restarts, waits for it (the SDK does not retry
+            # a failed call), then fails naming what the restart lost, and the model goes on.
+            told = asyncio.ensure_future(asyncio.to_thread(tinker_told_of_the_rollback, *pending))
             for _ in range(3):  # feedback is still accepted while the learner is down
                 accepted += await rate_one(client)
 
@@ -122,7 +131,7 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
                 return all(any("learner restarted" in e for e in s.errors) for s in await client.list_experiments())
 
             await wait_for(every_experiment_resynced, timeout_s=300)
-            await asyncio.to_thread(tinker_told_of_the_rollback, *pending)
+            await told
             for _ in range(3):
                 accepted += await rate_one(client)
             before = await client.status(NAME)

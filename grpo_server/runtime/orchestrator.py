@@ -77,6 +77,8 @@ class Orchestrator:
         self.training_loops: dict[str, TrainingLoop] = {}  # by experiment name: its training task's owner
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
+        self._learner_synced = asyncio.Event()  # clear while a restarted learner is given its experiments again
+        self._learner_synced.set()
         self.upkeep = OwnedTasks("orchestrator")
         self.budget = TokenBudget(config.max_held_tokens_per_experiment, config.max_held_tokens, self.tokens_held)
         self.loop_lag = LoopLag()
@@ -382,18 +384,34 @@ class Orchestrator:
     async def resync_learner(self) -> None:
         """After a learner restart: add every experiment again; the learner resumes the newest version
         on disk (optimizer state starts fresh)."""
-        async with self._lock:
-            self.learner_restarts += 1
-            for exp in list(self.experiments.values()):
-                resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
-                                                                    syncing_ok=True)
-                exp.resume_from(resumed)
-                exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
-                                 f"{len(exp.queue)} journalled groups queued to train")
-                if resumed.version != exp.serving_version:
-                    await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
-                                                       resumed.path, resumed.fingerprint)
-                    exp.serve(resumed.version, resumed.path)
+        self._learner_synced.clear()
+        try:
+            async with self._lock:
+                await self._resync_learner()
+        finally:
+            self._learner_synced.set()
+
+    async def learner_settled(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) until a restarting learner is back and has every experiment again: a client's
+        call made meanwhile (the Tinker API's) runs then, and learns what the restart rolled back
+        (`learner_restarts`), instead of failing on a learner that is not there yet."""
+        await self.workers.wait_learner_ready(timeout_s)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._learner_synced.wait(), timeout_s)
+
+    async def _resync_learner(self) -> None:
+        """`resync_learner`'s work, under self._lock."""
+        self.learner_restarts += 1
+        for exp in list(self.experiments.values()):
+            resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
+                                                                syncing_ok=True)
+            exp.resume_from(resumed)
+            exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
+                             f"{len(exp.queue)} journalled groups queued to train")
+            if resumed.version != exp.serving_version:
+                await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
+                                                   resumed.path, resumed.fingerprint)
+                exp.serve(resumed.version, resumed.path)
 
     async def log_sampling_forever(self, interval_s: float = SAMPLING_INTERVAL_S) -> None:
         """Every interval, a `sampling` line in the metrics log of each experiment that sampled in it."""

@@ -67,8 +67,9 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
 
 def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | None,
                 run: Callable[[TinkerModel], Awaitable[Any]]) -> web.Response:
-    """A call on a model: an unknown model is a failed future (category `user`), as the SDK expects; the first
-    call after a restart rolled the model back fails, naming what was lost (service.rollback)."""
+    """A call on a model: an unknown model is a failed future (category `user`), as the SDK expects; a call made
+    while the learner restarts waits for it, and the first call after a restart rolled the model back fails,
+    naming what was lost (service.rollback)."""
     service = request.app[TINKER]
     try:
         model = service.model(owner, model_id)
@@ -80,6 +81,9 @@ def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | N
         return _submit(request, owner, unknown)
 
     async def unless_rolled_back() -> Any:  # in seq_id order: the first call to run after a restart is told
+        # A learner that is restarting is waited for (the SDK does not retry a failed call): then this call knows
+        # whether the restart rolled the model back.
+        await service.orchestrator.learner_settled(service.orchestrator.config.worker_timeout_s)
         lost = service.rollback(model)
         if lost is not None:
             raise lost
