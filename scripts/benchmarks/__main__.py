@@ -37,6 +37,11 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
 6. hostile (only when asked: `--only hostile`; a server of its own, a few minutes): one key floods the Tinker API
    (asample with prompt logprobs, forward_backward + optim_step) and adapter downloads; another key's completion
    and feedback latency alone vs beside it, and whether every group it had acknowledged was trained (hostile.py).
+7. rollouts (only when asked: `--only rollouts`; a server of its own and two `vllm serve` processes, each started
+   once): 3-turn tool-calling agent episodes with `openai.AsyncOpenAI` through this server's
+   `/v1/chat/completions` vs vLLM's own OpenAI server on the same model and engine settings (base weights; and
+   with the experiment's adapter, for reference), 16, 64, 256 episodes in flight (`--rollout-levels`): episodes/s,
+   p50 / p95 turn latency, non-2xx answers, the front end's RSS and event-loop lag (rollouts.py).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
 `<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it). A figure that fails is reported
@@ -70,11 +75,13 @@ from .fairness import own_server_figure
 from .hostile import own_server_figure as hostile_server_figure
 from .host import default_sampler_dtype, figure, loadavg
 from .learner_vs_peft import learner_figure
+from .rollouts import LEVELS as ROLLOUT_LEVELS, ROUNDS as ROLLOUT_ROUNDS
+from .rollouts import own_server_figure as rollouts_server_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import render, replace_block
 
 FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes", "learner", "adapter", "end_to_end")
-EXTRA_FIGURES = ("fairness", "hostile")  # run only when named in --only
+EXTRA_FIGURES = ("fairness", "hostile", "rollouts")  # run only when named in --only
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,9 @@ class Mode:
     # fairness: quiet's completions per phase, and the least seconds of its flooded phase
     fair_requests: int = 20
     fair_window_s: float = 30.0
+    # rollouts: episodes in flight per level, timed rounds per side and level
+    ro_levels: tuple[int, ...] = ROLLOUT_LEVELS
+    ro_rounds: int = ROLLOUT_ROUNDS
 
 
 # Every ratio with a verdict comes from at least 5 alternating rounds (issue 28, item 4): one round's ratio on this
@@ -170,6 +180,10 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
         await figure(results, "hostile", hostile_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
                                                                requests=mode.fair_requests,
                                                                window_s=mode.fair_window_s))
+    if "rollouts" in only:
+        meta = results["meta"]
+        await figure(results, "rollouts", rollouts_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
+                                                                 levels=mode.ro_levels, rounds=mode.ro_rounds))
     if "end_to_end" in only:
         if mode.end_to_end:
             await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))
@@ -220,6 +234,9 @@ def main() -> int:
     parser.add_argument("--levels", default=None, help="experiments: comma-separated counts, e.g. 1,2,4,8")
     parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
                         help="server figures: a sampler setting (YAML value), e.g. several_experiments=turns")
+    parser.add_argument("--rollout-levels", default=None,
+                        help="rollouts: episodes in flight, comma-separated (default "
+                             f"{','.join(map(str, ROLLOUT_LEVELS))})")
     args = parser.parse_args()
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = only - set(FIGURES) - set(EXTRA_FIGURES)
@@ -231,6 +248,8 @@ def main() -> int:
                             if getattr(args, f) is not None})
     if args.levels:
         mode = replace(mode, levels=tuple(int(k) for k in args.levels.split(",")))
+    if args.rollout_levels:
+        mode = replace(mode, ro_levels=tuple(int(k) for k in args.rollout_levels.split(",")))
     try:  # checked here, before minutes of server start-up, by the server's own settings model
         sampler_settings = with_settings({}, args.sampler)
         SamplerSettings(**sampler_settings)

@@ -204,6 +204,43 @@ def _hostile_row(ho: dict) -> tuple[str, str, str, str, str]:
     return (name, what, measured, target, f"**missed**: {'; '.join(missed)}" if missed else "met")
 
 
+def _rollouts_row(ro: dict) -> tuple[str, str, str, str, str]:
+    name = "agent rollouts vs vllm serve"
+    err = _error(ro)
+    if err:
+        return (name, "tool-calling episodes through this server vs `vllm serve`", err, ">= 0.95; p95 <= 1.2x", "")
+    target = f">= {ro['target_eps_ratio']:g} episodes/s; p95 <= {ro['target_p95_ratio']:g}x; no 5xx"
+    lora = "L" in ro["levels"][0]
+    what = (f"episodes/s and turn latency of {ro['turns']}-turn agent episodes (n=1, T={ro['temperature']:g}, "
+            f"max_tokens {'/'.join(map(str, ro['turn_max_tokens']))}; one `{ro['tool']}` tool offered each turn, a "
+            f"`tool` result after a call, else a user message) with `openai.AsyncOpenAI`: this server's "
+            f"`/v1/chat/completions` (LoRA r={ro['lora_rank']} experiment, {ro['served_as']}, `episode_id`) vs "
+            f"`vllm serve` on the base weights with the sampler's engine settings and `--tool-call-parser "
+            f"{ro['tool_parser']}`" + (" (and with the adapter, `--enable-lora`, for reference)" if lora else "")
+            + f"; k episodes in flight, {ro['rounds']} rounds a side, alternating; on a server of its own")
+    parts, missed = [], []
+    for lv in ro["levels"]:
+        a, b = lv["A"], lv["B"]
+        ref = f"; with LoRA {_f(lv['L']['eps'], 2)}" if "L" in lv else ""
+        errors = {k: v for k, v in a["non_2xx"].items() if k != "429"}
+        parts.append(f"k={lv['level']}: {_f(a['eps'], 2)} vs {_f(b['eps'], 2)} episodes/s **{_f(lv['eps_ratio'], 2)}**"
+                     f"{ref}, p95 {_f(a['p95_s'], 2)} vs {_f(b['p95_s'], 2)} s **{_f(lv['p95_ratio'], 2)}x** "
+                     f"(p50 {_f(a['p50_s'], 2)} vs {_f(b['p50_s'], 2)}); front end RSS {_f(a['front_end_rss_mib'], 0)} "
+                     f"MiB, loop lag p99 {_f(a['loop_lag_p99_s'], 3)} s; later turns' prefix-cache hits "
+                     f"{_f(a['prefix_cache_hit_rate_later_turns'], 2)}; 429s {a['answers_429']}"
+                     + (f"; errors {errors}" if errors else "")
+                     + f"; tool calls {a['tool_calls']} vs {b['tool_calls']}")
+        if lv["eps_ratio"] is None or lv["eps_ratio"] < ro["target_eps_ratio"]:
+            missed.append(f"k={lv['level']} episodes/s {_f(lv['eps_ratio'], 2)}")
+        if lv["p95_ratio"] is None or lv["p95_ratio"] > ro["target_p95_ratio"]:
+            missed.append(f"k={lv['level']} p95 {_f(lv['p95_ratio'], 2)}x")
+        if a["failures_5xx"] or a["failed_episodes"]:
+            missed.append(f"k={lv['level']} {a['failures_5xx']} 5xx, {a['failed_episodes']} episodes failed")
+    idle = ", ".join(f"{k} {_f(v, 2)}" for k, v in ro.get("idle_cpu", {}).items())
+    measured = "; ".join(parts) + f". Idle CPU (cores): {idle}"
+    return (name, what, measured, target, f"**missed**: {'; '.join(missed)}" if missed else "met")
+
+
 def _rounds(fig: dict) -> str:
     """The request mix and its alternating rounds, as the front-end and overlap figures run them."""
     return (f"{fig['requests']} requests x n={fig['n']}, max_tokens {fig['max_tokens']}, concurrency "
@@ -372,6 +409,8 @@ def render(results: dict) -> str:
         rows.append(_fairness_row(figs["fairness"]))
     if "hostile" in figs:  # only when asked for (scripts/bench --only hostile)
         rows.append(_hostile_row(figs["hostile"]))
+    if "rollouts" in figs:  # only when asked for (scripts/bench --only rollouts)
+        rows.append(_rollouts_row(figs["rollouts"]))
     rows.append(_end_to_end_row(figs.get("end_to_end")))
 
     lines = [
