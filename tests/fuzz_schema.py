@@ -13,7 +13,7 @@ The record of what was sent (cases and statuses per operation and per kind of ca
 tests/fuzz_report.py's; the edits that make a generated request cheap and get further (`cheapen`, `shape`,
 `Episodes`) are tests/fuzz_shape.py's.
 
-The counts are knobs: GRPO_FUZZ_EXAMPLES (fuzzing-phase cases per operation in test_api, default 25), and
+The counts are knobs: GRPO_FUZZ_EXAMPLES (fuzzing-phase cases per operation in test_api, default 12), and
 test_fuzz.py's GRPO_FUZZ_SCENARIOS and GRPO_FUZZ_RAW_EXAMPLES; the defaults are what CI runs.
 
 What schemathesis cannot send at all (junk bodies, odd names and keys) is tests/fuzz_strategies.py's.
@@ -50,7 +50,7 @@ TIMEOUT_S = 120
 CHEAP = 4  # most completions (n) and tokens (max_tokens) a fuzzed request may sample
 # Fuzzing-phase cases per operation in test_api (the examples and coverage phases add theirs; an operation
 # with few possible requests, such as one without parameters, stops when hypothesis has tried them all).
-EXAMPLES = knob("GRPO_FUZZ_EXAMPLES", 25)
+EXAMPLES = knob("GRPO_FUZZ_EXAMPLES", 12)
 STEPS = 8  # test_stateful: calls in each scenario at most
 MAX_STREAM_EVENTS = 100_000  # more than any fuzzed stream has (at most 8 x 256 tokens, an experiment's defaults)
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -22,8 +22,8 @@ checked as strictly as a JSON answer, and an error event in one, a 5xx after the
 makes calls turns of episodes and rates the episodes sampled (`episode_ids`); `kinds_of` records them apart, and
 the last test prints them and checks that they were answered with a 200/202.
 
-How many cases: GRPO_FUZZ_EXAMPLES (test_api's fuzzing phase, per operation; default 25), GRPO_FUZZ_SCENARIOS
-(test_stateful, default 60), GRPO_FUZZ_RAW_EXAMPLES (test_raw, per operation, default 15); the last test prints
+How many cases: GRPO_FUZZ_EXAMPLES (test_api's fuzzing phase, per operation; default 12), GRPO_FUZZ_SCENARIOS
+(test_stateful, default 30), GRPO_FUZZ_RAW_EXAMPLES (test_raw, per operation, default 15); the last test prints
 the cases sent per test and per operation, and writes them as JSON where GRPO_FUZZ_REPORT names a file. A long
 run (BENCHMARKS.md, "Fuzzing", over 10,000 cases): `GRPO_FUZZ_EXAMPLES=600 GRPO_FUZZ_SCENARIOS=200
 GRPO_FUZZ_RAW_EXAMPLES=60 pytest tests/test_fuzz.py -s`.
@@ -58,7 +58,7 @@ from tests.fuzz_shape import Episodes, cheapen, shape
 from tests.fuzz_strategies import FUZZ_EXP, FUZZ_KEY, MSGPACK, RawCase, raw_cases
 
 # test_stateful: scenarios (tests/fuzz_schema.py has the other knobs: STEPS, EXAMPLES, CHEAP)
-SCENARIOS = knob("GRPO_FUZZ_SCENARIOS", 60)
+SCENARIOS = knob("GRPO_FUZZ_SCENARIOS", 30)
 RAW_EXAMPLES = knob("GRPO_FUZZ_RAW_EXAMPLES", 15)  # test_raw: per operation
 
 
