@@ -435,14 +435,24 @@ def changelog_md() -> str:
     return _relinked((REPO / "CHANGELOG.md").read_text())
 
 
+EXTRA_TITLES = {"rollouts": "Agent rollouts against `vllm serve`", "hostile": "The hostile tenant",
+                "fairness": "Fairness between experiments"}  # the extra figures' blocks (scripts/benchmarks/table.py)
+
+
 def benchmarks_summary_md() -> str:
+    from scripts.benchmarks.table import EXTRA, markers
+
     text = (REPO / "BENCHMARKS.md").read_text()
-    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
-    block = text.split(start, 1)[1].split(end, 1)[0].strip() if start in text else "(no summary table yet)"
-    block = re.sub(r"^## ", "## ", block, flags=re.M)
-    return ("# Benchmark summary\n\nThe table `scripts/bench --quick` writes at the top of `BENCHMARKS.md`, as "
-            "it is there (generated from the benchmark's JSON results by `scripts/benchmarks/table.py`). "
-            "[Benchmarks](index.md) says how to read it and how to run each figure.\n\n" + block + "\n")
+
+    def block(name: str | None) -> str:
+        start, end = markers(name)
+        return text.split(start, 1)[1].split(end, 1)[0].strip() if start in text and end in text else ""
+
+    extra = "".join(f"\n## {EXTRA_TITLES[name]}\n\n{block(name)}\n" for name in EXTRA if block(name))
+    return ("# Benchmark summary\n\nThe tables `scripts/bench` writes into `BENCHMARKS.md`, as they are there "
+            "(generated from the benchmark's JSON results by `scripts/benchmarks/table.py`). "
+            "[Benchmarks](index.md) says how to read them and how to run each figure.\n\n"
+            + (block(None) or "(no summary table yet)") + "\n" + extra)
 
 
 PAGES: dict[str, Callable[[], str]] = {

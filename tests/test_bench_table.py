@@ -199,3 +199,26 @@ def test_verdicts_judge_the_default_path():
     assert "**0.75**" in rows["adapter sampling"] and "**missed**" in rows["adapter sampling"]
     assert "**1.04**" in rows["adapter sampling, one experiment alone (variant)"]
     assert "median of 5 timed passes" in rows["adapter sampling"]
+
+
+def test_an_extra_figure_writes_a_block_of_its_own():
+    """A run of rollouts (or hostile, fairness) alone rewrites its own block and leaves the summary as it was; the
+    rollouts block is a table with one row per number of episodes in flight."""
+    table = _load("table")
+    side = {"eps": 2.0, "tok_s": 50.0, "p50_s": 0.5, "p95_s": 1.0, "non_2xx": {}, "failures_5xx": 0,
+            "failed_episodes": 0, "tool_calls": 1, "front_end_rss_mib": 600.0, "loop_lag_p99_s": 0.002,
+            "prefix_cache_hit_rate_later_turns": 0.8, "answers_429": 0}
+    levels = [{"level": k, "A": side, "B": {**side, "eps": eps_b, "p95_s": 0.9}, "eps_ratio": 2.0 / eps_b,
+               "p95_ratio": 1.0 / 0.9} for k, eps_b in ((16, 2.0), (64, 2.5))]
+    ro = {"levels": levels, "target_eps_ratio": 0.95, "target_p95_ratio": 1.2, "turns": 3, "temperature": 1.0,
+          "turn_max_tokens": [40, 16, 16], "tool": "get_weather", "lora_rank": 8, "served_as": "merged",
+          "tool_parser": "hermes", "rounds": 2, "idle_cpu": {"A": 0.02, "B": 0.01}}
+    doc = table.replace_block("# Benchmarks\n\nMachine: a box.\n", table.render(_results(front_end={"error": "x"})))
+    once = table.replace_block(doc, table.render_extra(_results(rollouts=ro), "rollouts"), "rollouts")
+    start, end = table.markers("rollouts")
+    assert once.startswith(doc.rstrip("\n")) and once.count(start) == 1 and once.rstrip().endswith(end)
+    block = once.split(start)[1]
+    assert "| 16 | 2.00 vs 2.00 | **1.000** |" in block and "| 64 | 2.00 vs 2.50 | **0.800** |" in block
+    assert "**missed**: episodes/s 0.80" in block  # the 64 row, by its own ratio
+    again = table.replace_block(once, table.render_extra(_results(rollouts={"error": "boom"}), "rollouts"), "rollouts")
+    assert again.split(start)[0] == once.split(start)[0] and "failed: boom" in again and "| 64 |" not in again

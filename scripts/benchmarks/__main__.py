@@ -78,10 +78,10 @@ from .learner_vs_peft import learner_figure
 from .rollouts import LEVELS as ROLLOUT_LEVELS, ROUNDS as ROLLOUT_ROUNDS
 from .rollouts import own_server_figure as rollouts_server_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
-from .table import render, replace_block
+from .table import EXTRA, render, render_extra, replace_block
 
 FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes", "learner", "adapter", "end_to_end")
-EXTRA_FIGURES = ("fairness", "hostile", "rollouts")  # run only when named in --only
+EXTRA_FIGURES = EXTRA  # run only when named in --only, each into a block of its own (table.py)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,12 @@ def main() -> int:
     parser.add_argument("--rollout-levels", default=None,
                         help="rollouts: episodes in flight, comma-separated (default "
                              f"{','.join(map(str, ROLLOUT_LEVELS))})")
+    parser.add_argument("--tables-from", type=Path, default=None, metavar="JSON",
+                        help="run nothing: write the tables of an earlier run's results into --markdown")
     args = parser.parse_args()
+    if args.tables_from is not None:
+        write_tables(json.loads(args.tables_from.read_text()), args.markdown)
+        return 0
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = only - set(FIGURES) - set(EXTRA_FIGURES)
     if unknown:
@@ -286,13 +291,25 @@ def main() -> int:
                                   for name, f in results["figures"].items() if f.get("load"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    table = render(results)
-    print(table)
-    if not args.no_markdown:
-        args.markdown.write_text(replace_block(args.markdown.read_text(), table))
-        print(f"[bench] table written to {args.markdown}")
+    write_tables(results, None if args.no_markdown else args.markdown)
     print(f"[bench] results: {args.out}; {meta['runtime_s']:.0f} s")
     return 1 if any("error" in f for f in results["figures"].values()) else 0
+
+
+def write_tables(results: dict, markdown: Path | None) -> None:
+    """Print the run's tables, and write them into `markdown` (None: print only): the summary's block when the run
+    has any of its figures, and each extra figure's own block (table.py)."""
+    blocks = [(name, render_extra(results, name)) for name in EXTRA if name in results["figures"]]
+    if any(name not in EXTRA for name in results["figures"]):
+        blocks.insert(0, (None, render(results)))
+    for _, block in blocks:
+        print(block)
+    if markdown is not None:
+        text = markdown.read_text()
+        for name, block in blocks:
+            text = replace_block(text, block, name)
+        markdown.write_text(text)
+        print(f"[bench] tables written to {markdown}")
 
 
 if __name__ == "__main__":

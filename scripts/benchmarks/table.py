@@ -1,7 +1,9 @@
 """The summary table of scripts/bench: one row per figure, rendered from its JSON results, in BENCHMARKS.md.
 
 Written into BENCHMARKS.md between marker comments (a rerun replaces the block; nothing else in the file
-changes). No ML imports."""
+changes). The figures run only when named (`EXTRA`: fairness, hostile, rollouts) each have a block of their own
+(`<!-- bench:NAME:start -->`, `render_extra`), so a run of one of them leaves the summary's block as it was, and
+the summary of a run never drops them. No ML imports."""
 
 from __future__ import annotations
 
@@ -10,16 +12,26 @@ from typing import Any
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
+EXTRA = ("fairness", "hostile", "rollouts")  # figures with a block of their own (run only when named)
 
 
-def replace_block(text: str, block: str) -> str:
-    """`text` with the marked block replaced by `block` (markers included); without markers, the block goes
-    after the paragraph that starts with 'Machine:' (else after the first heading)."""
-    block = f"{START}\n{block.strip()}\n{END}"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
+def markers(name: str | None = None) -> tuple[str, str]:
+    """The summary's markers, or those of the extra figure `name`."""
+    return (START, END) if name is None else (f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->")
+
+
+def replace_block(text: str, block: str, name: str | None = None) -> str:
+    """`text` with the marked block (the summary's, or the extra figure `name`'s) replaced by `block` (markers
+    included). Without markers, the summary goes after the paragraph that starts with 'Machine:' (else after the
+    first heading), and an extra figure's block at the end."""
+    start, end = markers(name)
+    block = f"{start}\n{block.strip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
         return head + block + tail
+    if name is not None:
+        return text.rstrip("\n") + "\n\n" + block + "\n"
     match = re.search(r"^Machine:.*?(?:\n\s*\n|\Z)", text, flags=re.MULTILINE | re.DOTALL)
     if match is None:
         match = re.search(r"^#.*\n", text, flags=re.MULTILINE)
@@ -405,17 +417,61 @@ def render(results: dict) -> str:
                      "and worker count under the sampler), after k experiments each sampled and trained one step",
                      "; ".join(parts), "report", ""))
 
-    if "fairness" in figs:  # only when asked for (scripts/bench --only fairness)
-        rows.append(_fairness_row(figs["fairness"]))
-    if "hostile" in figs:  # only when asked for (scripts/bench --only hostile)
-        rows.append(_hostile_row(figs["hostile"]))
-    if "rollouts" in figs:  # only when asked for (scripts/bench --only rollouts)
-        rows.append(_rollouts_row(figs["rollouts"]))
     rows.append(_end_to_end_row(figs.get("end_to_end")))
 
     lines = [
         f"## Summary: `scripts/bench{' --quick' if meta['mode'] == 'quick' else ''}` ({meta['mode']} mode)",
         "",
+        *_run_line(meta),
+        "",
+        "| figure | what is compared | measured | target | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_extra(results: dict, name: str) -> str:
+    """The block of the extra figure `name` (EXTRA): the run's line and the figure's table."""
+    meta, fig = results["meta"], results["figures"][name]
+    if name == "rollouts" and not _error(fig):
+        return "\n".join([*_run_line(meta), "", *_rollouts_table(fig)]) + "\n"
+    row = {"fairness": _fairness_row, "hostile": _hostile_row, "rollouts": _rollouts_row}[name](fig)
+    return "\n".join([*_run_line(meta), "", "| figure | what is compared | measured | target | verdict |",
+                      "|---|---|---|---|---|", "| " + " | ".join(row) + " |"]) + "\n"
+
+
+def _rollouts_table(ro: dict) -> list[str]:
+    """One row per level: this server against `vllm serve`, side by side."""
+    _, what, _, target, verdict = _rollouts_row(ro)
+    lora = "L" in ro["levels"][0]
+    lines = [f"{what}. Target: {target}. Verdict: {verdict}.", "",
+             "| episodes in flight | episodes/s: this server vs vllm serve | ratio | turn p50 / p95 (s): this server "
+             "vs vllm serve | p95 ratio | " + ("vllm serve with LoRA, episodes/s | " if lora else "")
+             + "later turns' prefix-cache hits | front end: RSS, loop lag p99 | 429 / 5xx | verdict |",
+             "|---|---|---|---|---|" + ("---|" if lora else "") + "---|---|---|---|"]
+    for lv in ro["levels"]:
+        a, b = lv["A"], lv["B"]
+        missed = ([f"episodes/s {_f(lv['eps_ratio'], 2)}"] if lv["eps_ratio"] is None
+                  or lv["eps_ratio"] < ro["target_eps_ratio"] else []) \
+            + ([f"p95 {_f(lv['p95_ratio'], 2)}x"] if lv["p95_ratio"] is None or lv["p95_ratio"] > ro["target_p95_ratio"]
+               else []) + ([f"{a['failures_5xx']} 5xx"] if a["failures_5xx"] or a["failed_episodes"] else [])
+        lines.append(
+            f"| {lv['level']} | {_f(a['eps'], 2)} vs {_f(b['eps'], 2)} | **{_f(lv['eps_ratio'], 3)}** | "
+            f"{_f(a['p50_s'], 2)} / {_f(a['p95_s'], 2)} vs {_f(b['p50_s'], 2)} / {_f(b['p95_s'], 2)} | "
+            f"**{_f(lv['p95_ratio'], 2)}x** | " + (f"{_f(lv['L']['eps'], 2)} | " if lora else "")
+            + f"{_f(a['prefix_cache_hit_rate_later_turns'], 3)} | {_f(a['front_end_rss_mib'], 0)} MiB, "
+            f"{_f(a['loop_lag_p99_s'], 3)} s | {a['answers_429']} / {a['failures_5xx']} | "
+            + (f"**missed**: {'; '.join(missed)}" if missed else "met") + " |")
+    idle = ", ".join(f"{k} {_f(v, 3)}" for k, v in ro.get("idle_cpu", {}).items())
+    lines += ["", f"Idle CPU of each side (cores): {idle}. Tool calls written by the model in the timed turns: "
+              + ", ".join(f"k={lv['level']}: {lv['A']['tool_calls']} vs {lv['B']['tool_calls']}"
+                          for lv in ro["levels"]) + "."]
+    return lines
+
+
+def _run_line(meta: dict) -> list[str]:
+    return [
         f"Command ({meta['date']}, {meta['host']}): `{meta['command']}`, {meta['runtime_s']:.0f} s. "
         f"{meta['cpus']} CPUs, {meta['mem_gib']:.0f} GiB; model {meta['model']} (samplers in "
         f"{meta.get('dtype', 'float32')}, the default on this CPU), "
@@ -423,10 +479,4 @@ def render(results: dict) -> str:
         f"Other processes busy when a figure started (not this benchmark; most busy share of a core): "
         f"{meta['others'] or 'none seen'}. "
         "Each figure is a ratio of two things measured side by side in this one run; absolute tok/s move "
-        "with the box's load. Results: `" + meta["out"] + "`.",
-        "",
-        "| figure | what is compared | measured | target | verdict |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
-    return "\n".join(lines) + "\n"
+        "with the box's load. Results: `" + meta["out"] + "`."]
