@@ -1,10 +1,11 @@
 """Workers on two "hosts" with no path in common (docs/multi-host.md), on loopback.
 
-Host A runs the front end and the learner over run directory A; host B runs the sampler over run directory
-B, in a mount namespace where run directory A is hidden (an empty tmpfs over it), so the only way for an
-adapter version to reach it is the learner's HTTP. One training step pushes a version that B serves (the
-front end's push check compares B's logprobs with the learner's), and a sampler restarted on B is re-synced
-through the same route.
+Host A runs the front end and rank 0 of the learner over run directory A; host B runs the sampler and rank 1
+over run directory B, in a mount namespace where run directory A is hidden (an empty tmpfs over it), so the only
+way for an adapter version to reach B's sampler is the learner's HTTP. Training steps push versions that B serves
+(the front end's push check compares B's logprobs with the learner's), the learner job killed whole resumes from
+rank 0's checkpoint, and a sampler restarted on B is re-synced through the learner's HTTP. One topology for all of
+it: each costs a minute of the suite (a front end, two learner ranks, a sampler) to start and train.
 """
 
 from __future__ import annotations
@@ -57,59 +58,6 @@ def host_config(host_dir: Path, model: Path, front_port: int, sampler_url: str, 
         "learner": {"url": learner_url, "zero_stage": 2},
     }))
     return path
-
-
-@pytest.mark.skipif(not can_hide_a_folder(), reason="no mount namespaces here (unshare --mount)")
-async def test_a_sampler_on_another_host_gets_versions_over_http(tiny_model_dir, tmp_path):
-    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
-    front_port, sampler_port, learner_port = free_port(), free_port(), free_port()
-    sampler_url, learner_url = f"http://127.0.0.1:{sampler_port}", f"http://127.0.0.1:{learner_port}"
-    config_a = host_config(host_a, tiny_model_dir, front_port, sampler_url, learner_url)
-    config_b = host_config(host_b, tiny_model_dir, front_port, sampler_url, learner_url)
-    learner = spawn(host_a, config_a, "learner")
-    sampler = spawn(host_b, config_b, "sampler", "--replica", "0", hide=host_a)
-    frontend = spawn(host_a, config_a, "frontend")
-    url, name = f"http://127.0.0.1:{front_port}", "twohosts"
-    copies = host_b / "run" / "adapter-copies" / "sampler-0" / name
-    try:
-        wait_for_port(front_port, frontend, host_a / "frontend.log")
-        async with AsyncClient(url, ADMIN_KEY) as client:
-            await client.create_experiment({"name": name, "algorithm": {"batch_groups": 1, "learning_rate": 1e-2},
-                                            "sampling": {"n": 2, "max_tokens": 4}})
-            # One rated group, one step (batch_groups 1), one push: nothing else moves the version meanwhile.
-            group = await client.complete(name, prompt="Pick a number")
-            await client.feedback(name, group.group_id, [1.0, 0.0])
-            version = await wait_for(lambda: _served(client, name, at_least=1), timeout_s=300)
-            assert version == 1
-            assert f"{name}@v{version}" in await sampler_adapters(sampler_url)
-            # B serves exactly what the learner wrote on A: its copy is that version, byte for byte ...
-            learner_copy = host_a / "run" / "adapters" / name / f"v{version:06d}"
-            b_copy = copies / f"v{version:06d}"
-            assert holds(b_copy, read_fingerprint(learner_copy))
-            assert (b_copy / "adapter_model.safetensors").read_bytes() == \
-                (learner_copy / "adapter_model.safetensors").read_bytes()
-            # ... and its logprobs of the push check's completions are the learner's (within verify_tolerance).
-            checked = await wait_for(lambda: _verified(client, name, version), timeout_s=60)
-            assert checked.ok and checked.tokens > 0
-            group = await client.complete(name, prompt="Hello from host B")
-            assert group.policy_version == version and len(group.completions) == 2
-            assert not (host_b / "run" / "adapters").exists()  # nothing at the learner's paths on B
-            log_b = (host_b / "sampler--replica0.log").read_text(errors="replace")
-            assert f"{name}@v{version}: {learner_copy.resolve()} not readable here; copied" in log_b
-
-            # B's sampler dies and starts again: its old copies are dropped, and the front end's re-sync
-            # brings the live versions back over the learner's HTTP before it serves.
-            end(sampler, signal.SIGKILL)
-            await wait_for(lambda: _worker_state(client, "sampler-0", "down"), timeout_s=60)
-            sampler = spawn(host_b, config_b, "sampler", "--replica", "0", hide=host_a)
-            served = await served_again(client, name, sampler_url)
-            assert holds(copies / f"v{served:06d}", read_fingerprint(host_a / "run" / "adapters" / name /
-                                                                    f"v{served:06d}"))
-        assert end(frontend, signal.SIGINT) == 0
-    finally:
-        for process in (frontend, sampler, learner):
-            if process.poll() is None:
-                end(process)
 
 
 async def _served(client: AsyncClient, name: str, at_least: int) -> int | None:
@@ -177,6 +125,7 @@ async def test_a_learner_over_two_hosts_under_torchrun(tiny_model_dir, tmp_path)
     sampler = spawn(host_b, config_b, "sampler", "--replica", "0", hide=host_a)
     frontend = spawn(host_a, config_a, "frontend")
     url, name = f"http://127.0.0.1:{front_port}", "multinode"
+    copies = host_b / "run" / "adapter-copies" / "sampler-0" / name
     try:
         wait_for_port(front_port, frontend, host_a / "frontend.log")
         async with AsyncClient(url, ADMIN_KEY) as client:
@@ -199,6 +148,26 @@ async def test_a_learner_over_two_hosts_under_torchrun(tiny_model_dir, tmp_path)
                 assert checked.ok
             status = await client.status(name)
             assert status.step == 2 and status.counters.groups_trained == 2
+
+            # B serves exactly what the learner wrote on A, and only the learner's HTTP took it there: its copy is
+            # that version, byte for byte, and the push check above found its logprobs the learner's.
+            assert f"{name}@v{version}" in await sampler_adapters(sampler_url)
+            learner_copy = host_a / "run" / "adapters" / name / f"v{version:06d}"
+            b_copy = copies / f"v{version:06d}"
+            assert holds(b_copy, read_fingerprint(learner_copy))
+            assert (b_copy / "adapter_model.safetensors").read_bytes() == \
+                (learner_copy / "adapter_model.safetensors").read_bytes()
+            log_b = (host_b / "sampler--replica0.log").read_text(errors="replace")
+            assert f"{name}@v{version}: {learner_copy.resolve()} not readable here; copied" in log_b
+
+            # B's sampler dies and starts again: its old copies are dropped, and the front end's re-sync brings
+            # the live versions back over the learner's HTTP before it serves.
+            end(sampler, signal.SIGKILL)
+            await wait_for(lambda: _worker_state(client, "sampler-0", "down"), timeout_s=60)
+            sampler = spawn(host_b, config_b, "sampler", "--replica", "0", hide=host_a)
+            served = await served_again(client, name, sampler_url)
+            assert holds(copies / f"v{served:06d}", read_fingerprint(host_a / "run" / "adapters" / name /
+                                                                    f"v{served:06d}"))
         rank1 = (host_b / "learner-node1.log").read_text(errors="replace")
         assert "rank 1 of 2 ready" in rank1
         assert f"experiment {name}: adapter r=" in rank1 and "from checkpoint at v" in rank1
