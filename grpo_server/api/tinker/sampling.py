@@ -17,6 +17,7 @@ from grpo_server.api.tinker.service import Sampler, TinkerService
 from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import GenerateRequest, GenerateResponse, ScoreRequest
+from grpo_server.runtime.orchestrator import Orchestrator
 
 DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
 
@@ -67,7 +68,7 @@ async def sample(service: TinkerService, sampler: Sampler, request: ts.SampleReq
         prompt_logprobs=None if not request.prompt_logprobs else [None, *(scored or [])])
 
 
-async def _admin_base_sample(orchestrator, generate: GenerateRequest,
+async def _admin_base_sample(orchestrator: Orchestrator, generate: GenerateRequest,
                              score_prompt: bool) -> tuple[GenerateResponse, list[float] | None]:
     prompt, scored = generate.prompt_token_ids, None
     worst = len(prompt) * (2 if score_prompt else 1) + generate.n * generate.max_tokens
