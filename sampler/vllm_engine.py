@@ -176,6 +176,9 @@ class VllmEngine(MergedServing, Engine):
             ignore_eos=req.ignore_eos,
             seed=req.seed,
             logprobs=0,
+            # The text is decoded here from the ids (`completion_text`): vLLM's own decoding (incremental, each
+            # step, and a string for every sampled token's logprob entry) runs only where stop strings need it.
+            detokenize=bool(req.stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
             structured_outputs=tools.structured_outputs if tools is not None else None,
         )
