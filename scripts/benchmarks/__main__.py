@@ -45,7 +45,9 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
    RSS and event-loop lag, later turns' prefix-cache hits (rollouts.py).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
-`<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it). A figure that fails is reported
+`<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it); each extra figure (6, 7, fairness) into a
+block of its own (`<!-- bench:NAME:start -->`), so that running one leaves the others' tables as they were.
+`--tables-from FILE` writes the tables of an earlier run's JSON and runs nothing. A figure that fails is reported
 as failed in both; the others still run. SIGINT or SIGTERM stops the server a figure runs on.
 """
 
