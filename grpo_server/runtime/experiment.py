@@ -382,19 +382,11 @@ class Experiment:
         a group for training, so no admission by the learner's backlog; but the same walls as `complete`
         otherwise: the token budget holds the worst case while it runs (429 before any work), it is sampled in
         this experiment's sampling turn, and the counters count it."""
-        prompt = request.prompt_token_ids
-        worst = len(prompt) * (2 if score_prompt else 1) + request.n * request.max_tokens
-        loaded = self.version_loaded(*version) if version is not None else contextlib.nullcontext()
+        loaded = self.version_loaded(*version) if version is not None else None
         adapter = AdapterRef(name=self.name, version=version[0]) if version is not None else None
-        scored = None
-        with self.budget.reserve(self.name, worst):
-            self.last_sampling_at = time.monotonic()
-            async with loaded, self.workers.sampler(experiment=self.name) as sampler:
-                result = await sampler.generate(request.model_copy(update={"adapter": adapter}))
-                if score_prompt and len(prompt) > 1:  # the first token has no logprob
-                    scored = (await sampler.score(ScoreRequest(prompt_token_ids=prompt[:1],
-                                                               completions_token_ids=[prompt[1:]],
-                                                               adapter=adapter))).logprobs[0]
+        self.last_sampling_at = time.monotonic()
+        result, scored = await sample_and_score(self.workers, self.budget, self.name, self.name,
+                                                request.model_copy(update={"adapter": adapter}), score_prompt, loaded)
         self.counters.completions_sampled += len(result.completions)
         self.counters.tokens_sampled += sum(len(c.token_ids) for c in result.completions)
         return result, scored
@@ -505,3 +497,22 @@ class Experiment:
         await self.tasks.stop()
         if self.journal is not None:
             await self.journal.aclose()
+
+
+async def sample_and_score(workers: "WorkerPool", budget: TokenBudget, holder: str, experiment: str | None,
+                           request: GenerateRequest, score_prompt: bool,
+                           loaded: contextlib.AbstractAsyncContextManager | None = None,
+                           ) -> tuple[GenerateResponse, list[float] | None]:
+    """`request` sampled in `experiment`'s sampling turn (None: no experiment's) and, with `score_prompt`, the
+    prompt's own logprobs (from its second token: the first has none) on the same weights; the token budget holds
+    the worst case under `holder` meanwhile (429 before any work, `loaded` included: what to enter before sampling,
+    e.g. the version loaded). `Experiment.sample_for_client`'s work, and the admin's samples of the base model."""
+    prompt, scored = request.prompt_token_ids, None
+    with budget.reserve(holder, len(prompt) * (2 if score_prompt else 1) + request.n * request.max_tokens):
+        async with loaded or contextlib.nullcontext(), workers.sampler(experiment=experiment) as sampler:
+            result = await sampler.generate(request)
+            if score_prompt and len(prompt) > 1:
+                scored = (await sampler.score(ScoreRequest(prompt_token_ids=prompt[:1],
+                                                           completions_token_ids=[prompt[1:]],
+                                                           adapter=request.adapter))).logprobs[0]
+    return result, scored

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import random
 import statistics
 import tempfile
@@ -266,15 +265,10 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory (its logs)")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
-    from .end_to_end import with_settings
-
-    sampler_settings = with_settings({}, args.sampler)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .host import print_result
-    from .server import bench_model, stop_on_signals
+    from .server import standalone
 
-    stop_on_signals()
-    model_dir = bench_model(args.tiny, "bench-fairness-tiny-llama")
+    model_dir, sampler_settings = standalone(args, "fairness")
     result = asyncio.run(own_server_figure(model_dir, sampler_settings, args.keep, requests=args.requests, n=args.n,
                                            max_tokens=args.max_tokens,
                                            noisy_clients=args.noisy_clients, window_s=args.window))

@@ -200,13 +200,11 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the server's run directory (its logs)")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from .host import print_result
-    from .server import bench_model, stop_on_signals
+    from .server import standalone
 
-    stop_on_signals()
-    model_dir = bench_model(args.tiny, "bench-hostile-tiny-llama")
+    model_dir, _ = standalone(args, "hostile")
     result = asyncio.run(own_server_figure(model_dir, None, args.keep, requests=args.requests, window_s=args.window))
     print_result({"model": str(model_dir), **result}, args.out)
 

@@ -74,6 +74,7 @@ from types import SimpleNamespace
 
 import aiohttp
 
+from .episodes import Episode
 from .vllm_serve import VllmServer, hermes_chat_template, server_tools_prompt, start_vllm, stop_vllm, vllm_serve_command
 
 LEVELS = (16, 64, 256)  # episodes in flight
@@ -107,14 +108,6 @@ FINAL = "Thanks. Should I take an umbrella?"
 
 class TurnFailed(Exception):
     """A turn answered with a status other than 2xx or 429 (counted), or no answer: the episode ends there."""
-
-
-@dataclass
-class Episode:
-    id: str
-    messages: list[dict]
-    prompt_tokens: list[int] = field(default_factory=list)  # per turn
-    completion_tokens: list[int] = field(default_factory=list)
 
 
 def new_episodes(tag: int, count: int) -> list[Episode]:
@@ -478,15 +471,10 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the run directory (the server's and vllm's logs)")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
-    from .end_to_end import with_settings
-
-    sampler_settings = with_settings({}, args.sampler)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .host import print_result
-    from .server import bench_model, stop_on_signals
+    from .server import standalone
 
-    stop_on_signals()
-    model_dir = bench_model(args.tiny, "bench-rollouts-tiny-llama")
+    model_dir, sampler_settings = standalone(args, "rollouts")
     levels = tuple(int(k) for k in args.levels.split(",") if k.strip())
     result = asyncio.run(own_server_figure(model_dir, sampler_settings, args.keep, levels=levels, rounds=args.rounds,
                                            lora_reference=not args.no_lora_reference,

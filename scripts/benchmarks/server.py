@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import shutil
 import signal
 import tempfile
@@ -45,6 +46,18 @@ def bench_model(tiny: bool, name: str) -> Path:
     from grpo_server.workers.model_prep import resolve_model
 
     return resolve_model(EMBEDDED_MODEL_NAME)
+
+
+def standalone(args, name: str) -> tuple[Path, dict]:
+    """What a figure run on its own (`python -m scripts.benchmarks.NAME`) sets up first: the hub offline, SIGINT and
+    SIGTERM stopping its server, its model (`args.tiny`: a tiny one, in bench-NAME-tiny-llama) and the sampler
+    settings of its `--sampler KEY=VALUE` options (none where it has no such option)."""
+    from .end_to_end import with_settings
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings = with_settings({}, getattr(args, "sampler", []))
+    stop_on_signals()
+    return bench_model(args.tiny, f"bench-{name}-tiny-llama"), settings
 
 
 def _stop_started(start: concurrent.futures.Future) -> None:

@@ -16,8 +16,8 @@ from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.service import Sampler, TinkerService
 from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
-from grpo_server.protocol.wire import GenerateRequest, GenerateResponse, ScoreRequest
-from grpo_server.runtime.orchestrator import Orchestrator
+from grpo_server.protocol.wire import GenerateRequest
+from grpo_server.runtime.experiment import sample_and_score
 
 DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
 
@@ -61,21 +61,9 @@ async def sample(service: TinkerService, sampler: Sampler, request: ts.SampleReq
     if experiment is not None:
         result, scored = await experiment.sample_for_client(generate, version, score_prompt=request.prompt_logprobs)
     else:  # the admin's own samples of the base model: the server's token budget still holds their worst case
-        result, scored = await _admin_base_sample(orchestrator, generate, request.prompt_logprobs)
+        result, scored = await sample_and_score(orchestrator.workers, orchestrator.budget, ADMIN, None, generate,
+                                                request.prompt_logprobs)
     return SampleResponse(
         sequences=[SampledSequence(stop_reason="length" if c.finish_reason == "length" else "stop",
                                    tokens=c.token_ids, logprobs=c.logprobs) for c in result.completions],
         prompt_logprobs=None if not request.prompt_logprobs else [None, *(scored or [])])
-
-
-async def _admin_base_sample(orchestrator: Orchestrator, generate: GenerateRequest,
-                             score_prompt: bool) -> tuple[GenerateResponse, list[float] | None]:
-    prompt, scored = generate.prompt_token_ids, None
-    worst = len(prompt) * (2 if score_prompt else 1) + generate.n * generate.max_tokens
-    with orchestrator.budget.reserve(ADMIN, worst):
-        async with orchestrator.workers.sampler() as client:
-            result = await client.generate(generate)
-            if score_prompt and len(prompt) > 1:
-                scored = (await client.score(ScoreRequest(prompt_token_ids=prompt[:1],
-                                                          completions_token_ids=[prompt[1:]]))).logprobs[0]
-    return result, scored
