@@ -71,6 +71,7 @@ class SamplerHandler:
             merge_unsupported=engine.merge_unsupported,
             prefix_cache=engine.prefix_cache,
             dtype=engine.dtype_name,
+            compiled=engine.compiled,
         )
 
 

@@ -160,6 +160,7 @@ class Engine(abc.ABC):
         self.merge_unsupported: str | None = f"the {self.name} engine serves adapters as adapters"
         self.prefix_cache: PrefixCacheCounts | None = None  # the vLLM engine counts its prefix-cache hits
         self.dtype_name = torch_dtype_name(config.dtype)  # what it computes in: the front end picks its check by it
+        self.compiled: bool | None = None  # whether the model runs torch.compile'd; None: not said (an engine without)
 
     @property
     def max_model_len(self) -> int:

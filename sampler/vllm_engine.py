@@ -100,6 +100,10 @@ class VllmEngine(MergedServing, Engine):
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
         self._tool_calls = ToolCalls(self.config.tool_parser, self._tokenizer)  # a bad name fails here, first
         self._llm = start_async_llm(self.config, self.max_model_len)
+        from vllm.config import CompilationMode
+
+        self.compiled = self._llm.vllm_config.compilation_config.mode != CompilationMode.NONE
+        log.info("vLLM's model: %s", "torch.compile'd" if self.compiled else "eager")
         if not self.config.merge_lone_adapter:
             self.merge_unsupported = "merge_lone_adapter is off"
         else:

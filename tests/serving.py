@@ -86,6 +86,9 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         "trackers": {"default": []},
         **overrides,
     }
+    # vLLM eager unless the test says otherwise: compiling costs every sampler start seconds (tests/conftest.py's
+    # `sampler_vllm` runs the compiled default).
+    config["sampler"] = {"compile": False, **config["sampler"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "server.yaml"
     config_path.write_text(yaml.safe_dump(config))

@@ -184,7 +184,8 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
         "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
         "dtype": "float32", "verify_tolerance": 0.01,  # exact on either CPU generation (auto: bf16 on one)
         "verify_idle_s": VERIFY_IDLE_S,
-        "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16},
+        "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16,
+                    "compile": False},
         "learner": {"url": f"http://127.0.0.1:{learner_port}", "zero_stage": 2},
     }))
     learner = spawn(run_dir, config, "learner")

@@ -68,9 +68,10 @@ def test_lone_experiment_is_served_merged_and_matches_lora(
 ) -> None:
     """vLLM on CPU folds an experiment's newest version into the weights, a second experiment taking turns
     with it; an older version or the base model goes through LoRA on the base weights. Both ways give the
-    same tokens and logprobs."""
+    same tokens and logprobs. The engine is torch.compile'd, as by default: the merge swaps the packed weights the
+    compiled graph reads, and LoRA runs as a custom op inside it."""
     s = sampler_vllm
-    assert s.health()["merge_unsupported"] is None
+    assert s.health()["merge_unsupported"] is None and s.health()["compiled"] is True
     v1, v2 = {"name": "solo", "version": 1}, {"name": "solo", "version": 2}
     s.load("solo", 1, _copy(adapters["random"], tmp_path / "v1"))
     try:

@@ -9,20 +9,20 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import pytest
-
-from tests.sampler_helpers import Sampler, _copy
+from tests.sampler_helpers import NEEDS_AVX512_BF16, Sampler, _copy
 
 
 def _mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
     return statistics.fmean(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
+@NEEDS_AVX512_BF16
 def test_a_bf16_sampler_merges_from_float32_and_stays_near_the_float32_logprobs(
     sampler_bf16: Sampler, sampler_vllm: Sampler, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     s = sampler_bf16
     assert s.health()["merge_unsupported"] is None
+    assert s.health()["compiled"] is False  # eager, as tests/sampler_helpers.py starts a sampler unless asked
     v1 = {"name": "solo", "version": 1}
     base_before = s.generate(n=2, max_tokens=8, seed=31)
     for sampler in (s, sampler_vllm):

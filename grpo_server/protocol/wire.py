@@ -163,6 +163,7 @@ class SamplerHealth(WireModel):
     merge_unsupported: str | None = None  # why this engine never merges (None: it merges, in turns)
     prefix_cache: PrefixCacheCounts | None = None  # None: an engine without a prefix cache (hf)
     dtype: str | None = None  # what it computes in ("float32", "bfloat16"; `dtype` auto resolved); None: not said
+    compiled: bool | None = None  # whether the model runs torch.compile'd (SamplerConfig.compile); None: not said
 
 
 # --- learner -----------------------------------------------------------------------------------

