@@ -22,7 +22,8 @@ Same signatures and dtype rules as the torch ops they replace (the product runs 
 model (the engine core: sampler/merged_weights.py calls `install_from_env()` when imported there as the
 worker extension). SamplerConfig.cpu_lora_ops = "vllm" keeps vLLM's own ops, for comparison
 (scripts/benchmarks/adapter.py). tests/test_lora_cpu_ops.py checks both against each other and against
-a per-token reference.
+a per-token reference. Unlike vLLM's CPU ops, these run inside a torch.compile'd model too (`add_lora_linear`),
+so the sampler's engine compiles with LoRA on; the sampler tests run that compiled engine.
 """
 
 from __future__ import annotations
@@ -110,11 +111,11 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     weights oneDNN packed once (`_LayerMatrices.prepacked_update`); else through torch. A caller's own buffer, or
     a batch whose tokens the wrapper's per-token slots do not match, goes the slice-by-slice way.
 
-    Under torch.compile (`compile_with_lora`) the products run as one custom op, `grpo_server::add_lora_linear`,
-    which dynamo does not look into, as vLLM's GPU LoRA kernels are custom ops: the routing below depends on the
-    batch's slots, which a graph traced once cannot. The op reads the slots from vLLM's whole per-token buffer,
-    cut to the batch's tokens when it runs; the wrapper's own cut uses a Python count, which the trace would
-    freeze."""
+    Under torch.compile (`sampler.compile`; sampler/vllm_start.py) the products run as one custom op,
+    `grpo_server::add_lora_linear`, which dynamo does not look into, as vLLM's GPU LoRA kernels are custom ops: the
+    routing below depends on the batch's slots, which a graph traced once cannot follow. The op reads the slots
+    from vLLM's whole per-token buffer, cut to the batch's tokens when it runs; the wrapper's own cut uses a Python
+    count, which the trace would freeze. (vLLM's CPU layers pass no buffer of their own.)"""
     x = x.view(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         torch.ops.grpo_server.add_lora_linear(y, x, wrapper._token_lora_indices, list(lora_a_stacked),
@@ -130,7 +131,7 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
 
 def _add_lora_linear(y: torch.Tensor, x: torch.Tensor, slot_per_token: torch.Tensor, lora_a_stacked,
                      lora_b_stacked, scale: float, output_slices) -> None:
-    bounds = tuple(int(v) for v in torch.aminmax(slot_per_token))
+    bounds = _slot_bounds(slot_per_token)
     if bounds[1] < 0:
         return  # no token has an adapter
     matrices = _LayerMatrices.of(lora_a_stacked, lora_b_stacked, output_slices)
@@ -144,16 +145,41 @@ def _add_lora_linear(y: torch.Tensor, x: torch.Tensor, slot_per_token: torch.Ten
     out += lora_product(shrunk, matrices.b_block_diagonal, slot_per_token, out.dtype, bounds)
 
 
-@torch.library.custom_op("grpo_server::add_lora_linear", mutates_args=("y",), device_types="cpu",
-                         schema="(Tensor(a!) y, Tensor x, Tensor slot_buffer, Tensor[] lora_a_stacked, "
-                                "Tensor[] lora_b_stacked, float scale, int[] output_slices) -> ()")
+_last_bounds: list = [None, None]  # [(the slots' address, version, tokens), (lowest, highest)]
+
+
+def _slot_bounds(slot_per_token: torch.Tensor) -> tuple[int, int]:
+    """The lowest and highest slot of a batch's tokens, computed once per engine step, not once per layer: every
+    wrapped layer of a step reads the same slots from vLLM's per-token buffer, which vLLM rewrites in place before
+    each step (bumping its version counter, which its views share). Merged serving sends every token without an
+    adapter, and this is then all the LoRA work a layer does."""
+    try:
+        key = (slot_per_token.data_ptr(), slot_per_token._version, slot_per_token.shape[0])
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return tuple(int(v) for v in torch.aminmax(slot_per_token))
+    if _last_bounds[0] != key:
+        _last_bounds[:] = key, tuple(int(v) for v in torch.aminmax(slot_per_token))
+    return _last_bounds[1]
+
+
+# The custom op the compiled model calls (add_lora_linear). Registered straight into a library of its own, not
+# through torch.library.custom_op, whose per-call dispatch costs more (vLLM registers its ops the same way,
+# `direct_register_custom_op`); a decode step calls it once per wrapped layer, 120 times for SmolLM2.
+_LIBRARY = torch.library.Library("grpo_server", "FRAGMENT")  # the op lives as long as this object
+_LIBRARY.define("add_lora_linear(Tensor(a!) y, Tensor x, Tensor slot_buffer, Tensor[] lora_a_stacked, "
+                "Tensor[] lora_b_stacked, float scale, int[] output_slices) -> ()")
+
+
 def _add_lora_linear_op(y, x, slot_buffer, lora_a_stacked, lora_b_stacked, scale, output_slices) -> None:
     _add_lora_linear(y, x, slot_buffer[:x.shape[0]], lora_a_stacked, lora_b_stacked, scale, output_slices)
 
 
-@_add_lora_linear_op.register_fake
-def _(y, x, slot_buffer, lora_a_stacked, lora_b_stacked, scale, output_slices) -> None:
-    return None
+def _add_lora_linear_shapes(y, x, slot_buffer, lora_a_stacked, lora_b_stacked, scale, output_slices) -> None:
+    return None  # what the tracer needs to know: nothing is returned, and y is written in place (the schema's a!)
+
+
+_LIBRARY.impl("add_lora_linear", _add_lora_linear_op, "CPU")
+torch.library.register_fake("grpo_server::add_lora_linear", _add_lora_linear_shapes, lib=_LIBRARY)
 
 
 class _LayerMatrices:

@@ -61,7 +61,11 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrides) -> ServerHandle:
+def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", compile_sampler: bool = False,
+                 **overrides) -> ServerHandle:
+    """`grpo-server serve` on `model_dir`, with the tests' settings and `overrides` (top-level fields). vLLM runs
+    eager unless `compile_sampler` or the sampler settings say otherwise: compiling costs every sampler start
+    seconds (tests/conftest.py's `sampler_vllm` runs the compiled default; the benchmarks compile, as users do)."""
     port = free_port()
     config = {
         "model": str(model_dir),
@@ -86,9 +90,7 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", **overrid
         "trackers": {"default": []},
         **overrides,
     }
-    # vLLM eager unless the test says otherwise: compiling costs every sampler start seconds (tests/conftest.py's
-    # `sampler_vllm` runs the compiled default).
-    config["sampler"] = {"compile": False, **config["sampler"]}
+    config["sampler"] = {"compile": compile_sampler, **config["sampler"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "server.yaml"
     config_path.write_text(yaml.safe_dump(config))

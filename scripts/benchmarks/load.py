@@ -375,7 +375,7 @@ def main() -> int:
 
         work = Path(tempfile.mkdtemp(prefix="bench-load-"))
         model_dir = build_tiny_model(args.model_dir or work / "tiny-llama")
-        handle = start_server(work / "run", model_dir, group_ttl_s=args.ttl, episode_ttl_s=args.ttl)
+        handle = start_server(work / "run", model_dir, compile_sampler=True, group_ttl_s=args.ttl, episode_ttl_s=args.ttl)
         print(f"server up at {handle.url} (front end pid {handle.process.pid}, run dir {work / 'run'})", flush=True)
         try:
             result = asyncio.run(bench(handle.url, handle.api_key, handle.process.pid, args))

