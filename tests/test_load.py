@@ -1,4 +1,4 @@
-"""A bounded load test against the session's real server: 50 concurrent clients for 15 s, each looping
+"""A bounded load test against the session's real server: 50 concurrent clients for 10 s, each looping
 completions then feedback (scripts/benchmarks/load.py's `run_load`); and the mixed round, 20 clients for 10 s
 split into plain, streaming, episode and tool-call clients (scripts/benchmarks/load_mixed.py's `run_mixed`).
 Correctness under concurrency only: no answer other than 2xx or 429 (no 5xx, no stream failed after its
@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmarks" / "lo
 CLIENTS = 50
 MIXED_CLIENTS = 20
 MIXED_DURATION_S = 10.0
-DURATION_S = 15.0
+DURATION_S = 10.0
 TIMEOUT_S = 30.0
 
 
