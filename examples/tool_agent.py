@@ -23,7 +23,7 @@ exact tokens the server's Hermes parser reads; one learner step a wave. Then RL 
 whose format part now matters. An evaluation pass (EVAL_RUNS unforced runs, default 32, the same
 questions each time, never rated) runs before training, after the warm start and after RL, and prints the
 share of runs that called `add`, the share that answered with the sum and the mean reward. Measured
-(BENCHMARKS.md, "The tool agent"; `STEPS=10 TASKS=tool_agent scripts/demo`, 797 s at load ~3): runs that
+(docs/benchmarks/findings.md "The tool agent"; `STEPS=10 TASKS=tool_agent scripts/demo`, 797 s at load ~3): runs that
 called `add` 0/32 -> 22/32 after the 4 waves (3 versions) -> 32/32 after RL (version 13); answered with
 the sum 4/32 -> 19/32 -> 32/32; mean reward 0.05 -> 0.64 -> 1.00.
 

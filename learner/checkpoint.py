@@ -17,7 +17,7 @@ too: grpo_server/protocol/durable.py), so a crash mid-write leaves the previous 
 one, and one the front end was told about (it then forgets the journal entries it holds) stays after a power
 cut. The newest `KEEP` are kept; once there are that many, the oldest one's folder becomes the next one's
 temporary folder and its files are written over (0.07 s against 0.33 s for new files in the learner, median of
-15 each: BENCHMARKS.md, "The learner's checkpoint and the weight push").
+15 each: docs/benchmarks/findings.md "The weight push").
 
 The `.pt` files hold plain values only (tensors, numbers, containers: the optimizer state's few DeepSpeed objects
 as tagged dicts), so they read back the same on every Python, and are read with `torch.load(weights_only=True)`,

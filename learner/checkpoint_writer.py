@@ -3,8 +3,8 @@ the optimizer state, the RNG: 5 ms for SmolLM2's r=16 adapter) and answers; a th
 fsyncs the files (learner/checkpoint.py) while the learner goes on to the push and the next step, so no step or
 push waits for a disk. torch's DCP (`async_save`) and Megatron write theirs beside training for the same reason:
 on a GPU host the write of a large adapter's optimizer state would hold the accelerator idle. On the 2-core CPU
-box, where the write takes 0.07 s of a 2-3 s step, the two ways measured within the box's noise (BENCHMARKS.md,
-"The learner's checkpoint and the weight push").
+box, where the write takes 0.07 s of a 2-3 s step, the two ways measured within the box's noise
+(docs/benchmarks/findings.md "The weight push").
 
 How often (`_checkpoint_due`): after an experiment's first step, then every `checkpoint_every` steps once
 `checkpoint_interval_s` (30 s by default) has passed since the last checkpoint started. After every 2-3 s step of

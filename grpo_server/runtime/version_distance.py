@@ -28,7 +28,8 @@ The verdict, in this order:
    noise, and the check fails: other weights.
 2. ok when the mean gap to N is within the tolerance: what the tolerance check passes passes here too. Late in a
    run the probe's tokens are near certain and a step moves them by thousandths of a nat, which the fit's
-   fraction over-reads (1.57 +- 0.01 at a gap of 0.004 nats to N in a bf16 race: BENCHMARKS.md "Fast defaults").
+   fraction over-reads (1.57 +- 0.01 at a gap of 0.004 nats to N in a bf16 race: docs/benchmarks/findings.md
+   "bf16 sampling and the push check").
 3. inconclusive when the step is too small against the noise for the fit to tell N from N-1 (standard error
    above `MAX_STEP_FRACTION_SE`: a tiny learning rate, a probe of few tokens), or when there is no step at all
    and no floor: neither passed nor an error.
@@ -42,9 +43,9 @@ The verdict, in this order:
    standard errors (a refitted leaving out each token in turn) from 1, the pushed version; else inconclusive.
    bf16's error is largest on unlikely tokens, where a step moves the logprob most too, so one token of a probe's
    ~30 can carry the fit, and the least-squares error then reads a chance alignment as decisive: right pushes
-   read 2.19 +- 0.11 and 1.73 +- 0.11 at the quick bench's third version (BENCHMARKS.md, "The learner's
-   checkpoint and the weight push"). On 18 probes of that bench dumped since, the jackknife's error was 0.7-4.7x
-   the least-squares one, 1.6x in the median.
+   read 2.19 +- 0.11 and 1.73 +- 0.11 at the quick bench's third version (docs/benchmarks/findings.md
+   "bf16 sampling and the push check"). On 18 probes of that bench dumped since, the jackknife's error was
+   0.7-4.7x the least-squares one, 1.6x in the median.
    Nor can either error see noise that moves every token alike: the sampler's rounded weights are one
    perturbation, whose effect on the probe's logprobs lines up with the step's (both are largest on unlikely
    tokens). On those 18 probes of right pushes the step, mean |d|, was 0.2-1.9x the noise the fit leaves, and

@@ -1,6 +1,6 @@
 """The workers' memory allocator: tcmalloc, preloaded into every worker the front end starts, when the system has it.
 
-Why (BENCHMARKS.md, "The learner's memory"): a fresh learner step on the embedded model peaked 3.7 GiB above the
+Why (docs/benchmarks/findings.md "Memory"): a fresh learner step on the embedded model peaked 3.7 GiB above the
 loaded model under glibc's malloc, of which ~1.5 GiB was freed blocks glibc kept in its heap. Under tcmalloc the
 same step peaked at 2.3 GiB, later steps added 18 MiB, and the step took as long. vLLM's CPU install guide asks
 for tcmalloc too; its worker warns "libtcmalloc is not found in LD_PRELOAD" without it. vLLM preloads only a

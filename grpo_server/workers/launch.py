@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 def sampler_dtype(config: ServerConfig, cpu: CpuFeatures) -> DTypeName:
     """The samplers' dtype: `sampler.dtype` when set, else the server's `dtype`, except that `auto` means bfloat16
     for a vLLM sampler on a CPU that computes bf16 natively (avx512_bf16 or AMX; this host's: the sampler runs
-    where this is called). That is the fast default: sooner to 0.6 than float32 on such a CPU (BENCHMARKS.md,
-    "Fast defaults"), with the learner's weights staying float32 (its steps under bf16 autocast,
-    learner.autocast auto), pushes checked by nearest_version and rollout_correction auto making token_tis. On
+    where this is called). That is the fast default: sooner to 0.6 than float32 on such a CPU
+    (docs/benchmarks/findings.md "The race to 0.6"), with the learner's weights staying float32 (its steps under bf16
+    autocast, learner.autocast auto), pushes checked by nearest_version and rollout_correction auto making token_tis. On
     a GPU auto is bfloat16 anyway (sampler/engine_interface.py); an explicit float32 keeps sampler and learner exact."""
     s = config.sampler
     if s.dtype is not None:

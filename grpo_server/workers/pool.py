@@ -21,8 +21,8 @@ comes back from a restart is re-synced with the live versions before it serves a
 device, and sampling while the learner trains is pure gain. On a CPU host they share the cores: vLLM's
 CPU worker computes on one core and its scheduler process busy-polls another, the learner's threads want
 every core, and running both at once made each train step 2-3x slower here than the same step alone
-(BENCHMARKS.md, "End to end"), 7x for SmolLM2 beside another tenant's back-to-back requests. There they take
-turns instead: a train step waits until its experiment's sampler calls end, and that experiment's calls that
+(docs/benchmarks/findings.md "Scheduling on CPU"), 7x for SmolLM2 beside another tenant's back-to-back requests. There
+they take turns instead: a train step waits until its experiment's sampler calls end, and that experiment's calls that
 arrive while the step waits or runs wait for it to end. Training goes before the calls that come after it, so a
 busy sampler cannot starve it; sampling cannot be starved either: calls that waited through one step go before
 the next (protocol/gate.py), and only rated groups (which sampling makes) give the learner something to train. Other experiments' sampling is held back only by a solo turn, bounded in length and in

@@ -26,7 +26,7 @@ pair i does, so "k = 4, seeds 0-3" means the same four tasks in every arrangemen
   the fleet's time is the slowest one's clock.
 
 `--trl-bf16` runs TRL's sides under bf16 autocast (trl_side.py --bf16), its faster setting on a CPU with
-avx512_bf16 ("The race to 0.6" in BENCHMARKS.md: 1.16x its float32).
+avx512_bf16 (docs/benchmarks/findings.md "The race to 0.6": 1.16x its float32).
 
 The server's start and TRL's model load are outside every clock, the same on both sides. `--set` changes a
 server setting (`sampler.max_loras=8` for k = 8: more adapters than slots would swap them in and out).
