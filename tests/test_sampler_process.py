@@ -120,6 +120,19 @@ def test_the_engine_core_gets_the_worker_and_its_threads(monkeypatch: pytest.Mon
     assert worker_in_engine_core() == (bind is None)  # engine_args' "uni" (None: vLLM's own "mp" on CPU)
 
 
+def test_a_compiled_sampler_on_cpu_uses_the_compile_cache_that_loads_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's AOT-compile cache cannot load its CPU artifacts back (every start compiled again); its Inductor
+    # cache can. A user's own VLLM_USE_AOT_COMPILE is theirs; an eager sampler compiles nothing.
+    from sampler.vllm_start import engine_core_environment
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    config = SamplerConfig(model_path=Path("/model"), run_dir=Path("/run"), port=1)
+    assert config.compile and engine_core_environment(config)["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE" not in engine_core_environment(config.model_copy(update={"compile": False}))
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert "VLLM_USE_AOT_COMPILE" not in engine_core_environment(config)
+
+
 def test_the_engine_core_environment_is_set_only_while_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     # A benchmark that runs vLLM in its own process starts servers afterwards: their learner must not inherit
     # the engine core's one-thread OMP_NUM_THREADS.
