@@ -17,24 +17,17 @@ import statistics
 import time
 
 import aiohttp
-import pytest
 
 from grpo_server.client import AsyncClient, GrpoServerError
-from tests.serving import headers, start_server, stop_server, wait_for
+from tests.serving import headers, wait_for
 
 NOISY_CLIENTS = 8
 STEPS_BESIDE = 4  # noisy's train steps measured while quiet samples
 STEPS_WITHIN_S = 90.0  # ... all of them within this (about 12 s here with solo turns; a loaded box is slower)
 
 
-# --- the real server -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    handle = start_server(tmp_path_factory.mktemp("fairness-learning-run"), tiny_model_dir)
-    yield handle
-    assert stop_server(handle) == 0, handle.log_tail()
+# The session's real server (tests/conftest.py `server`): the test's two experiments are its own, and deleted at
+# the end; another test's experiment that trains meanwhile takes turns as these do.
 
 
 async def train_records(server, name: str, after_step: int) -> list[dict]:
