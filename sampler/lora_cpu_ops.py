@@ -145,7 +145,10 @@ def _add_lora_linear(y: torch.Tensor, x: torch.Tensor, slot_per_token: torch.Ten
     out += lora_product(shrunk, matrices.b_block_diagonal, slot_per_token, out.dtype, bounds)
 
 
-_last_bounds: list = [None, None]  # [(the slots' address, version, tokens), (lowest, highest)]
+# [(the slots' address, version, tokens), (lowest, highest), the slots' tensor]. The entry holds the tensor, so
+# its memory cannot be handed to a new tensor at the same address, version 0 and length while the entry stands
+# (a test that made a fresh slots tensor per call read the bounds of the one before it).
+_last_bounds: list = [None, None, None]
 
 
 def _slot_bounds(slot_per_token: torch.Tensor) -> tuple[int, int]:
@@ -158,7 +161,7 @@ def _slot_bounds(slot_per_token: torch.Tensor) -> tuple[int, int]:
     except RuntimeError:  # an inference tensor keeps no version counter
         return tuple(int(v) for v in torch.aminmax(slot_per_token))
     if _last_bounds[0] != key:
-        _last_bounds[:] = key, tuple(int(v) for v in torch.aminmax(slot_per_token))
+        _last_bounds[:] = key, tuple(int(v) for v in torch.aminmax(slot_per_token)), slot_per_token
     return _last_bounds[1]
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from vllm.lora.ops import torch_ops
@@ -179,3 +181,19 @@ def test_a_layers_matrices_are_built_once_and_again_after_an_adapter_loads_in_pl
     fresh = update(tuple(t.clone() for t in a), tuple(t.clone() for t in b))  # no cache to reuse
     torch.testing.assert_close(after, fresh)
     assert not torch.allclose(after, before)
+
+
+
+def test_a_steps_slot_bounds_are_never_another_tensors() -> None:
+    # The bounds are kept per step by the slots' address and version. A tensor made anew has version 0 and may get
+    # a freed one's address (in a full suite run a test read the bounds of the test before it): so the entry holds
+    # its tensor, whose address no other tensor can take while the entry stands.
+    slots = torch.tensor([0, 2, -1, 2])
+    alive = weakref.ref(slots)
+    assert lora_cpu_ops._slot_bounds(slots) == (-1, 2)
+    del slots
+    assert alive() is not None
+    slots = torch.tensor([0, 0, 1, 1])
+    assert lora_cpu_ops._slot_bounds(slots) == (0, 1)
+    slots[:2] = -1  # vLLM rewrites its buffer in place before a step: the version moves, the bounds follow
+    assert lora_cpu_ops._slot_bounds(slots) == (-1, 1)
