@@ -22,7 +22,7 @@ Prints a table and writes the JSON results to --out. Exit status: 1 if there was
 server on the same cores: on a small machine the figures measure the whole box, not the front end alone.
 `run_load` is the importable core (tests/test_load.py uses it against the test session's server); only
 `main` imports from scripts/benchmarks (load_mixed.py, for `--mix`: plain, streaming, episode and tool-call
-clients at once), so the rest can be loaded by its path too.
+clients at once; server.py, for the sampler a user gets), so the rest can be loaded by its path too.
 """
 
 from __future__ import annotations
@@ -370,12 +370,14 @@ def main() -> int:
             parser.error("--url needs --api-key (or GRPO_SERVER_API_KEY)")
         result = asyncio.run(bench(args.url.rstrip("/"), args.api_key, args.pid, args))
     else:
+        from scripts.benchmarks.server import users_sampler_compiles
         from tests.serving import start_server, stop_server
         from tests.tiny_model import build_tiny_model
 
         work = Path(tempfile.mkdtemp(prefix="bench-load-"))
         model_dir = build_tiny_model(args.model_dir or work / "tiny-llama")
-        handle = start_server(work / "run", model_dir, compile_sampler=True, group_ttl_s=args.ttl, episode_ttl_s=args.ttl)
+        handle = start_server(work / "run", model_dir, compile_sampler=users_sampler_compiles(), group_ttl_s=args.ttl,
+                              episode_ttl_s=args.ttl)
         print(f"server up at {handle.url} (front end pid {handle.process.pid}, run dir {work / 'run'})", flush=True)
         try:
             result = asyncio.run(bench(handle.url, handle.api_key, handle.process.pid, args))

@@ -67,15 +67,22 @@ def _stop_started(start: concurrent.futures.Future) -> None:
         stop_server(start.result())
 
 
+def users_sampler_compiles() -> bool:
+    """Whether a user's sampler compiles by default (`sampler.compile`): the figures start theirs so, while
+    tests/serving.py's start_server runs vLLM eager for the tests."""
+    from grpo_server.protocol.worker_config import SamplerOptions
+
+    return SamplerOptions.model_fields["compile"].default
+
+
 async def start(run_dir: Path, model_dir: Path, **overrides):
     """tests/serving.py's start_server in a thread (the loop goes on meanwhile), its sampler compiled as a user's is
     by default (the tests run vLLM eager) unless the figure's sampler settings say otherwise. Cancelled while the
     server starts, the thread still finishes the start and then stops that server (no handle would be left)."""
-    from grpo_server.protocol.worker_config import SamplerOptions
     from tests.serving import start_server
 
     push.use_worker_secret()  # the figures call the workers too (push, episodes)
-    overrides.setdefault("compile_sampler", SamplerOptions.model_fields["compile"].default)
+    overrides.setdefault("compile_sampler", users_sampler_compiles())
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-server-start")
     started = pool.submit(start_server, run_dir, model_dir, **overrides)
     pool.shutdown(wait=False)
