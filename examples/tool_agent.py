@@ -29,8 +29,8 @@ the sum 4/32 -> 19/32 -> 32/32; mean reward 0.05 -> 0.64 -> 1.00.
 
 `TOOL_CHOICE=required` forces the first call instead (no warm start): the server's grammar makes the call
 well formed and the model chooses the arguments and the answer (23 of 32 runs passed both numbers, 11 of
-32 answered with the sum before training), but a forced token barely trains (README, "What the constraint
-does to the importance ratio"), so this teaches the arguments and the answer, not the call.
+32 answered with the sum before training), but a forced token barely trains (docs/guides/agents.md, "What the
+constraint does to the importance ratio"), so this teaches the arguments and the answer, not the call.
 
 Reward (`score`, 0..1), shaped so that a 135M model finds some from the start and can climb:
 - the format (0.3): the first call is a parsed call to `add` (0.3); a parsed call to another function

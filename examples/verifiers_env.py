@@ -14,7 +14,7 @@ taskset `alphabetical-first` (examples/alphabetical_first.py) whose tasks carry 
 the right word named and the other not (0.7), and a one-word answer (0.3). SmolLM2-135M answers in sentences
 at first, naming one word or both, so the rewards of a group spread from the start.
 
-Each rollout is one episode of the server's (README, Agents): verifiers' own `env.run_episode` on its
+Each rollout is one episode of the server's (docs/guides/agents.md): verifiers' own `env.run_episode` on its
 `SingleAgentEnv`, the model reached through verifiers' interception and eval client (an OpenAI-compatible
 endpoint: the server's /v1, `EvalClientConfig`), the episode's id in the rollout's sampling (`episode_id`,
 which verifiers puts in the body of every call), so the server keeps the turn's tokens and logprobs. A group

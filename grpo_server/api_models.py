@@ -129,7 +129,7 @@ class CompletionOut(ApiModel):
     content: str | None = None  # with tools offered: the text outside the calls
     constrained: bool = Field(False, description=(
         "Sampled under a grammar (tool_choice required or named): its logprobs are renormalised over the "
-        "tokens the grammar allowed (README, Agents)."))
+        "tokens the grammar allowed (docs/guides/agents.md \"What the constraint does to the importance ratio\")."))
 
 
 class CompletionsResponse(ApiModel):

@@ -146,7 +146,7 @@ class SamplerSettings(SamplerOptions):
         "but with `dtype` auto a vLLM sampler on a CPU with bf16 instructions samples in bfloat16 beside the "
         "float32 learner (workers/launch.py `sampler_dtype`). The merge of a lone experiment is recomputed from "
         "float32 weights at each version, so no update is rounded away twice; the sampler/learner gap this "
-        "makes is what `algorithm.rollout_correction` (auto: token_tis then) is for (README)."))
+        "makes is what `algorithm.rollout_correction` (auto: token_tis then) is for (docs/training/numerics.md)."))
     base_port: int = Field(0, ge=0, le=65535, description="Port of replica 0 (0 = pick free ports).")
     devices: list[str] = Field(
         default_factory=list, description="CUDA device ids per replica, e.g. ['0', '1']; empty = inherit."

@@ -212,7 +212,7 @@ class LearnerOptions(StrictModel):
         "Train steps' forward and backward under bfloat16 autocast, weights and AdamW staying float32 (a "
         "float32 learner only). auto: where the CPU has bf16 instructions (avx512_bf16 or amx_bf16) and `dtype` "
         "is auto (an explicit float32 keeps every computation float32). Scoring for the push checks stays "
-        "float32; the free check is skipped (README, 'bf16 learner')."))
+        "float32; the free check is skipped (docs/training/numerics.md \"bf16 learner on CPU\")."))
     # A learner option, not the front end's: the versions are the learner's files (on its own host in a split
     # deployment), and the learner alone knows its checkpoints; the front end only says which it still uses
     # (learner/retention.py). 8: twice the default max_loaded_versions (which are kept anyway), so a recent

@@ -100,6 +100,7 @@ def reject_unless_neutral(body: BaseModel, neutral: dict[str, tuple[Any, ...]]) 
     for field, values in neutral.items():
         if not _neutral(getattr(body, field), values):
             allowed = " or ".join(repr(v) for v in values) if values else "absent (null)"
-            raise BadRequest(f"{field} (vLLM's extension) is not supported here: only {allowed}; README, "
-                             "OpenAI-compatible endpoints, says which of vLLM's fields are honoured",
+            raise BadRequest(f"{field} (vLLM's extension) is not supported here: only {allowed}; "
+                             "docs/guides/verifiers.md, \"vLLM's extensions\", says which of vLLM's fields are "
+                             "honoured",
                              code="unsupported_parameter")
