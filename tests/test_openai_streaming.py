@@ -319,3 +319,79 @@ def test_tool_calls_stream_as_openai_accumulates_them():
     assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls] == [
         ("call_1", "get_weather", '{"city": "Oslo"}')]
     assert state.get_final_completion().choices[0].finish_reason == "tool_calls"
+
+
+def test_pieces_cost_is_linear_in_tokens_that_make_no_text(tokenizer):
+    """A choice of special tokens (decoding to nothing) and of half characters: every decode call sees a short
+    window, not the choice so far (issue 57: 109 ms for one 2,000-token choice, on the event loop)."""
+    seen: list[int] = []
+
+    def tokens(ids):
+        seen.append(len(ids))
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    special = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id][0]
+    half = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(half) > 1 and tokenizer.decode(half[:1]).endswith("\ufffd")  # a character over several tokens
+    ids = [special] * 2000 + tokenizer.encode(" sorted", add_special_tokens=False) + [special] * 500 + half * 300
+    text = tokens(ids)
+    seen.clear()
+    cut = pieces(tokens, ids, text)
+    assert "".join(t for _, t in cut) == text and [i for piece, _ in cut for i in piece] == ids
+    assert max(seen) <= 16 and len(seen) < 2 * len(ids), (max(seen), len(seen))
+    assert cut[0][0][-1] != special and len(cut[0][0]) > 2000  # the special ids went with the first text
+    # half a character alone, over and over (never completed): it goes out after MAX_PENDING_TOKENS at most
+    broken = half[:1] * 3000
+    text = tokens(broken)
+    seen.clear()
+    cut = pieces(tokens, broken, text)
+    assert "".join(t for _, t in cut) == text and max(seen) <= 16 and len(cut) > 100
+
+
+async def test_a_stream_of_special_tokens_never_holds_the_event_loop(tokenizer):
+    """32 choices of 2,000 special tokens each (a policy degenerated into them, or a tenant that trained it so),
+    streamed over real HTTP with the real tokenizer's decoding: the loop's lag, as the server's own monitor
+    (runtime/loop_lag.py) measures it, stays under 0.1 s, and the text and ids arrive whole."""
+    from grpo_server.runtime.loop_lag import LoopLag
+
+    special = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id][0]
+    ids = [special] * 1999 + tokenizer.encode(" end", add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    choices = 32
+
+    class Degenerate(HeldExperiment):
+        async def complete(self, request, group_id=None, admitted=None):
+            admitted.set()
+            return CompletionsResponse(group_id=group_id, policy_version=0, prompt_token_ids=[1], completions=[
+                CompletionOut(text=text, token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="length")
+                for _ in range(choices)])
+
+    fake = Degenerate()
+
+    async def handler(request):
+        return await stream_group(request, fake, CompletionsRequest(prompt="x", n=choices), chat=True,
+                                  model="held", include_usage=False,
+                                  decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                  answer=lambda result: chat_response("held", result, 0))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    lag = LoopLag(interval_s=0.005)
+    watcher = asyncio.create_task(lag.watch_forever())
+    try:
+        host, port = runner.addresses[0][:2]
+        async with openai_client(f"http://{host}:{port}", "any") as oai:
+            stream = await oai.chat.completions.create(model="held", messages=MESSAGES, n=choices, stream=True)
+            got, token_ids = defaultdict(str), defaultdict(list)
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    got[choice.index] += choice.delta.content or ""
+                    token_ids[choice.index] += choice.model_extra["token_ids"]
+    finally:
+        watcher.cancel()
+        await runner.cleanup()
+    assert got == {i: text for i in range(choices)} and token_ids == {i: ids for i in range(choices)}
+    assert lag.count > 10 and lag.max_s < 0.1, f"the event loop stalled {lag.max_s * 1e3:.0f} ms"

@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field, RootModel
 
 from grpo_server.api.openai.responses_models import (Echo, FunctionCall, OutputItem, OutputMessage, OutputText,
                                                      ResponseError, ResponseObject, TokenLogprob)
-from grpo_server.api.openai.streaming import (YIELD_EVERY, _ANY_METHOD, Decode, _cancel, _first_of, _stored,
+from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _first_of, _stored, off_loop,
                                               id_header, pieces)
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import ApiError
@@ -185,10 +185,8 @@ async def stream_response(request: web.Request, experiment: Experiment, sample: 
             for kind in ("response.created", "response.in_progress"):
                 await send(ResponseLifecycleEvent(type=kind, sequence_number=0, response=skeleton))
             response = answer(await sampling)
-            for sent, event in enumerate(body_events(response, decode), 1):
+            async for event in off_loop(body_events(response, decode)):  # cut on a thread
                 await send(event)
-                if sent % YIELD_EVERY == 0:  # long answers: let other requests run between events
-                    await asyncio.sleep(0)
             done = True
             delivered(response)
         except (ConnectionError, TimeoutError):

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Sequence
+from typing import AsyncIterator, Callable, Iterator, Literal, Sequence, TypeVar
 
 import aiohttp_sse
 from aiohttp import web
@@ -54,8 +55,9 @@ from grpo_server.runtime.experiment import Experiment
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Decode = Callable[[Sequence[int]], str]  # token ids -> text, as the sampler decodes a completion
-YIELD_EVERY = 64  # chunks written between two returns to the event loop (decoding is CPU work)
+YIELD_EVERY = 64  # chunks cut on a thread at a time (decoding is CPU work: `off_loop`)
 # aiohttp_sse 3 serves GET only unless told; 2.2 (pinned for Python 3.10) takes any method and has no flag.
 _ANY_METHOD = {"allow_all_methods": True} if int(aiohttp_sse.__version__.split(".")[0]) >= 3 else {}
 
@@ -129,18 +131,38 @@ class TextCompletionChunk(ChunkFields):
     choices: list[TextChunkChoice]
 
 
+# A token run that ends in half a UTF-8 character waits for the rest: at most this many tokens (a character is at
+# most 4 bytes; byte-level BPE gives one token per byte at worst), then it goes out as decoded, U+FFFD and all.
+MAX_PENDING_TOKENS = 8
+
+
 def pieces(decode: Decode, token_ids: Sequence[int], text: str) -> list[tuple[list[int], str]]:
     """`text` cut at token boundaries: (ids, their text) per token that completes text, then the rest (ids
     that made no text yet, such as an end-of-turn token, and any text decoding did not reach) as a last
     piece, maybe empty. The texts always join to exactly `text`. Incremental as vLLM's detokenizer: each
     token's text is what it adds to a short window of the tokens before it (a leading space or a multi-byte
-    character split over tokens comes out right), and a piece ending in U+FFFD (half a character) waits."""
+    character split over tokens comes out right), and a piece ending in U+FFFD (half a character) waits.
+
+    Linear in the choice's length, so a stream never holds the event loop for long: the window is the last
+    piece's tokens and those pending after it, where a token that adds no text (a special token, which decodes
+    to nothing) is left out of the window (its id goes with the next piece), and half a character waits at
+    most MAX_PENDING_TOKENS. vLLM's detokenizer, and tokenizers' DecodeStream, keep such tokens in the window,
+    and their cost grows with the square of a run of them (a policy that emits special tokens over and over)."""
     out: list[tuple[list[int], str]] = []
-    start = prefix_offset = read_offset = used = 0  # used: characters of `text` given out
-    for i in range(len(token_ids)):
-        prefix = decode(token_ids[prefix_offset:read_offset])
-        new = decode(token_ids[prefix_offset:i + 1])
-        if len(new) <= len(prefix) or new.endswith("\ufffd"):
+    start = used = 0  # start: the first id of the next piece; used: characters of `text` given out
+    window: list[int] = []  # ids decoded together: the last piece's (context), then the pending ones
+    context = 0  # how many of `window` are the last piece's
+    prefix = current = ""  # decode(window[:context]), decode(window)
+    for i, token in enumerate(token_ids):
+        new = decode([*window, token])
+        if new == current and not current.endswith("\ufffd"):
+            continue  # adds no text (a special token): left out of the window, its id goes with the next piece
+        window.append(token)
+        current = new
+        pending = len(window) - context
+        if len(new) <= len(prefix) or (new.endswith("\ufffd") and pending < MAX_PENDING_TOKENS):
+            if pending > 4 * MAX_PENDING_TOKENS:  # text that shrinks as tokens come: no pieces can be cut
+                break
             continue
         piece = new[len(prefix):]
         if not text.startswith(piece, used):  # decoding left `text` (a stop string cut it): the rest in one
@@ -148,8 +170,9 @@ def pieces(decode: Decode, token_ids: Sequence[int], text: str) -> list[tuple[li
         out.append((list(token_ids[start:i + 1]), piece))
         used += len(piece)
         start = i + 1
-        prefix_offset = read_offset
-        read_offset = i + 1
+        window = window[context:]
+        context = len(window)
+        prefix = current = decode(window)
     out.append((list(token_ids[start:]), text[used:]))
     return out
 
@@ -273,10 +296,8 @@ async def stream_group(request: web.Request, experiment: Experiment, sample: Com
                 for event in framing.head(announced):
                     await sse.send(event)
             result = await sampling
-            for sent, event in enumerate(framing.body(answer(result), decode, announced), 1):
+            async for event in off_loop(framing.body(answer(result), decode, announced)):
                 await sse.send(event)
-                if sent % YIELD_EVERY == 0:  # long answers: let other requests run between chunks
-                    await asyncio.sleep(0)
             await sse.send("[DONE]")
             delivered = True
         except (ConnectionError, TimeoutError):
@@ -292,6 +313,15 @@ async def stream_group(request: web.Request, experiment: Experiment, sample: Com
             if not delivered:  # its id is this stream's alone; an episode's newest turn only if it is ours
                 experiment.abandon(group_id, episode_id if _stored(sampling) else None)
     return sse
+
+
+async def off_loop(events: Iterator[T]) -> AsyncIterator[T]:
+    """`events`, computed on a thread YIELD_EVERY at a time: cutting a long answer decodes every token, and a
+    choice of tokens that make no text (special tokens) is one chunk that decodes all of them, so the event loop
+    never waits for it (the thread gives the loop the GIL at Python's switch interval)."""
+    while batch := await asyncio.to_thread(lambda: list(itertools.islice(events, YIELD_EVERY))):
+        for event in batch:
+            yield event
 
 
 async def _first_of(sampling: asyncio.Task, admitted: asyncio.Event) -> None:
