@@ -11,9 +11,10 @@ Install, from the repository's root, in one step: `scripts/setup-cookbook` (an o
 git-ignored, on top of the project's .venv; the versions of constraints-cookbook.txt; tml-renderers>=0.4.1, which
 the wheel requires, is not on PyPI, and the text renderers do not need it).
 
-Run (a server on :8765 with GRPO_SERVER_API_KEY=$KEY; --hf-home makes the tokenizer's offline HF cache there):
+Run, with a server on :8000 (`GRPO_SERVER_API_KEY=$KEY .venv/bin/grpo-server serve --config configs/server.yaml`;
+--hf-home makes the tokenizer's offline HF cache there):
 
-    export TINKER_BASE_URL=http://127.0.0.1:8765 TINKER_API_KEY=tml-$KEY
+    export TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-$KEY
     runs/cookbook-venv/bin/python examples/tinker_cookbook.py sl --hf-home runs/tk-hf log_path=runs/tk-sl
     runs/cookbook-venv/bin/python examples/tinker_cookbook.py rl --hf-home runs/tk-hf log_path=runs/tk-rl
 

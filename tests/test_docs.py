@@ -5,6 +5,7 @@ run here against the tiny-model test server (the session's `server` fixture)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -251,3 +252,72 @@ def test_benchmarks_md_is_the_generated_summary_and_its_commands():
         outside = outside.split(start)[0] + outside.split(end)[1]
     assert len(outside.splitlines()) <= 60 and "## Commands" in outside
     assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", outside)
+
+
+# --- the Tinker guide (docs/guides/tinker.md): its tokenizer and SDK blocks ----------------------------------
+TINKER_GUIDE = REPO / "docs/guides/tinker.md"
+EMBEDDED_MODEL = Path.home() / ".cache/grpo_server/models/smollm2-135m-instruct"  # as examples/tinker_cookbook.py
+
+
+@pytest.mark.slow
+def test_tinker_guide_tokenizer_block_runs(tmp_path):
+    """Step 3: the offline cache from the embedded model's files, in which transformers finds the tokenizer by its
+    hub name with the hub off, as the SDK's get_tokenizer() asks for it. Run in a scratch folder (its runs/)."""
+    if not (EMBEDDED_MODEL / "tokenizer.json").is_file():
+        pytest.skip(f"the embedded model is not prepared in {EMBEDDED_MODEL} (scripts/setup prepares it)")
+    code = marked_block(TINKER_GUIDE, "test_tinker_guide_tokenizer_block_runs")
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    check = ('"$PYTHON" -c \'from transformers import AutoTokenizer; '
+             'print(AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct").encode("Hello world"))\'')
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_HUB_OFFLINE")} | {"PYTHON": sys.executable}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", code.replace(".venv/bin/python", '"$PYTHON"') + check],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "runs/tk-hf/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/refs/main").is_file()
+    assert len(json.loads(result.stdout.strip())) >= 2, result.stdout
+
+
+def test_tinker_guide_sdk_block_runs(server, tiny_model_dir):
+    """Step 4, as written, in a fresh interpreter with the environment of step 2 for the test server, whose base
+    model (its Tinker name) is the tiny model's folder, where the SDK's get_tokenizer() finds the tokenizer too."""
+    from grpo_server.client import Client
+
+    code = marked_block(TINKER_GUIDE, "test_tinker_guide_sdk_block_runs")
+    assert code.count('"HuggingFaceTB/SmolLM2-135M-Instruct"') == 1
+    code = code.replace('"HuggingFaceTB/SmolLM2-135M-Instruct"', repr(str(tiny_model_dir)))
+    env = {**os.environ, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": f"tml-{server.api_key}",
+           "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
+    with Client(server.url, server.api_key) as client:
+        before = {e.name for e in client.list_experiments()}
+        try:
+            result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                    timeout=300, env=env)
+        finally:
+            for name in {e.name for e in client.list_experiments()} - before:  # the model's experiment goes
+                client.delete_experiment(name)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    loss = next(line for line in result.stdout.splitlines() if line.startswith("loss:sum"))
+    assert float(loss.split()[1]) > 0, result.stdout
+    print(result.stdout)  # the loss, and what the trained weights sampled
+
+
+# --- pointers in user-facing text ------------------------------------------------------------------------------
+# "README, Agents", "(README)", "README 'bf16 learner'": the README's sections moved into the docs site.
+README_POINTER = re.compile(r"""README(?:[,:)]| ["']|'s )""")
+
+
+def test_user_facing_pointers_name_pages_that_exist():
+    """The generated reference (the config and route descriptions), configs/*.yaml, the examples and the vLLM-fields
+    error point at docs pages, not at README sections, and every docs/...md they name exists."""
+    from scripts.docs_reference import PAGES
+
+    texts = {f"generated {path}": render() for path, render in PAGES.items()}
+    for path in [*sorted(REPO.glob("configs/*.yaml")), *sorted(REPO.glob("examples/*.py")),
+                 REPO / "grpo_server/api/openai/vllm_fields.py"]:
+        texts[str(path.relative_to(REPO))] = path.read_text()
+    readme = [f"{where}: ...{text[max(0, m.start() - 60):m.end() + 20]!r}"
+              for where, text in texts.items() for m in README_POINTER.finditer(text)]
+    assert not readme, f"pointers to README sections: {readme}"
+    missing = sorted({f"{where}: {page}" for where, text in texts.items()
+                      for page in re.findall(r"\bdocs/[\w/.-]+?\.md\b", text) if not (REPO / page).is_file()})
+    assert not missing, f"pointers to docs pages that do not exist: {missing}"
