@@ -25,15 +25,29 @@ ARG PIP_EXTRA_INDEX_URL=
 # kernels link it; libtcmalloc-minimal4: the workers' allocator (grpo_server/workers/allocator.py).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build curl libnuma1 libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
+# Every process runs as this user, never root: uid/gid 10001, fixed, since docker-compose*.yml (`user:`) and the
+# Helm chart (runAsUser, runAsGroup, fsGroup) name the same numbers. What it may write, and nothing else (the
+# compose services and the chart's pods also run with a read-only root filesystem): /runs (the run directory),
+# HOME (/home/grpo: the compile caches of vLLM, Triton, Inductor, CUDA, DeepSpeed's ops, all under it), /tmp and
+# /dev/shm. The code, the venv and the prepared model stay root's, read-only to it.
+RUN groupadd --gid 10001 grpo \
+    && useradd --uid 10001 --gid 10001 --home-dir /home/grpo --create-home --shell /usr/sbin/nologin grpo
 # A virtual environment: Debian's own python3 refuses system-wide pip installs (PEP 668); python:3.11-slim
 # does not care, so both bases take the same path.
 RUN python3 -m venv /opt/venv
+# Every compile cache under HOME, which the user may write; Inductor's too, not /tmp/torchinductor_<user>: a
+# compose service's /tmp is a tmpfs that a restart empties, HOME a volume that keeps it (a CPU sampler's restart
+# took 29 s with that cache, 64 s without: sampler/vllm_start.py). GRPO_SERVER_CACHE holds the prepared model.
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     GRPO_SERVER_CACHE=/opt/grpo-server-cache \
-    TORCH_EXTENSIONS_DIR=/opt/torch-extensions \
-    HF_HUB_OFFLINE=1
+    HF_HUB_OFFLINE=1 \
+    HOME=/home/grpo \
+    XDG_CACHE_HOME=/home/grpo/.cache \
+    TORCH_EXTENSIONS_DIR=/home/grpo/.cache/torch_extensions \
+    TORCHINDUCTOR_CACHE_DIR=/home/grpo/.cache/torchinductor \
+    TRITON_CACHE_DIR=/home/grpo/.cache/triton
 WORKDIR /app
 
 # The dependencies first, against empty packages, so that a change to the sources does not reinstall them.
@@ -55,9 +69,14 @@ COPY grpo_server grpo_server
 COPY sampler sampler
 COPY learner learner
 COPY configs configs
-# The embedded model is prepared at build time, so no container downloads or converts anything at start.
-RUN grpo-server model prepare
+# The embedded model is prepared at build time, so no container downloads or converts anything at start; it stays
+# root's (GRPO_SERVER_CACHE), read as it is. The sources compiled now: the processes cannot write /app.
+RUN grpo-server model prepare && python -m compileall -q grpo_server sampler learner
+# The user's writable paths (HOME: the caches; /runs: the run directory), made its own.
+RUN mkdir -p /runs /home/grpo/.cache && chown -R 10001:10001 /runs /home/grpo
+USER 10001:10001
 
 # 8000: the public API; 8101 / 8102: a sampler's and the learner's verbs (the compose network only).
+# /runs and HOME: a new named volume mounted there starts with this user as owner (Docker copies the image's).
 EXPOSE 8000 8101 8102
 CMD ["grpo-server", "serve", "--role", "all", "--config", "configs/server.yaml", "--host", "0.0.0.0", "--run-dir", "/runs"]
