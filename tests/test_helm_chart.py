@@ -2,7 +2,10 @@
 SDK as a library bundled in the wheel; no helm binary, no cluster, no network), every rendered object is checked
 against the Kubernetes API's schemas in strict mode (kubernetes-validate, its bundled schemas), the layouts agree
 with docker-compose.yml's for the same GPUs (roles, commands, ports, environment, secrets, volumes, probes, GPUs,
-the server config), and values that contradict each other are refused with a message that says what to change."""
+the server config), and values that contradict each other are refused with a message that says what to change.
+The hardening of the chart, the compose files and the Dockerfile together: one non-root user, read-only root
+filesystems with the writable paths the image's caches need, egress limited, memory limits, pinned images, secrets
+never made up, a liveness probe that a short stall does not trip; and the deployment guides' commands as written."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import base64
 import copy
 import re
 import shlex
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -28,10 +32,17 @@ SECRET_ENV = "GRPO_SERVER_WORKER_SECRET"  # grpo_server/protocol/worker_auth.py 
 API_KEY_ENV = "GRPO_SERVER_API_KEY"
 # Each layout file and what it is: compose's env file for the same GPUs (None: no compose equivalent).
 LAYOUT_FILES = {"gpus-2": "gpus-2.env", "gpus-4": "gpus-4.env", "gpus-8": "gpus-8.env", "nodes-2": None}
+# The chart makes no secret up: every install gives them (or secrets.existingSecret). render() adds these unless the
+# values name `secrets` themselves.
+SECRETS = {"secrets": {"apiKey": "admin-key-0123456789-abcdef", "workerSecret": "worker-secret-0123456789-abcdef"}}
 
 
 def layout(name: str) -> dict:
     return yaml.safe_load((LAYOUTS / f"{name}.yaml").read_text())
+
+
+def with_secrets(values: dict | None) -> dict:
+    return {**SECRETS, **(values or {})}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +52,7 @@ def chart():
 
 
 def render(chart, values: dict | None) -> list[dict]:
-    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    manifests = chart.render(with_secrets(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
     return [obj for path, text in sorted(manifests.items()) if path.endswith(".yaml")
             for obj in yaml.safe_load_all(text) if obj]
 
@@ -71,19 +82,64 @@ def env_names(c: dict) -> dict[str, dict]:
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 
-def compose_services(env_file: str) -> dict[str, dict]:
-    """docker-compose.yml's services that run with `--env-file configs/compose/<env_file>`."""
+def compose_services(env_file: str | None, more_env: dict[str, str] | None = None,
+                     compose_file: str = "docker-compose.yml") -> dict[str, dict]:
+    """docker-compose.yml's services that run with `--env-file configs/compose/<env_file>` (and `more_env`)."""
     env = dict(line.split("=", 1) for line in (REPO / "configs/compose" / env_file).read_text().splitlines()
-               if line.strip() and not line.startswith("#"))
-    env |= {API_KEY_ENV: "admin-key", SECRET_ENV: "worker-secret-0123456789"}
+               if line.strip() and not line.startswith("#")) if env_file else {}
+    env |= {API_KEY_ENV: "admin-key", SECRET_ENV: "worker-secret-0123456789"} | (more_env or {})
 
     def value(m: re.Match) -> str:
         name, op, arg = m.groups()
         return env.get(name) or (arg if op == "-" else "")
-    compose = yaml.safe_load(INTERPOLATION.sub(value, (REPO / "docker-compose.yml").read_text()))
+    compose = yaml.safe_load(INTERPOLATION.sub(value, (REPO / compose_file).read_text()))
     profiles = set(filter(None, env.get("COMPOSE_PROFILES", "").split(",")))
     return {name: s for name, s in compose["services"].items()
             if not s.get("profiles") or profiles & set(s["profiles"])}
+
+
+def compose_writable(service: dict) -> list[str]:
+    """Where a compose service may write: its read-write volumes, its tmpfs mounts and /dev/shm (Docker's)."""
+    volumes = [v.split(":")[1] for v in service.get("volumes", []) if not v.endswith(":ro")]
+    return [*volumes, *(t.split(":")[0] for t in service.get("tmpfs", [])), "/dev/shm"]
+
+
+def pod_writable(workload: dict) -> list[str]:
+    """Where a pod's container may write, its root filesystem being read-only: its read-write mounts."""
+    assert container(workload)["securityContext"]["readOnlyRootFilesystem"] is True
+    return [m["mountPath"] for m in container(workload)["volumeMounts"] if not m.get("readOnly")]
+
+
+def under(path: str, folders: list[str]) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def stall_tolerated(probe: dict) -> int:
+    """The longest stall a probe never fails for: a probe sent as the stall starts, and failureThreshold - 1 more."""
+    return (probe["failureThreshold"] - 1) * probe["periodSeconds"] + probe["timeoutSeconds"]
+
+
+# --- the image, as the Dockerfile builds it ----------------------------------------------------------------
+
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The Dockerfile's ENV settings (KEY=value forms, continued lines joined)."""
+    env: dict[str, str] = {}
+    for block in re.findall(r"^ENV ((?:.*\\\n)*.*)$", DOCKERFILE, re.M):
+        env |= dict(pair.split("=", 1) for pair in shlex.split(block.replace("\\\n", " ")))
+    return env
+
+
+def dockerfile_user() -> str:
+    users = re.findall(r"^USER (\S+)$", DOCKERFILE, re.M)
+    assert users, "the Dockerfile sets no USER: its processes would run as root"
+    return users[-1]
+
+
+# The paths the image's processes write besides /runs, /tmp and /dev/shm: HOME and the caches it points at.
+CACHE_ENV = ("HOME", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def seconds(duration: str) -> int:
@@ -113,15 +169,14 @@ def test_every_layout_file_is_tested_and_names_its_own_layout():
 
 
 def test_the_defaults_are_the_two_gpu_layout(chart):
-    secrets = {"secrets": {"apiKey": "a" * 20, "workerSecret": "w" * 20}}  # else each render makes new ones
-    assert render(chart, secrets) == render(chart, {**layout("gpus-2"), **secrets})
-    assert render(chart, secrets) != render(chart, {**layout("gpus-4"), **secrets})
+    assert render(chart, None) == render(chart, layout("gpus-2"))
+    assert render(chart, None) != render(chart, layout("gpus-4"))
 
 
 @pytest.mark.parametrize("name", LAYOUT_FILES)
 def test_helm_lints_each_layout_strictly(name):
     for version in K8S_VERSIONS:
-        report = helm.lint(CHART, layout(name), strict=True, kube_version=f"v{version}")
+        report = helm.lint(CHART, with_secrets(layout(name)), strict=True, kube_version=f"v{version}")
         problems = [m for m in report["messages"] if m["severity"] >= 2]  # 1 is info ("icon is recommended")
         assert report["total_charts_linted"] == 1 and not problems and not report["errors"], report
 
@@ -187,7 +242,9 @@ def test_the_topology_agrees_with_compose(chart, name):
             secret_env = {n for n, e in env.items() if "secretKeyRef" in e.get("valueFrom", {})}
             assert secret_env == set(service["environment"]), service_name
             assert all("value" not in env[n] for n in secret_env)
-            # The health route, its port and timings: compose's healthcheck.
+            # The health route and its port: compose's healthcheck's; startup and readiness also its timings
+            # (Docker only marks a container unhealthy, as readiness only takes a pod out of its Service).
+            # Liveness restarts the container: it waits longer (test_liveness_tolerates_a_short_stall).
             check = service["healthcheck"]
             url = urlsplit(check["test"][-1])
             assert check["test"][:3] == ["CMD", "curl", "-fsS"]
@@ -196,11 +253,21 @@ def test_the_topology_agrees_with_compose(chart, name):
                 probe = c[probe_name]
                 assert probe["httpGet"]["path"] == url.path, (service_name, probe_name)
                 assert ports[probe["httpGet"]["port"]] == url.port, (service_name, probe_name)
-                assert probe["periodSeconds"] == seconds(check["interval"])
-                assert probe["timeoutSeconds"] == seconds(check["timeout"])
-            assert c["livenessProbe"]["failureThreshold"] == c["readinessProbe"]["failureThreshold"] == check["retries"]
+            for probe_name in ("startupProbe", "readinessProbe"):
+                assert c[probe_name]["periodSeconds"] == seconds(check["interval"])
+                assert c[probe_name]["timeoutSeconds"] == seconds(check["timeout"])
+            assert c["readinessProbe"]["failureThreshold"] == check["retries"]
+            assert stall_tolerated(c["livenessProbe"]) > stall_tolerated(c["readinessProbe"])
             startup = c["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= seconds(check["start_period"])
+            # The same user, and the same hardening: no privilege escalation, no capability, a read-only root
+            # filesystem with /tmp and HOME writable (compose: a tmpfs and the volume `home`; here emptyDirs).
+            security, pod_security = c["securityContext"], pod["securityContext"]
+            assert service["user"] == f"{pod_security['runAsUser']}:{pod_security['runAsGroup']}" == dockerfile_user()
+            assert service["read_only"] is security["readOnlyRootFilesystem"] is True
+            assert service["cap_drop"] == security["capabilities"]["drop"] == ["ALL"]
+            assert "no-new-privileges:true" in service["security_opt"]
+            assert security["allowPrivilegeEscalation"] is False
             # The port: the one compose's worker listens on (its URL in the server config), or the public one.
             assert list(ports.values()) == [url.port]
             # The volume: the run directory at /runs, from the one claim, as compose's `runs:/runs`.
@@ -208,6 +275,7 @@ def test_the_topology_agrees_with_compose(chart, name):
             mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
             volumes = {v["name"]: v for v in pod["volumes"]}
             assert volumes[mounts["/runs"]]["persistentVolumeClaim"]["claimName"] == f"{prefix}-runs"
+            assert sorted(compose_writable(service)) == sorted(pod_writable(workload)), service_name
             shm = volumes[mounts["/dev/shm"]]["emptyDir"]
             assert shm["medium"] == "Memory" and binary_bytes(shm["sizeLimit"]) == binary_bytes(service["shm_size"])
             # GPUs: as many as compose reserves for the service.
@@ -331,6 +399,135 @@ def test_scaling_the_samplers_restarts_the_front_end_and_no_worker(chart):
         assert pod_template(before, kind, role) != pod_template(changed, kind, role), role
 
 
+# --- hardened: the user, the filesystem, memory, probes, the image --------------------------------------
+
+def test_the_image_runs_as_a_non_root_user_that_owns_what_it_writes():
+    uid, gid = dockerfile_user().split(":")
+    assert uid.isdigit() and gid.isdigit() and int(uid) > 0 and int(gid) > 0, dockerfile_user()  # numeric: runAsNonRoot checks it
+    # The last instruction that changes the user comes after every RUN: nothing later runs as root by accident.
+    instructions = re.findall(r"^(RUN|USER|CMD|ENTRYPOINT)\b", DOCKERFILE, re.M)
+    assert instructions.index("USER") > max(i for i, kind in enumerate(instructions) if kind == "RUN")
+    home = re.search(rf"useradd --uid {uid} --gid {gid} --home-dir (\S+)", DOCKERFILE)
+    assert home and re.search(rf"groupadd --gid {gid} ", DOCKERFILE), "the Dockerfile makes no user with those ids"
+    env = dockerfile_env()
+    assert env["HOME"] == home.group(1)
+    for name in CACHE_ENV:
+        assert under(env[name], [env["HOME"]]), name  # every cache the processes fill, in the user's HOME
+    # The user owns the run directory and HOME (named volumes start with the image's owner); the code and the
+    # prepared model stay root's.
+    owned = re.search(r"chown -R (\d+):(\d+) (.+)$", DOCKERFILE, re.M)
+    assert owned and f"{owned.group(1)}:{owned.group(2)}" == dockerfile_user()
+    assert {"/runs", env["HOME"]} <= set(owned.group(3).split())
+    assert not under(env["GRPO_SERVER_CACHE"], owned.group(3).split() + ["/tmp"])
+
+
+@pytest.mark.parametrize("name", LAYOUT_FILES)
+def test_every_pod_runs_as_the_images_user_read_only(chart, name):
+    objects = render(chart, layout(name))
+    uid, gid = map(int, dockerfile_user().split(":"))
+    home = dockerfile_env()["HOME"]
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workloads) == 3
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": gid, "fsGroup": gid,
+                                          "fsGroupChangePolicy": "OnRootMismatch",
+                                          "seccompProfile": {"type": "RuntimeDefault"}}
+        c = container(workload)
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+        writable = pod_writable(workload)
+        # Every path the image's processes write is on a mount; nothing of the code or the venv is.
+        for path in ["/runs", "/tmp", "/dev/shm", *(dockerfile_env()[n] for n in CACHE_ENV)]:
+            assert under(path, writable), (workload["metadata"]["name"], path)
+        assert not any(under(path, writable) for path in ("/app", "/opt/venv", dockerfile_env()["GRPO_SERVER_CACHE"]))
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        for path in ("/tmp", home):
+            assert set(volumes[mounts[path]]) == {"name", "emptyDir"} and volumes[mounts[path]]["emptyDir"]["sizeLimit"]
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_every_compose_service_runs_as_the_images_user_read_only(compose_file):
+    env = dockerfile_env()
+    services = compose_services(None, {"COMPOSE_PROFILES": "gpus-8"}, compose_file)
+    assert len(services) == (9 if compose_file == "docker-compose.yml" else 3)
+    for name, service in services.items():
+        assert service["user"] == dockerfile_user(), name
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
+        assert service["security_opt"] == ["no-new-privileges:true"], name
+        writable = compose_writable(service)
+        for path in ["/runs", "/tmp", *(env[n] for n in CACHE_ENV)]:
+            assert under(path, writable), (name, path)
+        assert not under("/app/configs", writable) and not under("/opt/venv", writable), name
+        assert f"home:{env['HOME']}" in service["volumes"], name  # a named volume: the caches outlive a restart
+
+
+def test_compose_publishes_the_front_end_on_loopback_unless_told():
+    frontend = compose_services("gpus-2.env")["frontend"]
+    assert frontend["ports"] == ["127.0.0.1:8000:8000"]
+    assert compose_services("gpus-2.env", {"GRPO_SERVER_BIND": "0.0.0.0", "GRPO_PORT": "9000"})["frontend"][
+        "ports"] == ["0.0.0.0:9000:8000"]
+    # Only the front end publishes a port; the CPU file publishes none (host network, loopback addresses).
+    assert [n for n, s in compose_services("gpus-8.env").items() if "ports" in s] == ["frontend"]
+    assert not [n for n, s in compose_services(None, None, "docker-compose.cpu.yml").items() if "ports" in s]
+
+
+MEBIBYTES = {"Mi": 1, "Gi": 2 ** 10, "Ti": 2 ** 20}
+
+
+def mebibytes(quantity: str) -> int:
+    m = re.fullmatch(r"(\d+)(Mi|Gi|Ti)", quantity)
+    assert m, quantity
+    return int(m.group(1)) * MEBIBYTES[m.group(2)]
+
+
+@pytest.mark.parametrize("name", LAYOUT_FILES)
+def test_every_role_has_a_memory_request_and_limit(chart, name):
+    objects = render(chart, layout(name))
+    shm = mebibytes(yaml.safe_load((CHART / "values.yaml").read_text())["shm"]["sizeLimit"])
+    limits = {}
+    for workload in (o for o in objects if o["kind"] in ("Deployment", "StatefulSet")):
+        role = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        resources = container(workload)["resources"]
+        request, limit = mebibytes(resources["requests"]["memory"]), mebibytes(resources["limits"]["memory"])
+        assert request <= limit, role
+        assert "cpu" in resources["requests"] and "cpu" not in resources.get("limits", {}), role  # no CPU throttling
+        limits[role] = limit
+    # /dev/shm (memory) fits beside the GPU pods' own use; the front end, which holds no weights, needs least.
+    assert sorted(limits) == ["frontend", "learner", "sampler"]
+    assert limits["frontend"] < limits["sampler"] <= limits["learner"] and limits["sampler"] > shm
+
+
+@pytest.mark.parametrize("name", LAYOUT_FILES)
+def test_liveness_tolerates_a_short_stall_and_readiness_is_separate(chart, name):
+    objects = render(chart, layout(name))
+    for workload in (o for o in objects if o["kind"] in ("Deployment", "StatefulSet")):
+        c = container(workload)
+        liveness, readiness = c["livenessProbe"], c["readinessProbe"]
+        assert stall_tolerated(liveness) >= 60, (workload["metadata"]["name"], liveness)  # a 60 s stall: no restart
+        assert liveness != readiness and stall_tolerated(readiness) < stall_tolerated(liveness)
+        assert liveness["timeoutSeconds"] >= 10  # one slow answer is not a failure
+        # The startup probe covers the model's load; liveness starts only after it.
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+
+
+def test_the_image_is_pinned(chart):
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    # The default tag: the chart's appVersion, the package's version (what the Dockerfile builds from this tree).
+    assert re.search(rf'^version = "{re.escape(app_version)}"$', (REPO / "pyproject.toml").read_text(), re.M)
+    digest = "sha256:" + "ab" * 32
+    for values, expected in (({}, f"grpo-server:{app_version}"),
+                             ({"image": {"repository": "registry.example.com/grpo-server", "tag": "0.2.0"}},
+                              "registry.example.com/grpo-server:0.2.0"),
+                             ({"image": {"repository": "registry.example.com:5000/grpo-server", "digest": digest}},
+                              f"registry.example.com:5000/grpo-server@{digest}")):
+        objects = render(chart, values)
+        images = {container(o)["image"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
+        assert images == {expected}, values
+
+
 # --- secrets and the network ----------------------------------------------------------------------------
 
 def everything_but_secrets(objects: list[dict]) -> str:
@@ -351,9 +548,16 @@ def test_the_secrets_are_only_in_the_secret_and_the_environment(chart):
         assert env_names(c)[SECRET_ENV]["valueFrom"]["secretKeyRef"] == \
             {"name": secret["metadata"]["name"], "key": "worker-secret"}
         assert (API_KEY_ENV in env_names(c)) == (workload["kind"] == "Deployment")  # the admin key: front end only
-    # Not given: made at install (the release's own Secret keeps them on upgrade), long enough for the workers.
-    made = one(render(chart, None), "Secret", f"{RELEASE}-grpo-server-secrets")["data"]
-    assert all(len(base64.b64decode(v)) >= 16 for v in made.values()) and len(set(made.values())) == 2
+    # Never made up: the same values render the same Secret every time, and no template draws random bytes.
+    assert one(render(chart, None), "Secret", secret["metadata"]["name"]) == \
+        one(render(chart, None), "Secret", secret["metadata"]["name"])
+    templates = "\n".join(p.read_text() for p in (CHART / "templates").iterdir())
+    assert not re.search(r"\b(rand\w*|uuidv4|genPrivateKey|genCA|now)\b", templates)
+    # Not given (nor an existing Secret): refused at install, naming the value to give.
+    for missing in ("apiKey", "workerSecret"):
+        given = {k: v for k, v in SECRETS["secrets"].items() if k != missing}
+        with pytest.raises(helm.HelmRenderError, match=f"secrets.{missing} is required"):
+            render(chart, {"secrets": given})
     # A Secret of one's own: none rendered, every reference names it.
     objects = render(chart, {"secrets": {"existingSecret": "mine"}})
     assert not [o for o in objects if o["kind"] == "Secret"]
@@ -361,33 +565,74 @@ def test_the_secrets_are_only_in_the_secret_and_the_environment(chart):
     assert refs and set(refs) == {"mine"}
 
 
-def allowed(policies: list[dict], source: dict[str, str], target: dict[str, str], port: int) -> bool:
-    """Whether NetworkPolicy lets a pod labelled `source` reach a pod labelled `target` on `port` (ingress; a pod
-    that no policy selects takes anything)."""
-    def selects(selector: dict, labels: dict) -> bool:
-        return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-    applying = [p for p in policies if selects(p["spec"]["podSelector"], target)]
+def endpoint(labels: dict[str, str], namespace: str = NAMESPACE) -> dict:
+    return {"namespace": namespace, "namespace_labels": {"kubernetes.io/metadata.name": namespace}, "labels": labels}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert "matchExpressions" not in selector, selector  # not evaluated here
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def peer_matches(peer: dict, other: dict) -> bool:
+    """Whether a NetworkPolicy peer (of a policy in NAMESPACE) is the endpoint `other`."""
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        return "ip" in other and ip_address(other["ip"]) in ip_network(block["cidr"]) and not any(
+            ip_address(other["ip"]) in ip_network(e) for e in block.get("except", []))
+    if "ip" in other:
+        return False  # outside the cluster: only an ipBlock names it
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], other["namespace_labels"]):
+            return False
+    elif other["namespace"] != NAMESPACE:
+        return False
+    return "podSelector" not in peer or selects(peer["podSelector"], other["labels"])
+
+
+def direction_allows(policies: list[dict], subject: dict, other: dict, port: int, protocol: str, kind: str) -> bool:
+    """Whether the policies selecting `subject` let it talk to `other` (kind Egress) or hear it (Ingress); a pod
+    that no policy of that kind selects, or an endpoint outside the cluster, takes anything."""
+    if "ip" in subject:
+        return True
+    applying = [p for p in policies if subject["namespace"] == NAMESPACE and selects(p["spec"]["podSelector"], subject[
+        "labels"]) and kind in p["spec"].get("policyTypes", ["Ingress"])]
     if not applying:
         return True
+    rules_key, peers_key = ("egress", "to") if kind == "Egress" else ("ingress", "from")
     for policy in applying:
-        for rule in policy["spec"].get("ingress", []):
-            ports = [p["port"] for p in rule.get("ports", [])]
-            peers = rule.get("from")
-            if (not ports or port in ports) and (peers is None or any(
-                    "podSelector" in peer and selects(peer["podSelector"], source) for peer in peers)):
+        for rule in policy["spec"].get(rules_key, []):
+            ports = rule.get("ports")
+            port_ok = not ports or any(p.get("port") in (None, port) and p.get("protocol", "TCP") == protocol
+                                       for p in ports)
+            peers = rule.get(peers_key)
+            if port_ok and (not peers or any(peer_matches(peer, other) for peer in peers)):
                 return True
     return False
 
 
+def allowed(policies: list[dict], source: dict, target: dict, port: int, protocol: str = "TCP") -> bool:
+    """Whether NetworkPolicy lets `source` open a connection to `target` on `port`: the source's egress and the
+    target's ingress both."""
+    return (direction_allows(policies, source, target, port, protocol, "Egress")
+            and direction_allows(policies, target, source, port, protocol, "Ingress"))
+
+
+ROLE_ENDPOINTS = {role: endpoint({"app.kubernetes.io/name": "grpo-server", "app.kubernetes.io/instance": RELEASE,
+                                  "app.kubernetes.io/component": role}) for role in ("frontend", "sampler", "learner")}
+ENDPOINTS = {**ROLE_ENDPOINTS,
+             "client": endpoint({"app": "anything-else"}),
+             "dns": endpoint({"k8s-app": "kube-dns"}, "kube-system"),
+             "not-dns": endpoint({"k8s-app": "kube-dns"}),  # a pod with DNS's label in the release's namespace
+             "internet": {"ip": "203.0.113.7"}}
+
+
 @pytest.mark.parametrize("name", LAYOUT_FILES)
-def test_only_the_front_end_reaches_the_workers(chart, name):
+def test_only_the_front_end_reaches_the_workers_and_egress_is_limited(chart, name):
     objects = render(chart, layout(name))
     policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    labels = {role: {"app.kubernetes.io/name": "grpo-server", "app.kubernetes.io/instance": RELEASE,
-                     "app.kubernetes.io/component": role} for role in ("frontend", "sampler", "learner")}
-    labels["client"] = {"app": "anything-else"}
     two_nodes = layout(name)["learner"]["nodes"] > 1
-    expected = {  # (from, to, port): allowed
+    expected = {  # (from, to, port[, protocol]): allowed
         ("client", "frontend", 8000): True,
         ("client", "sampler", 8101): False, ("client", "learner", 8102): False,
         ("frontend", "sampler", 8101): True, ("frontend", "learner", 8102): True,
@@ -396,12 +641,127 @@ def test_only_the_front_end_reaches_the_workers(chart, name):
         ("client", "learner", 29500): False,
         ("learner", "learner", 29500): two_nodes,  # torchrun's store (and NCCL) between the learner's pods
         ("client", "frontend", 8101): False,
+        # Egress: the cluster's DNS for every role, and nothing the roles do not call.
+        ("frontend", "dns", 53, "UDP"): True, ("sampler", "dns", 53, "UDP"): True, ("learner", "dns", 53, "TCP"): True,
+        ("frontend", "not-dns", 53, "UDP"): False, ("frontend", "dns", 443): False,
+        ("frontend", "internet", 443): False, ("sampler", "internet", 443): False, ("learner", "internet", 443): False,
+        ("sampler", "frontend", 8000): False, ("learner", "frontend", 8000): False,  # the workers call no front end
+        ("frontend", "client", 8000): False,  # nor does the front end call other pods
+        ("internet", "frontend", 8000): True,  # clients from outside (frontendFrom empty: anyone)
     }
-    got = {key: allowed(policies, labels[key[0]], labels[key[1]], key[2]) for key in expected}
+    got = {key: allowed(policies, ENDPOINTS[key[0]], ENDPOINTS[key[1]], *key[2:]) for key in expected}
     assert got == expected
+    # The trackers' egress, opt-in for the one role that sends it: here HTTPS anywhere for the front end.
+    opened = render(chart, {**layout(name), "networkPolicy": {"extraEgress": {"frontend": [
+        {"ports": [{"port": 443, "protocol": "TCP"}]}]}}})
+    policies = [o for o in opened if o["kind"] == "NetworkPolicy"]
+    assert allowed(policies, ENDPOINTS["frontend"], ENDPOINTS["internet"], 443)
+    assert not allowed(policies, ENDPOINTS["sampler"], ENDPOINTS["internet"], 443)
+    assert not allowed(policies, ENDPOINTS["frontend"], ENDPOINTS["internet"], 80)
     # Off, there is none (whatever the cluster allows then).
     assert not [o for o in render(chart, {**layout(name), "networkPolicy": {"enabled": False}})
                 if o["kind"] == "NetworkPolicy"]
+
+
+# --- the deployment guides' commands, as written ----------------------------------------------------------
+
+def bash_blocks(page: str) -> list[list[str]]:
+    """Each ```bash block of a docs page as its commands: continued lines joined, comment lines dropped."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "docs" / page).read_text(), re.M | re.S)
+    commands = []
+    for block in blocks:
+        lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+        commands.append([line for line in lines if not line.lstrip().startswith("#")])
+    return commands
+
+
+def uncommented(command: str) -> str:
+    return re.sub(r"\s+#.*$", "", command).strip()
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_the_compose_guide_sets_what_compose_requires(compose_file):
+    """Every `up` in docs/deployment/compose.md comes after every variable the file requires (`${VAR:?...}`) is set
+    in the same block: pasted as written, the commands start the stack."""
+    required = set(re.findall(r"\$\{(\w+):\?", (REPO / compose_file).read_text()))
+    assert {API_KEY_ENV, SECRET_ENV} <= required
+    ups = 0
+    for commands in bash_blocks("deployment/compose.md"):
+        for i, command in enumerate(commands):
+            words = shlex.split(uncommented(command))
+            is_up = "up" in words and (words[:2] == ["docker", "compose"] or words[:1] == ["docker-compose"])
+            if not is_up or ("docker-compose.cpu.yml" in words) != (compose_file == "docker-compose.cpu.yml"):
+                continue
+            ups += 1
+            set_before = set(re.findall(r"(?:^|export\s+|\s)([A-Z][A-Z0-9_]*)=", "\n".join(commands[:i + 1])))
+            assert required <= set_before, (command, required - set_before)
+    assert ups >= 1, f"docs/deployment/compose.md starts {compose_file} nowhere"
+
+
+def test_the_one_box_container_is_hardened_as_compose_runs_it():
+    runs = [c for commands in bash_blocks("deployment/one-box.md") for c in commands if c.startswith("docker run")]
+    assert len(runs) == 1
+    words = shlex.split(uncommented(runs[0]))
+    flag = lambda f: words[words.index(f) + 1]  # noqa: E731
+    frontend = compose_services("gpus-2.env")["frontend"]
+    assert flag("--user") == frontend["user"] and "--read-only" in words and flag("--cap-drop") == "ALL"
+    assert flag("--security-opt") in frontend["security_opt"] and flag("--tmpfs") in frontend["tmpfs"]
+    assert flag("-p") == frontend["ports"][0]  # loopback
+    mounts = {w.split(":")[1] for i, w in enumerate(words) if words[i - 1] == "-v"}
+    assert mounts == {v.split(":")[1] for v in frontend["volumes"] if not v.endswith(":ro")}
+
+
+def test_the_multi_host_guide_starts_all_but_the_last_server_in_the_background():
+    """A server runs in the foreground until stopped: one pasted after it in the same shell never starts."""
+    blocks = bash_blocks("multi-host.md")
+    servers = 0
+    for commands in blocks:
+        for i, command in enumerate(commands):
+            command = uncommented(command)
+            if re.search(r"\bgrpo-server serve\b|\btorchrun\b", command):
+                servers += 1
+                assert i == len(commands) - 1 or command.endswith("&"), command
+    assert servers >= 6
+
+
+def test_the_kubernetes_guide_installs_and_scales_as_written(chart):
+    commands = [c for block in bash_blocks("deployment/kubernetes.md") for c in block]
+    install = [shlex.split(uncommented(c)) for c in commands if c.startswith("helm install")]
+    assert len(install) == 1
+    install = install[0]
+    values: dict = {}
+
+    def set_value(dotted: str, value) -> None:
+        node = values
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+
+    def apply(words: list[str]) -> None:
+        for i, word in enumerate(words[:-1]):
+            if word == "-f":
+                for key, value in yaml.safe_load((REPO / words[i + 1]).read_text()).items():
+                    values[key] = value
+            elif word in ("--set", "--set-string"):
+                key, value = words[i + 1].split("=", 1)
+                set_value(key, int(value) if word == "--set" and value.isdigit() else value)
+    apply(install)
+    # The Secret it names is the one the block makes, with the two keys the chart reads.
+    created = [shlex.split(uncommented(c)) for c in commands if c.startswith("kubectl") and "generic" in c]
+    assert len(created) == 1 and values["secrets"]["existingSecret"] == created[0][created[0].index("generic") + 1]
+    assert {w.split("=")[1] for w in created[0] if w.startswith("--from-literal=")} == {"api-key", "worker-secret"}
+    objects = render(chart, values)  # as written: values["secrets"] replaces the test's own
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    assert {container(o)["image"] for o in workloads} == {"registry.example.com/grpo-server:0.1.0"}
+    refs = re.findall(r"secretKeyRef:\n\s+key: [\w-]+\n\s+name: ([\w-]+)", yaml.safe_dump(workloads))
+    assert refs and set(refs) == {values["secrets"]["existingSecret"]}
+    # The scaling command on top of it (--reuse-values) renders too.
+    upgrade = [shlex.split(uncommented(c)) for c in commands if c.startswith("helm upgrade")]
+    assert len(upgrade) == 1 and "--reuse-values" in upgrade[0]
+    apply(upgrade[0])
+    assert len(server_config(render(chart, values))["sampler"]["urls"]) == values["sampler"]["replicas"]
 
 
 # --- contradictory values are refused ---------------------------------------------------------------------
@@ -441,6 +801,39 @@ REFUSED = {
                               "secrets.workerSecret must be at least 16 characters (it has 5)"),
     "an existing Secret and values": ({"secrets": {"existingSecret": "mine", "apiKey": "a" * 20}},
                                       helm.HelmRenderError, "leave secrets.apiKey and secrets.workerSecret empty"),
+    "no admin key": ({"secrets": {"workerSecret": "w" * 20}}, helm.HelmRenderError,
+                     "secrets.apiKey is required: the admin key, 16 characters or more"),
+    "no worker secret": ({"secrets": {"apiKey": "a" * 20}}, helm.HelmRenderError,
+                         "secrets.workerSecret is required: the secret the front end and the workers share"),
+    "a short admin key": ({"secrets": {"apiKey": "short", "workerSecret": "w" * 20}}, helm.HelmRenderError,
+                          "secrets.apiKey must be at least 16 characters (it has 5)"),
+    # Hardening: the user, privileges, the image's pin, memory, the liveness probe
+    "root": ({"podSecurityContext": {"runAsNonRoot": False}}, helm.HelmValuesError,
+             "at '/podSecurityContext/runAsNonRoot': value must be true"),
+    "uid 0": ({"podSecurityContext": {"runAsUser": 0}}, helm.HelmValuesError, "at '/podSecurityContext/runAsUser'"),
+    "privilege escalation": ({"securityContext": {"allowPrivilegeEscalation": True}}, helm.HelmValuesError,
+                             "at '/securityContext/allowPrivilegeEscalation': value must be false"),
+    "capabilities kept": ({"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}, helm.HelmValuesError,
+                          "at '/securityContext/capabilities/drop'"),
+    "an image tagged latest": ({"image": {"repository": "grpo-server", "tag": "latest"}}, helm.HelmRenderError,
+                               "image.tag latest is not a pinned image"),
+    "a tag in the repository": ({"image": {"repository": "registry.example.com:5000/grpo-server:latest"}},
+                                helm.HelmValuesError, "at '/image/repository'"),
+    "a digest that is none": ({"image": {"digest": "sha256:abc"}}, helm.HelmValuesError, "at '/image/digest'"),
+    "no memory limit": ({"sampler": {"resources": {"limits": {"memory": None}}}}, helm.HelmValuesError,
+                        "at '/sampler/resources/limits': missing property 'memory'"),
+    "a memory quantity in bytes": ({"frontend": {"resources": {"limits": {"memory": "8000000000"}}}},
+                                   helm.HelmValuesError, "at '/frontend/resources/limits/memory'"),
+    "a memory limit under the request": ({"learner": {"resources": {"limits": {"memory": "32Gi"}}}},
+                                         helm.HelmRenderError,
+                                         "learner.resources.limits.memory 32Gi is below learner.resources.requests."
+                                         "memory 64Gi"),
+    "a sampler's limit that /dev/shm fills": (
+        {"sampler": {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "16Gi"}}}},
+        helm.HelmRenderError, "sampler.resources.limits.memory 16Gi must be above shm.sizeLimit 16Gi"),
+    "a liveness probe a short stall trips": (
+        {"probes": {"liveness": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}}},
+        helm.HelmRenderError, "probes.liveness tolerates 25 s without an answer"),
 }
 
 

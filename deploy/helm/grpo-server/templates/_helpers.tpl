@@ -27,8 +27,21 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
+{{/* The image, pinned: repository@digest, else repository:tag (the appVersion by default). values.schema.json
+refuses a repository that carries its own tag or digest, templates/validate.yaml the tag `latest`. */}}
 {{- define "grpo.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+
+{{/* A memory quantity in Mi, Gi or Ti (values.schema.json allows no other) as MiB, for templates/validate.yaml. */}}
+{{- define "grpo.mebibytes" -}}
+{{- $n := regexFind "^[0-9]+" . | int -}}
+{{- $unit := trimPrefix (toString $n) . -}}
+{{- if eq $unit "Ti" -}}{{ mul $n 1048576 }}{{- else if eq $unit "Gi" -}}{{ mul $n 1024 }}{{- else -}}{{ $n }}{{- end -}}
 {{- end -}}
 
 {{- define "grpo.secretName" -}}
@@ -91,6 +104,12 @@ checksum/config: {{ toYaml $config | sha256sum }}
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.shm.sizeLimit }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.tmpSizeLimit }}
+- name: home
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.homeSizeLimit }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -104,6 +123,10 @@ checksum/config: {{ toYaml $config | sha256sum }}
   readOnly: true
 - name: shm
   mountPath: /dev/shm
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/grpo
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -121,24 +144,35 @@ checksum/config: {{ toYaml $config | sha256sum }}
 {{- end }}
 {{- end -}}
 
+{{/* Each probe's timings: startup (readiness's period, long enough for probes.startupSeconds), liveness (slow to
+fire: it restarts the container), readiness (compose's healthcheck). */}}
+{{- define "grpo.probeTimings" -}}
+{{- $p := .root.Values.probes -}}
+{{- if eq .probe "startupProbe" -}}
+periodSeconds: {{ $p.readiness.periodSeconds }}
+timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+failureThreshold: {{ div (add $p.startupSeconds $p.readiness.periodSeconds -1) $p.readiness.periodSeconds }}
+{{- else -}}
+{{- $t := get $p (trimSuffix "Probe" .probe) -}}
+periodSeconds: {{ $t.periodSeconds }}
+timeoutSeconds: {{ $t.timeoutSeconds }}
+failureThreshold: {{ $t.failureThreshold }}
+{{- end -}}
+{{- end -}}
+
 {{/* Probes on compose's health route: startup covers the start period, then liveness and readiness. */}}
 {{- define "grpo.httpProbes" -}}
-{{- $p := .root.Values.probes -}}
-startupProbe:
-  httpGet: {path: {{ .path }}, port: {{ .port }}}
-  periodSeconds: {{ $p.periodSeconds }}
-  timeoutSeconds: {{ $p.timeoutSeconds }}
-  failureThreshold: {{ div (add $p.startupSeconds $p.periodSeconds -1) $p.periodSeconds }}
-livenessProbe:
-  httpGet: {path: {{ .path }}, port: {{ .port }}}
-  periodSeconds: {{ $p.periodSeconds }}
-  timeoutSeconds: {{ $p.timeoutSeconds }}
-  failureThreshold: {{ $p.failureThreshold }}
-readinessProbe:
-  httpGet: {path: {{ .path }}, port: {{ .port }}}
-  periodSeconds: {{ $p.periodSeconds }}
-  timeoutSeconds: {{ $p.timeoutSeconds }}
-  failureThreshold: {{ $p.failureThreshold }}
+{{- range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
+{{ $probe }}:
+  httpGet: {path: {{ $.path }}, port: {{ $.port }}}
+  {{- include "grpo.probeTimings" (dict "root" $.root "probe" $probe) | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Every container's securityContext (values: securityContext). */}}
+{{- define "grpo.containerSecurity" -}}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
 {{- end -}}
 
 {{- define "grpo.gpuResources" -}}
@@ -153,6 +187,8 @@ readinessProbe:
 {{- define "grpo.podCommon" -}}
 automountServiceAccountToken: false
 enableServiceLinks: false
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
 {{ toYaml . }}
