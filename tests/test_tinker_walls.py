@@ -165,8 +165,11 @@ def test_a_large_body_does_not_hold_the_event_loop(server):
 
 
 async def test_a_large_body_is_decoded_off_the_loop(monkeypatch):
-    """parse_body hands a body over edge.OFF_LOOP_BYTES to a thread, a small one not (no thread for nothing)."""
+    """parse_body hands a body over edge.OFF_LOOP_BYTES to the body pool's threads (not asyncio's shared executor),
+    a small one not (no thread for nothing)."""
     from grpo_server.api import edge
+    from grpo_server.api.app_state import BODY_POOL
+    from grpo_server.api.body_pool import BodyPool
     from grpo_server.api.tinker.schema import SampleRequest
 
     seen = []
@@ -174,7 +177,7 @@ async def test_a_large_body_is_decoded_off_the_loop(monkeypatch):
     monkeypatch.setattr(edge, "decode_body", lambda *a: seen.append(threading.current_thread()) or decode(*a))
 
     class Request:
-        content_type, client_max_size = "application/json", 2**30
+        content_type, client_max_size, remote, app = "application/json", 2**30, "127.0.0.1", {BODY_POOL: BodyPool()}
 
         def __init__(self, body: bytes):
             self.body = body
@@ -187,7 +190,7 @@ async def test_a_large_body_is_decoded_off_the_loop(monkeypatch):
     assert len(small) < edge.OFF_LOOP_BYTES < len(large)
     for body in (small, large):
         assert isinstance(await edge.parse_body(Request(body), SampleRequest), SampleRequest)
-    assert seen[0] is threading.main_thread() and seen[1] is not threading.main_thread()
+    assert seen[0] is threading.main_thread() and seen[1].name.startswith("body-decode")
 
 
 def test_named_weights_outlive_pruning_and_saved_states_expire(server, tiny_model_dir):
@@ -252,3 +255,32 @@ async def test_tinker_samples_go_through_the_experiments_own_verb(server, tiny_m
         assert after.tokens_sampled - before.tokens_sampled == sampled_tokens
     finally:
         assert _call(server, "DELETE", "/v1/experiments/walls-sampling", ADMIN_KEY)[0] == 204
+
+
+async def test_the_body_pool_gives_each_key_one_slot_and_refuses_a_flood():
+    """One key's bodies decode one at a time, so another key's body goes ahead of its flood; past MAX_WAITING a
+    key's next body is a 429 at once."""
+    from grpo_server.api.body_pool import BodyPool
+    from grpo_server.protocol.errors import TooManyRequests
+
+    pool = BodyPool(threads=2, max_waiting=3)
+    gate, order = threading.Event(), []
+
+    def slow(tag: str):
+        def run():
+            gate.wait(10)
+            order.append(tag)
+            return tag
+        return run
+
+    flood = [asyncio.create_task(pool.run("flooder", slow(f"f{i}"))) for i in range(3)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(TooManyRequests) as refused:
+        await pool.run("flooder", slow("f3"))
+    assert refused.value.code == "too_many_bodies"
+    other = asyncio.create_task(pool.run("other", lambda: order.append("other") or "other"))
+    assert await asyncio.wait_for(other, 5) == "other"  # the second thread: not behind the flood
+    gate.set()
+    assert await asyncio.gather(*flood) == ["f0", "f1", "f2"]
+    assert order[0] == "other" and pool.waiting("flooder") == 0
+    pool.close()

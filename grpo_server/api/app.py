@@ -14,9 +14,10 @@ import aiohttp
 from aiohttp import web
 
 from grpo_server.api import prometheus, status_page
-from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY, MODEL_NAME,
-                                      OPENAPI_JSON, ORCHESTRATOR, RESPONSES, TINKER)
+from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, BODY_POOL, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY,
+                                      MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR, RESPONSES, TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
+from grpo_server.api.body_pool import BodyPool
 from grpo_server.api.native.downloads import Downloads
 from grpo_server.api.edge import (aiohttp_routes, context_middleware, count_middleware, echo_request_id,
                                    error_middleware)
@@ -67,10 +68,12 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app[OPENAPI_JSON] = openapi_json(ENDPOINTS)
     app[RESPONSES] = response_store(config)
     app[DOWNLOADS] = downloads = Downloads()
+    app[BODY_POOL] = bodies = BodyPool()
 
-    async def close_downloads(app: web.Application) -> None:
+    async def close_pools(app: web.Application) -> None:
         downloads.close()
-    app.on_cleanup.append(close_downloads)
+        bodies.close()
+    app.on_cleanup.append(close_pools)
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:
         workers = WorkerSet(config)

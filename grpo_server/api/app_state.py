@@ -9,6 +9,7 @@ from prometheus_client.registry import CollectorRegistry
 
 if TYPE_CHECKING:
     from grpo_server.api.auth_limit import FailedAuthLimiter
+    from grpo_server.api.body_pool import BodyPool
     from grpo_server.api.native.downloads import Downloads
     from grpo_server.api.openai.responses_store import ResponseStore
     from grpo_server.api.prometheus import HttpCounter
@@ -24,4 +25,5 @@ AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)
 TINKER: web.AppKey["TinkerService"] = web.AppKey("tinker")  # the Tinker API's sessions, models and futures
 RESPONSES: web.AppKey["ResponseStore"] = web.AppKey("responses")  # stored responses (previous_response_id)
+BODY_POOL: web.AppKey["BodyPool"] = web.AppKey("body_pool")  # large bodies decoded on threads of their own
 DOWNLOADS: web.AppKey["Downloads"] = web.AppKey("downloads")  # adapter downloads' own threads and per-key cap

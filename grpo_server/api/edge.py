@@ -17,7 +17,7 @@ import msgpack
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, HTTP_COUNTER, ORCHESTRATOR
+from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR
 from grpo_server.api.route_table import ADMIN_PRINCIPAL, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context
@@ -39,15 +39,27 @@ M = TypeVar("M", bound=BaseModel)
 OFF_LOOP_BYTES = 64 * 1024
 
 
-async def parse_body(request: web.Request, model: type[M]) -> M:
-    """The body as `model`: 400 for an undecodable body, 413 too large, 422 naming each bad field."""
+async def read_body(request: web.Request) -> bytes:
+    """The body's bytes (413 over the server's max_body_bytes)."""
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise PayloadTooLarge(f"request body over {request.client_max_size} bytes") from exc
+
+
+async def parse_body(request: web.Request, model: type[M], who: Principal | None = None) -> M:
+    """The body as `model`: 400 for an undecodable body, 413 too large, 422 naming each bad field. A large one is
+    decoded in the caller's slot of the body pool (api/body_pool.py)."""
+    raw = await read_body(request)
     if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(decode_body, raw, request.content_type, model)
+        return await off_loop(request, who, lambda: decode_body(raw, request.content_type, model))
     return decode_body(raw, request.content_type, model)
+
+
+def off_loop(request: web.Request, who: Principal | None, decode: Callable[[], M]) -> Awaitable[M]:
+    """`decode()` on the body pool, in the slot of `who` (a public route's caller: its address)."""
+    owner = who.owner if who is not None else f"address:{request.remote}"
+    return request.app[BODY_POOL].run(owner, decode)
 
 
 def decode_body(raw: bytes, content_type: str, model: type[M]) -> M:
@@ -247,7 +259,7 @@ def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamR
             require(who, admin_only=True)
         elif auth == "experiment" and scoped_by_path:
             require(who, request.match_info["name"])
-        body = await parse_body(request, endpoint.request) if endpoint.request is not None else None
+        body = await parse_body(request, endpoint.request, who) if endpoint.request is not None else None
         if auth == "experiment" and endpoint.scope is not None:
             named = endpoint.scope(body)
             if named is None and not who.is_admin:

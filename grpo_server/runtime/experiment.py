@@ -80,6 +80,7 @@ class Experiment:
     last_served_as: str | None = None  # how the sampler ran the latest completions (wire.ServedAs)
     probe: Group | None = None  # a trained group, used to check sampler vs learner after a push
     versions_in_check: set[int] = field(default_factory=set)  # kept loaded until the samplers scored them
+    versions_loading: set[int] = field(default_factory=set)  # old versions being loaded for a client's samples
     # Versions a client names and may sample later (a Tinker sampler, saved sampler weights): kept on disk by
     # pruning (runtime/training.py prune_versions) while named, however old. Counted: names come and go apiece.
     named_versions: Counter = field(default_factory=Counter)
@@ -348,10 +349,21 @@ class Experiment:
     async def version_loaded(self, version: int, path: str) -> AsyncIterator[None]:
         """`version` (its folder `path`) loaded on every sampler, and kept loaded while the block runs: a Tinker
         sampler names saved weights the samplers may have let go since (only the serving version, versions in use
-        and versions being checked stay loaded)."""
+        and versions being checked stay loaded). At most max_loaded_versions of this experiment are loaded at
+        once, as for its pushes: the samplers' adapter table is shared by every experiment, and one key sampling
+        many old versions would fill it (429 while it would go over)."""
         with self.pinned_serving_version(version):  # pinned first: nothing retires it between load and use
             if version not in self.adapter_paths:
-                await self.workers.load_everywhere(AdapterRef(name=self.name, version=version), path)
+                limit = self.server.max_loaded_versions if self.server is not None else math.inf
+                if len(self.adapter_paths) + len(self.versions_loading - {version}) >= limit:
+                    raise TooManyRequests(f"{len(self.adapter_paths)} versions of {self.name!r} are loaded on the "
+                                          f"samplers (max_loaded_versions {limit}); retry once fewer are in use",
+                                          code="too_many_loaded_versions", retry_after=2.0)
+                self.versions_loading.add(version)
+                try:
+                    await self.workers.load_everywhere(AdapterRef(name=self.name, version=version), path)
+                finally:
+                    self.versions_loading.discard(version)
                 self.adapter_paths[version] = path
             yield
 

@@ -27,6 +27,15 @@ TensorDtype = Literal["int64", "float32"]
 MAX_DIMS = 4
 MAX_DIM = 1 << 20
 MAX_DENSE_VALUES = 1 << 24
+# What one request may hold, counted before anything is built from it (issue 57: the bound above is per tensor, and
+# a 16 KB body of many CSR tensors made the front end build 12.5 GiB of lists). Datums: the SDK sends at most its
+# `fwdbwd_max_chunk_len` (1024) a call. Chunks: a model input is a few runs of text. Loss inputs: the built-in losses
+# read at most five per-position tensors (target_tokens, weights, logprobs, advantages, mask), and every dense
+# value of a request's loss inputs counts against LOSS_VALUES_PER_POSITION x its token cap (service.py).
+MAX_DATUMS_PER_CALL = 1024
+MAX_CHUNKS_PER_INPUT = 1024
+MAX_LOSS_INPUTS = 16
+LOSS_VALUES_PER_POSITION = 16
 
 
 class _Wire(BaseModel):
@@ -89,6 +98,11 @@ class TensorData(_Wire):
     @property
     def dense_shape(self) -> list[int]:
         return list(self.shape) if self.shape is not None else [len(self.data)]
+
+    @property
+    def dense_size(self) -> int:
+        """How many values `flat` builds (a CSR tensor's zeros included), known without building them."""
+        return math.prod(self.dense_shape)
 
     def flat(self, pad_value: int | float = 0) -> list[int] | list[float]:
         """The dense values, row-major (a CSR tensor is filled with `pad_value` where nothing is listed)."""
@@ -182,11 +196,16 @@ ModelInputChunk = Annotated[EncodedTextChunk | ImageChunk | ImageAssetPointerChu
 class ModelInput(_Wire):
     """A model input: chunks concatenated in order."""
 
-    chunks: list[ModelInputChunk]
+    chunks: list[ModelInputChunk] = Field(max_length=MAX_CHUNKS_PER_INPUT)
 
     def tokens(self) -> list[int]:
         """The token ids of all chunks, in order; ValueError for any non-text chunk."""
         return model_input_tokens(self)
+
+    @property
+    def length(self) -> int:
+        """Its token positions, counted without building the list (a non-text chunk counts as none)."""
+        return sum(len(c.tokens) for c in self.chunks if isinstance(c, EncodedTextChunk))
 
 
 def model_input_tokens(model_input: ModelInput) -> list[int]:
@@ -213,7 +232,7 @@ class Datum(_Wire):
     """One training sequence: its model input and the named per-position tensors its loss reads."""
 
     model_input: ModelInput
-    loss_fn_inputs: dict[str, TensorData] = {}
+    loss_fn_inputs: dict[str, TensorData] = Field({}, max_length=MAX_LOSS_INPUTS)
     model_input_spans: list[ProvenanceSpan] | None = None
     loss_fn_input_spans: list[ProvenanceSpan] | None = None
 
@@ -235,9 +254,14 @@ LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dr
 class ForwardBackwardInput(_Wire):
     """The batch and the loss: its name and constructor kwargs (e.g. ppo's clip thresholds, dro's beta)."""
 
-    data: list[Datum]
+    data: list[Datum] = Field(max_length=MAX_DATUMS_PER_CALL)
     loss_fn: str  # one of LossFnType; kept open so an unknown name is a user error the server reports itself
-    loss_fn_config: dict[str, float | str] | None = None
+    loss_fn_config: dict[str, float | str] | None = Field(None, max_length=MAX_LOSS_INPUTS)
+
+    def sizes(self) -> tuple[int, int]:
+        """(token positions, dense values of the loss inputs), summed over the datums, from the shapes alone."""
+        return (sum(d.model_input.length for d in self.data),
+                sum(t.dense_size for d in self.data for t in d.loss_fn_inputs.values()))
 
 
 class ForwardBackwardRequest(_Wire):

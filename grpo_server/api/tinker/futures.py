@@ -132,6 +132,16 @@ class FutureStore:
         if entry is not None and entry.owner == owner and entry.task is not None:
             entry.task.cancel()
 
+    def forget_owner(self, owner: str) -> None:
+        """Drop every finished result of `owner` (an experiment's key that was deleted: a new experiment of the
+        name, maybe another tenant's, must not read them). Its calls still running were cancelled first."""
+        for request_id in [i for i, e in self._entries.items() if e.owner == owner and e.outcome is not None]:
+            entry = self._entries.pop(request_id)
+            self._forget_unread(owner, request_id)
+            self._bytes[owner] -= entry.bytes
+        if not self._bytes.get(owner, 1):
+            del self._bytes[owner]
+
     async def close(self) -> None:
         tasks = [e.task for e in self._entries.values() if e.task is not None and not e.task.done()]
         for task in tasks:

@@ -11,7 +11,6 @@ Checks that need no model (the body's shape, the key) answer at once with the se
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable
 
@@ -19,12 +18,14 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from grpo_server.api.app_state import TINKER
-from grpo_server.api.route_table import Endpoint, Principal
+from grpo_server.api.edge import off_loop, read_body
+from grpo_server.api.route_table import ADMIN, Endpoint, Principal
 from grpo_server.api.tinker import schema as ts
-from grpo_server.api.tinker.data import ForwardBackwardOutput, SampleResponse
+from grpo_server.api.tinker.data import MAX_DATUMS_PER_CALL, ForwardBackwardOutput, SampleResponse
 from grpo_server.api.tinker.futures import Pending
 from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
-                                             encode_forward_backward_output, encode_sample_response)
+                                             encode_forward_backward_output, encode_sample_response,
+                                             forward_backward_model_id)
 from grpo_server.api.tinker.sampling import sample
 from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
 from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, Unprocessable
@@ -60,7 +61,8 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
     async def in_order() -> Any:
         async with model.lane.turn(seq_id):
             return await work()
-    request_id = futures.submit(owner, in_order)
+    # Registered with its experiment while it waits for its turn too: a delete cancels it (service.on_experiment).
+    request_id = futures.submit(owner, request.app[TINKER].on_experiment(model.experiment, in_order))
     model.lane.remember(seq_id, request_id)
     return _json(ts.UntypedAPIFuture(request_id=request_id, model_id=model.model_id, **extra))
 
@@ -94,7 +96,7 @@ def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | N
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
 
 async def client_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    return _json(ts.ClientConfigResponse())
+    return _json(ts.ClientConfigResponse(fwdbwd_max_chunk_len=MAX_DATUMS_PER_CALL))  # what a call may hold
 
 
 async def dynamic_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -154,14 +156,29 @@ async def get_info(request: web.Request, who: Principal | None, body: Any) -> we
 
 
 async def forward_backward(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    """The body is protobuf: its model is checked first (an unknown one is a failed future, as on every model
+    call), then the rest is decoded in the caller's slot of the body pool (api/body_pool.py)."""
     owner = who.owner
-    try:  # on a thread: a body of megabytes takes a while to decode and validate (edge.OFF_LOOP_BYTES)
-        body = await asyncio.to_thread(decode_forward_backward_request, await request.read())
+    service = request.app[TINKER]
+    raw = await read_body(request)
+    try:
+        model_id = forward_backward_model_id(raw)
+        service.model(owner, model_id)
+    except ValueError as exc:
+        raise BadRequest(f"body is not a protobuf tinker_public.ForwardBackwardRequest: {exc}",
+                         code="malformed_body") from exc
+    except ApiError:
+        return _model_call(request, owner, model_id, None, _never)  # its failed future, the body undecoded
+    try:
+        body = await off_loop(request, who, lambda: decode_forward_backward_request(raw))
     except (ValueError, KeyError, IndexError) as exc:
         raise BadRequest(f"body is not a protobuf tinker_public.ForwardBackwardRequest: {exc}",
                          code="malformed_body") from exc
-    service = request.app[TINKER]
     return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.forward_backward(m, body))
+
+
+async def _never(model: TinkerModel) -> Any:
+    raise AssertionError("a call on an unknown model never runs")
 
 
 async def optim_step(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -246,7 +263,19 @@ async def asample(request: web.Request, who: Principal | None, body: Any) -> web
     ids = [f"{sampler.sampler_id}:{body.seq_id or 0}:{i}" for i in range(body.num_samples)]
     if body.seq_id is not None and body.seq_id in sampler.seen:  # the SDK's resubmission after a 429
         return _json(ts.UntypedAPIFuture(request_id=sampler.seen[body.seq_id], sample_sequence_ids=ids))
-    response = _submit(request, owner, lambda: sample(service, sampler, body), sample_sequence_ids=ids)
+    release = service.admit_samples(owner, body.num_samples)  # 429 before anything is queued
+
+    async def run() -> SampleResponse:
+        try:
+            return await sample(service, sampler, body)
+        finally:
+            release()
+    experiment = sampler.model.experiment if sampler.model is not None else None if owner == ADMIN else owner
+    try:
+        response = _submit(request, owner, service.on_experiment(experiment, run), sample_sequence_ids=ids)
+    except BaseException:
+        release()
+        raise
     if body.seq_id is not None:
         sampler.remember(body.seq_id, ts.UntypedAPIFuture.model_validate_json(response.text).request_id)
     return response

@@ -221,15 +221,24 @@ class GetInfoResponse(_Response):
     model_name: str | None = None
 
 
-class AdamParams(_Request):
-    """AdamW hyperparameters for one step (decoupled weight decay; grad_clip_norm 0 = no clipping)."""
+# A checkpoint's or sampler weights' name: a label, not a path or a document (it is kept in the registry and in
+# folder names, and a listing returns it).
+Label = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+MAX_TTL_S = 10 * 365 * 86_400  # ten years: longer is "keep", and larger numbers overflow a date
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+
+class AdamParams(_Request):
+    """AdamW hyperparameters for one step (decoupled weight decay; grad_clip_norm 0 = no clipping). Bounded here, so
+    that a value no optimizer takes is the client's 422, not a failed step."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+    learning_rate: float = Field(1e-4, ge=0, le=10)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    grad_clip_norm: float = Field(0.0, ge=0)
 
 
 class OptimStepRequest(_Request):
@@ -259,9 +268,9 @@ class SaveWeightsRequest(_Request):
     """`POST /api/v1/save_weights` (save_state) -> future of SaveWeightsResponse: adapter + optimizer state."""
 
     model_id: str
-    path: str | None = None  # a name, not a path: the checkpoint is tinker://{model_id}/weights/{path}
+    path: Label | None = None  # a name, not a path: the checkpoint is tinker://{model_id}/weights/{path}
     seq_id: int | None = None
-    ttl_seconds: int | None = None
+    ttl_seconds: int | None = Field(None, le=MAX_TTL_S)
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
     type: Literal["save_weights"] = "save_weights"
@@ -278,11 +287,11 @@ class SaveWeightsForSamplerRequest(_Request):
     """`POST /api/v1/save_weights_for_sampler`: named (-> path) or, with sampling_session_seq_id, a new sampler."""
 
     model_id: str
-    path: str | None = None  # named save: tinker://{model_id}/sampler_weights/{path}
+    path: Label | None = None  # named save: tinker://{model_id}/sampler_weights/{path}
     sampling_session_seq_id: int | None = None  # unnamed save: answer a sampling_session_id serving these weights
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = None
-    ttl_seconds: int | None = None
+    ttl_seconds: int | None = Field(None, le=MAX_TTL_S)
     user_metadata: dict[str, str] | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 

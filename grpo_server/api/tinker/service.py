@@ -20,21 +20,24 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
 from datetime import datetime, timezone
 
 from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import schema as ts
-from grpo_server.api.tinker.data import ForwardBackwardOutput, ForwardBackwardRequest
+from grpo_server.api.tinker.data import LOSS_VALUES_PER_POSITION, ForwardBackwardOutput, ForwardBackwardRequest
 from grpo_server.api.tinker.futures import FutureStore, SeqLane
 from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
-from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, Unprocessable
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.protocol.worker_config import LoraConfig
 from grpo_server.runtime.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 PROBE_TOKENS = 64  # at most this many tokens scored by a push's check
@@ -105,12 +108,52 @@ class TinkerService:
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.models: dict[str, TinkerModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.samples_in_flight: Counter[str] = Counter()  # owner -> sequences its asample calls hold
+        # The calls queued or running on each experiment (`on_experiment`), and those its delete cancelled.
+        self._calls: defaultdict[str, set[asyncio.Task]] = defaultdict(set)
+        self._deleted_under: set[asyncio.Task] = set()
         orchestrator.on_delete.append(self.forget_experiment)
 
+    def on_experiment(self, experiment: str | None, work: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
+        """`work`, a call admitted for this life of `experiment` (None: no experiment's), as its future runs it.
+        A call names its experiment by name when it runs (the learner, the turns, the samplers know no other), so
+        one still queued or running when the experiment is deleted would land on the next life of the name,
+        maybe another tenant's: the delete cancels it instead (`forget_experiment`), and it fails as
+        `model_not_found`."""
+        if experiment is None:
+            return work
+
+        async def run() -> T:
+            task = asyncio.current_task()
+            assert task is not None
+            calls = self._calls[experiment]
+            calls.add(task)
+            try:
+                return await work()
+            except asyncio.CancelledError:
+                if task not in self._deleted_under:
+                    raise
+                raise NotFound(f"experiment {experiment!r} was deleted while this call waited or ran: it did not "
+                               "run on what took the name since", code="model_not_found") from None
+            finally:
+                self._deleted_under.discard(task)
+                calls.discard(task)
+                if not calls and self._calls.get(experiment) is calls:
+                    del self._calls[experiment]
+        return run
+
     async def forget_experiment(self, name: str) -> None:
-        """An experiment was deleted: its models, the sessions and samplers its key made, and the samplers on
-        its models go too. A new experiment of the name, maybe another tenant's, starts with none of them (its
-        key can make its own model again), and nothing of the old life answers it."""
+        """An experiment was deleted: its calls still queued or running are cancelled (`on_experiment`), its
+        models, the sessions and samplers its key made, and the samplers on its models go too. A new experiment
+        of the name, maybe another tenant's, starts with none of them (its key can make its own model again),
+        and nothing of the old life answers it or runs on it."""
+        calls = self._calls.pop(name, set())
+        for task in calls:
+            self._deleted_under.add(task)
+            task.cancel()
+        if calls:  # before a new life of the name can be made (the orchestrator's delete holds its lock)
+            await asyncio.wait(calls, timeout=30)
+        self.futures.forget_owner(name)  # its key's results: a new key of the name must not read them
         self.models = {i: m for i, m in self.models.items() if m.experiment != name}
         self.sessions = {i: owner for i, owner in self.sessions.items() if owner != name}
         self.samplers = {i: s for i, s in self.samplers.items()
@@ -195,7 +238,14 @@ class TinkerService:
 
     async def forward_backward(self, model: TinkerModel, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
         given = request.forward_backward_input
-        try:  # dense lists of up to MAX_DENSE_VALUES each: built on a thread, not on the event loop
+        # Bounds before work: what the dense lists would hold, from the shapes, before any is built.
+        positions, values = given.sizes()
+        cap = self.orchestrator.config.tinker_max_tokens_per_call
+        if positions > cap or values > LOSS_VALUES_PER_POSITION * cap:
+            raise Unprocessable(f"{positions} token positions and {values} loss input values in one call, over the "
+                                f"server's tinker_max_tokens_per_call {cap} (and {LOSS_VALUES_PER_POSITION} values "
+                                "a position): split the batch", code="over_limit")
+        try:  # lists of up to the bounds above: built on a thread, not on the event loop
             data = await asyncio.to_thread(lambda: [
                 wire.Datum(tokens=d.tokens(), loss_fn_inputs={k: v.flat() for k, v in d.loss_fn_inputs.items()})
                 for d in given.data])
@@ -203,10 +253,6 @@ class TinkerService:
             raise BadRequest(str(exc), code="unsupported_input") from exc
         if not data:
             raise BadRequest("forward_backward needs at least one datum", code="bad_request")
-        positions, cap = sum(len(d.tokens) for d in data), self.orchestrator.config.tinker_max_tokens_per_call
-        if positions > cap:
-            raise Unprocessable(f"{positions} token positions in one call, over the server's "
-                                f"tinker_max_tokens_per_call {cap}: split the batch", code="over_limit")
         config = None
         if given.loss_fn_config:
             try:
@@ -341,6 +387,22 @@ class TinkerService:
             await self._saved()
         return weights
 
+    def admit_samples(self, owner: str, sequences: int) -> Callable[[], None]:
+        """Admit an asample call of `sequences` (429 while `owner` would hold over tinker_max_samples_per_key);
+        the function that releases them, once its call has ended."""
+        cap, held = self.orchestrator.config.tinker_max_samples_per_key, self.samples_in_flight[owner]
+        if held + sequences > cap:
+            raise TooManyRequests(f"this key's asample calls hold {held} sequences, and {sequences} more would pass "
+                                  f"the server's tinker_max_samples_per_key {cap}; retry shortly",
+                                  code="too_many_samples", retry_after=1.0)
+        self.samples_in_flight[owner] += sequences
+
+        def release() -> None:
+            self.samples_in_flight[owner] -= sequences
+            if self.samples_in_flight[owner] <= 0:
+                del self.samples_in_flight[owner]
+        return release
+
     # --- samplers ------------------------------------------------------------------------------------------
 
     def new_sampler(self, owner: str, model: TinkerModel | None, weights: SamplerWeights | None,
@@ -348,8 +410,14 @@ class TinkerService:
         sampler = Sampler(f"samp-{secrets.token_hex(8)}", owner, model, weights, model_path)
         self.samplers[sampler.sampler_id] = sampler
         self._names(sampler, +1)
-        for forgotten in _forget_oldest(self.samplers, lambda s: s.owner == owner, MAX_SAMPLERS_PER_KEY):
-            self._names(forgotten, -1)
+        forgotten = _forget_oldest(self.samplers, lambda s: s.owner == owner, MAX_SAMPLERS_PER_KEY)
+        if model is not None and weights is not None and model_path is None:
+            # An unnamed save's sampler keeps its version on disk as a named one does, so they share the model's
+            # tinker_max_saved_per_model: beyond, its oldest unnamed samplers are forgotten (the newest stays).
+            keep = max(1, self.orchestrator.config.tinker_max_saved_per_model - len(model.sampler_weights))
+            forgotten += _forget_oldest(self.samplers, lambda s: s.model is model and s.model_path is None, keep)
+        for old in forgotten:
+            self._names(old, -1)
         return sampler
 
     def _names(self, sampler: Sampler, change: int) -> None:
