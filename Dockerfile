@@ -70,8 +70,10 @@ COPY sampler sampler
 COPY learner learner
 COPY configs configs
 # The embedded model is prepared at build time, so no container downloads or converts anything at start; it stays
-# root's (GRPO_SERVER_CACHE), read as it is. The sources compiled now: the processes cannot write /app.
-RUN grpo-server model prepare && python -m compileall -q grpo_server sampler learner
+# root's (GRPO_SERVER_CACHE), readable by all (its weights file is written 0600), read as it is. The sources
+# compiled now: the processes cannot write /app.
+RUN grpo-server model prepare && chmod -R a+rX "$GRPO_SERVER_CACHE" \
+    && python -m compileall -q grpo_server sampler learner
 # The user's writable paths (HOME: the caches; /runs: the run directory), made its own.
 RUN mkdir -p /runs /home/grpo/.cache && chown -R 10001:10001 /runs /home/grpo
 USER 10001:10001

@@ -419,6 +419,8 @@ def test_the_image_runs_as_a_non_root_user_that_owns_what_it_writes():
     assert owned and f"{owned.group(1)}:{owned.group(2)}" == dockerfile_user()
     assert {"/runs", env["HOME"]} <= set(owned.group(3).split())
     assert not under(env["GRPO_SERVER_CACHE"], owned.group(3).split() + ["/tmp"])
+    # ... but readable by the user: the prepared model's weights file is written 0600 (seen: PermissionError).
+    assert re.search(r"grpo-server model prepare && chmod -R a\+rX \"\$GRPO_SERVER_CACHE\"", DOCKERFILE)
 
 
 @pytest.mark.parametrize("name", LAYOUT_FILES)
