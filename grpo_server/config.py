@@ -277,9 +277,9 @@ class ServerConfig(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the public API listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the public API (0 = pick one).")
     run_dir: Path = Field(Path("runs/default"), description="Adapters, configs, logs and checkpoints.")
-    api_key: SecretStr | None = Field(
-        None, description="Admin key (env GRPO_SERVER_API_KEY); generated and printed at start if unset."
-    )
+    api_key: SecretStr | None = Field(None, min_length=MIN_KEY_LENGTH, description=(
+        f"Admin key (env GRPO_SERVER_API_KEY), at least {MIN_KEY_LENGTH} characters; unset, one is generated into "
+        "<run_dir>/admin_key (mode 0600), never printed."))
     # min_length: MIN_SECRET_CHARS (protocol/worker_auth.py), which the workers check too.
     worker_secret: SecretStr | None = Field(None, min_length=16, description=(
         "The secret every call to a worker must carry (env GRPO_SERVER_WORKER_SECRET, which is where the workers "

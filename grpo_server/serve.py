@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def admin_key(config: ServerConfig) -> str:
     """The configured key; else the one an earlier run generated into this run directory (a restart
-    resumes its experiments, and its clients keep their key); else a fresh one, printed once."""
+    resumes its experiments, and its clients keep their key); else a fresh one, written there (0600). Never
+    printed: a log is read by more people, and kept longer, than the key should be."""
     if config.api_key is not None:
         return config.api_key.get_secret_value()
     key_file = config.run_dir / "admin_key"
@@ -33,9 +34,8 @@ def admin_key(config: ServerConfig) -> str:
         print(f"[grpo-server] no api_key configured; using this run directory's admin key ({key_file})", flush=True)
         return key_file.read_text().strip()
     key = "gs-" + secrets.token_urlsafe(24)
-    print(f"[grpo-server] no api_key configured; this run's admin key: {key}", flush=True)
     write_private(key_file, key + "\n")
-    print(f"[grpo-server] (also written to {key_file})", flush=True)
+    print(f"[grpo-server] no api_key configured; this run's admin key is in {key_file} (mode 0600)", flush=True)
     return key
 
 

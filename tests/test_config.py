@@ -72,8 +72,11 @@ def test_server_config_strict_and_env(monkeypatch, tmp_path):
     path.write_text(yaml.safe_dump({"port": 9, "sampler": {"replicas": 2, "typo": 1}}))
     with pytest.raises(ValidationError, match="sampler.typo"):
         load_server_config(path)
-    monkeypatch.setenv("GRPO_SERVER_API_KEY", "from-env")
-    assert ServerConfig().api_key.get_secret_value() == "from-env"
+    monkeypatch.setenv("GRPO_SERVER_API_KEY", "from-env-0123456789")
+    assert ServerConfig().api_key.get_secret_value() == "from-env-0123456789"
+    monkeypatch.setenv("GRPO_SERVER_API_KEY", "too-short")  # an admin key is at least MIN_KEY_LENGTH characters
+    with pytest.raises(ValidationError, match="api_key"):
+        ServerConfig()
 
 
 def test_server_config_loads_experiment_files(tmp_path):

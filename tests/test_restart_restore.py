@@ -11,6 +11,7 @@ server (tiny model, real learner with ZeRO-2, HTTP on loopback):
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import aiohttp
@@ -82,12 +83,32 @@ async def test_a_restart_restores_what_it_can_and_holds_the_rest(tiny_model_dir,
     good = mended.read_bytes()
     for name in ("mended", "doomed"):
         _newest_optimizer_file(run_dir, name).write_bytes(b"not a checkpoint")
+    # Saved configs this version no longer takes (issue 57): a name now reserved, and a damaged file. Each is held
+    # as failed with its reason; the server starts with the others.
+    saved = run_dir / "experiments"
+    (saved / "admin.json").write_text(json.dumps({**_config("kept"), "name": "admin", "api_key": "would-be-admin-key-0a1b2c"}))
+    (saved / "damaged.json").write_text('{"name": "damaged", "sampling": {"n": ')
 
     server = start_server(run_dir, tiny_model_dir)
     try:
         async with AsyncClient(server.url, ADMIN_KEY) as admin:
             listed = {s.name: s for s in await admin.list_experiments()}
-            assert {n: s.state for n, s in listed.items()} == {"kept": "active", "mended": "failed", "doomed": "failed"}
+            assert {n: s.state for n, s in listed.items()} == {
+                "kept": "active", "mended": "failed", "doomed": "failed", "admin": "failed", "damaged": "failed"}
+            assert "admin.json" in listed["admin"].errors[0] and "reserved" in listed["admin"].errors[0]
+            assert "damaged.json" in listed["damaged"].errors[0]
+            for invalid in ("admin", "damaged"):
+                async with aiohttp.ClientSession() as session:
+                    status, body = await post_json(session, f"{server.url}/v1/experiments/{invalid}/restore", None)
+                assert status == 409 and body["error"]["code"] == "experiment_invalid", body
+            async with AsyncClient(server.url, "would-be-admin-key-0a1b2c") as impostor:  # its key is not read
+                try:
+                    await impostor.list_experiments()
+                    raise AssertionError("an invalid saved config's key authenticated")
+                except GrpoServerError as exc:
+                    assert exc.status == 401, exc
+            await admin.delete_experiment("damaged")
+            assert not (saved / "damaged.json").exists()
             kept = listed["kept"]
             # Resumed, not restarted: groups journalled before the stop may have trained since.
             assert kept.step >= before["kept"].step >= 1 and kept.policy_version >= before["kept"].policy_version
@@ -120,7 +141,7 @@ async def test_a_restart_restores_what_it_can_and_holds_the_rest(tiny_model_dir,
                 status, body = await post_json(session, restore, None)
                 assert status == 409 and body["error"]["code"] == "experiment_running", body
             await admin.delete_experiment("doomed")
-            assert {s.name for s in await admin.list_experiments()} == {"kept", "mended"}
+            assert {s.name for s in await admin.list_experiments()} == {"kept", "mended", "admin"}
             assert not checkpoint.list_steps(run_dir, "doomed")  # archived, as a delete does
 
             # Both resumed experiments keep training.

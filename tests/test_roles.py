@@ -330,7 +330,7 @@ def test_compose_layout_runs_valid_roles_on_distinct_gpus(env_file, monkeypatch)
         roles.setdefault(role, []).append(name)
         assert service["environment"][SECRET_ENV] == WORKER_SECRET, name  # every role, the same one
         if role == "frontend":
-            assert service["ports"] == [f"8000:{config.port}"]
+            assert service["ports"] == [f"127.0.0.1:8000:{config.port}"]  # loopback unless GRPO_SERVER_BIND says
             continue
         # The front end finds each worker by its service name, on the port the worker listens on.
         url = config.learner.url if role == "learner" else config.sampler.urls[int(replica)]

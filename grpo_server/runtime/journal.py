@@ -243,7 +243,19 @@ class ExperimentRegistry:
             fsync_dir(self.root)  # or a power cut brings a deleted experiment back at the next start
 
     def load_all(self) -> list[ExperimentConfig]:
+        """The saved configs that still validate (`load_each` also says why the others do not)."""
+        return [config for config in self.load_each().values() if isinstance(config, ExperimentConfig)]
+
+    def load_each(self) -> dict[str, ExperimentConfig | str]:
+        """Each saved experiment by its file's name: its config, or why it cannot be read (a file written by an
+        older version that this one no longer takes, say a name now reserved, or a damaged one). One bad file
+        must not stop the server from starting with the others."""
         if not self.root.is_dir():
-            return []
-        return [ExperimentConfig.model_validate(json.loads(path.read_text()))
-                for path in sorted(self.root.glob("*.json"))]
+            return {}
+        found: dict[str, ExperimentConfig | str] = {}
+        for path in sorted(self.root.glob("*.json")):
+            try:
+                found[path.stem] = ExperimentConfig.model_validate(json.loads(path.read_text()))
+            except (OSError, ValueError) as exc:  # ValueError: bad JSON, and pydantic's ValidationError
+                found[path.stem] = f"its saved config ({path.name}) cannot be read: {exc}".replace("\n", "; ")
+        return found

@@ -55,6 +55,7 @@ class Unrestored:
 
     config: ExperimentConfig
     reason: str
+    invalid: bool = False  # its saved config does not validate: `config` is a name only, and restoring it fails
     at: float = field(default_factory=time.time)
 
 
@@ -148,6 +149,9 @@ class Orchestrator:
         if held is None:
             self.get(name)  # 404 for an unknown name
             raise Conflict(f"experiment {name!r} is running: nothing to restore", code="experiment_running")
+        if held.invalid:
+            raise Conflict(f"experiment {name!r} cannot be restored: {held.reason}. Fix the file and restart the "
+                           "server, or delete the experiment", code="experiment_invalid")
         async with self._lock:
             if self.unrestored.get(name) is not held:
                 raise Conflict(f"experiment {name!r} was restored or deleted meanwhile", code="experiment_changed")
@@ -279,7 +283,13 @@ class Orchestrator:
         """The experiments an earlier run in this run directory left in its registry, keys as saved: one
         shorter than MIN_KEY_LENGTH (saved before keys had a minimum) still works, with a warning."""
         with keys_as_saved():
-            configs = self.registry.load_all()
+            saved = self.registry.load_each()
+        configs = [c for c in saved.values() if isinstance(c, ExperimentConfig)]
+        for name, reason in saved.items():
+            if isinstance(reason, str):  # held as failed, as one whose checkpoint is unreadable; its key is not read
+                self.unrestored[name] = Unrestored(ExperimentConfig.model_construct(name=name), reason, invalid=True)
+                log.error("experiment %s held as failed: %s. Fix or delete the file and restart, or delete the "
+                          "experiment (DELETE /v1/experiments/%s)", name, reason, name)
         for config in configs:
             if config.api_key is not None and len(config.api_key.get_secret_value()) < MIN_KEY_LENGTH:
                 log.warning("experiment %s: its api_key is shorter than %d characters; delete it and create it "
