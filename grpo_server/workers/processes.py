@@ -25,7 +25,7 @@ from grpo_server.workers.worker_logs import LogPump, RotatingLog, tail_lines
 
 log = logging.getLogger(__name__)
 
-MAX_CRASHES = 5  # within CRASH_WINDOW_S, then the worker is marked failed and not restarted
+MAX_CRASHES = 5  # the MAX_CRASHES-th crash within CRASH_WINDOW_S marks the worker failed, not restarted
 CRASH_WINDOW_S = 600.0
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_GRACE_S = 15.0
@@ -128,7 +128,7 @@ class WorkerProcess:
             self._crashes.append(now)
             while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
                 self._crashes.popleft()
-            if len(self._crashes) > MAX_CRASHES:
+            if len(self._crashes) >= MAX_CRASHES:  # restarted after the first MAX_CRASHES - 1 only
                 self.state = "failed"
                 log.error("%s: crashed %d times in %.0f s, not restarting", self.name,
                           len(self._crashes), CRASH_WINDOW_S)
