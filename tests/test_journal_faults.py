@@ -301,3 +301,22 @@ async def test_a_closed_journal_writes_nothing(tmp_path):
     with pytest.raises(ValueError):
         await exp.feedback(rate(group))
     assert exp.groups.pending_count("exp") == 1 and on_disk(exp.journal.path) == []
+
+
+def test_a_new_journal_file_and_folder_have_durable_entries(tmp_path, monkeypatch):
+    """Creating the journal fsyncs the folder that holds it (and the run directory, for a new folder): fsyncing
+    its records alone leaves the file's name to a power cut, and every record with it. Opening one that exists
+    fsyncs nothing. Its file is the owner's and its group's only (0640 at most)."""
+    synced: list[Path] = []
+    real_fsync_dir = journal_module.fsync_dir
+    monkeypatch.setattr(journal_module, "fsync_dir", lambda path: (synced.append(Path(path)),
+                                                                   real_fsync_dir(path))[1])
+    path = tmp_path / "run" / "journal" / "exp.jsonl"
+    (tmp_path / "run").mkdir()
+    journal = FeedbackJournal(path)
+    assert synced == [tmp_path / "run", tmp_path / "run" / "journal"]
+    assert os.stat(path).st_mode & 0o777 & ~0o640 == 0
+    journal.close()
+    synced.clear()
+    FeedbackJournal(path).close()
+    assert synced == []

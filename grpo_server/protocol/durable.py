@@ -13,6 +13,21 @@ import os
 from pathlib import Path
 
 
+# What a run directory's files and folders may be: the owner's, readable by its group (a worker running as
+# another user of the same group, e.g. a pod's fsGroup), never by other users. Files 0640, folders 0750.
+RUN_FILE_MODE = 0o640
+RUN_UMASK = 0o027
+
+
+def restrict_umask() -> int:
+    """Make every file and folder this process (and what it starts) creates at most 0640 / 0750, whatever
+    library creates it (safetensors, torch.save, vLLM's caches); a stricter umask the user set is kept. The
+    umask before."""
+    before = os.umask(RUN_UMASK)
+    os.umask(before | RUN_UMASK)
+    return before
+
+
 def fsync_dir(path: Path) -> None:
     """Make the entries of folder `path` (files created, renamed or removed in it) durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -27,7 +42,7 @@ def fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = RUN_FILE_MODE) -> None:
     """Replace `path` with `data`: after a crash it holds the old bytes or the new, whole. The temporary file
     is created with `mode` (0600 for a file holding secrets), never readable wider even for a moment."""
     path = Path(path)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpo_server.config import ExperimentConfig
-from grpo_server.protocol.durable import fsync_dir, write_atomic
+from grpo_server.protocol.durable import RUN_FILE_MODE, fsync_dir, write_atomic
 from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.wire import Completion
 from grpo_server.runtime.groups import Group
@@ -77,7 +77,9 @@ class JournalWriteFailed(Unavailable):
 class FeedbackJournal:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.is_dir():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.path.parent.parent)  # the folder's own entry, as the file's below
         self._drop_torn_tail()
         # The newest acknowledged record: set on the event loop once its write returned (with the caller's
         # `then`), never by the thread writing it, so `pending` (a learner restart) never queues a group twice.
@@ -93,7 +95,10 @@ class FeedbackJournal:
         if self._closed:
             raise ValueError(f"{self.path}: the journal is closed")
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            created = not self.path.exists()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, RUN_FILE_MODE)
+            if created:  # its entry in the folder is durable before any append is acknowledged: a power cut
+                fsync_dir(self.path.parent)  # could otherwise lose the whole file, fsynced records and all
             self._size = os.fstat(self._fd).st_size  # whole records only: opened at start or after a compaction
         return self._fd
 
@@ -202,7 +207,7 @@ class FeedbackJournal:
         """Forget entries up to `through_seq`: the learner's checkpoint holds them. Blocking: the server calls
         `compact_async`. On a failure the file is as it was (it only holds more than needed)."""
         keep = b"".join(line for line, record in self._lines() if through_seq < record["seq"] <= self.last_seq)
-        write_atomic(self.path, keep, mode=0o666)
+        write_atomic(self.path, keep, mode=RUN_FILE_MODE)
         # Appends go to the new file, whole records only.
         old = self._fd
         self._fd = None
