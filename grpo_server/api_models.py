@@ -256,6 +256,10 @@ class ExperimentCounters(ApiModel):
     groups_dropped_stale: int = Field(0, description=(
         "Groups dropped before training: sampled by weights more than algorithm.max_staleness optimizer steps "
         "(not pushed versions) behind the learner's"))
+    groups_dropped_failed: int = Field(0, description=(
+        "Groups dropped because the learner failed on (or refused) their batch's train step 5 times in a row "
+        "(runtime/training.py MAX_BATCH_FAILURES; a learner that is unavailable counts no try); the reason is "
+        "in the experiment's errors"))
     groups_zero_variance: int = 0
     groups_expired: int = 0
     completions_sampled: int = 0

@@ -10,7 +10,7 @@ and `generate_latest` writes the text.
 
 What a scrape reads, and nothing else: the orchestrator's `experiments` (name -> experiment),
 `groups.pending_count(name)` and `workers.states()`; per experiment `name`, `serving_version`, `step`,
-`counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`,
+`counters` (`groups_sampled`, `groups_received`, `groups_trained`, `groups_dropped_stale`, `groups_dropped_failed`,
 `groups_zero_variance`, `groups_expired`, `episodes_*`, `episode_turns`, `completions_sampled`,
 `completions_external`, `tokens_sampled`),
 `queue` (its length), `recent_rewards`, `last_metrics` (`kl`, `mismatch_kl`, `mismatch_kl_fresh`,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from grpo_server.trackers import TrackerSet
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
-GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "zero_variance", "expired")
+GROUP_OUTCOMES = ("sampled", "received", "trained", "dropped_stale", "dropped_failed", "zero_variance", "expired")
 LAST_STEP = (("kl", "grpo_kl", "KL to the base model, last step (absent when beta = 0)"),
              ("mismatch_kl", "grpo_mismatch_kl", "KL(sampler || learner) per trained token, last step"),
              ("mismatch_kl_fresh", "grpo_mismatch_kl_fresh", "KL(sampler || learner) per token the learner's "

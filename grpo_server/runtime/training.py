@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 # After a failed step whose batch went back to the queue, the next try waits this long: a failure that lasts
 # (a learner that answers errors) is tried a few times a minute, not in a loop.
 FAILED_STEP_PAUSE_S = 2.0
+# A batch whose step the learner failed on (or refused) this many times in a row is dropped, not retried forever:
+# counted in counters.groups_dropped_failed, with the reason in the experiment's errors and the log. A learner
+# that is down, restarting or timing out (503) counts no try: that is no fault of the batch.
+MAX_BATCH_FAILURES = 5
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class TrainingLoop:
         self.train_timeout_s = train_timeout_s
         self.max_loaded_versions = max_loaded_versions
         self.checks = VersionChecks(experiment, workers, verify_tolerance, metrics_log, nearest_version)
+        self._failing: tuple[tuple[str, ...], int] = ((), 0)  # the batch whose steps failed, and how many times
 
     async def run(self) -> None:
         exp = self.exp
@@ -142,13 +147,19 @@ class TrainingLoop:
             except ApiError as exc:
                 # Not trained yet, visibly (status and log carry the error): the batch goes back to the head of
                 # the queue and is tried again after a pause. If the learner crashed, its restart has queued these
-                # groups again from the journal instead.
-                again = exp.put_back(groups, generation)
-                exp.record_error(f"train step failed, {len(groups)} groups not trained"
-                                 f"{', tried again shortly' if again else ''}: {exc.message}")
-                log.error("%s: train step failed%s: %s", exp.name, ", batch put back" if again else "", exc.message)
+                # groups again from the journal instead. After MAX_BATCH_FAILURES failures in a row, dropped (not
+                # if the queue was rebuilt meanwhile: it holds them again).
+                if self._failed(groups, exc) >= MAX_BATCH_FAILURES and generation == exp.queue_generation:
+                    self._drop_failed(groups, exc)
+                else:
+                    again = exp.put_back(groups, generation)
+                    exp.record_error(f"train step failed, {len(groups)} groups not trained"
+                                     f"{', tried again shortly' if again else ''}: {exc.message}")
+                    log.error("%s: train step failed%s: %s", exp.name, ", batch put back" if again else "",
+                              exc.message)
                 metrics = None
             if metrics is not None:
+                self._failing = ((), 0)
                 self._trained(groups, metrics, left_out)
                 pushed = await self.push(slot) if pushing else None
         if metrics is None:  # outside the turn, so that what made the step fail can finish meanwhile
@@ -158,6 +169,31 @@ class TrainingLoop:
             await self.score_for_check(pushed)
         if pushing:
             await self.prune_versions()
+
+    def _failed(self, groups: list[Group], exc: ApiError) -> int:
+        """Count a failed step of `groups`: how many times in a row this batch failed (a 503, the learner
+        unavailable, counts none)."""
+        batch = tuple(g.group_id for g in groups)
+        failing, tries = self._failing
+        if batch != failing:
+            tries = 0
+        if not isinstance(exc, Unavailable):
+            tries += 1
+        self._failing = (batch, tries)
+        return tries
+
+    def _drop_failed(self, groups: list[Group], exc: ApiError) -> None:
+        """Drop a batch the learner failed on MAX_BATCH_FAILURES times in a row: counted and reported, never lost
+        silently. Not put back, so the next step's journal position passes it (and its checkpoint compacts it
+        away); a learner restart before that step queues it again from the journal, for as many tries."""
+        exp = self.exp
+        self._failing = ((), 0)
+        exp.counters.groups_dropped_failed += len(groups)
+        exp.record_error(f"train step failed {MAX_BATCH_FAILURES} times in a row on the same batch: its "
+                         f"{len(groups)} groups dropped (counters.groups_dropped_failed): {exc.message}")
+        log.error("%s: train step failed %d times on the same batch, %d groups dropped (journal seq %d-%d): %s",
+                  exp.name, MAX_BATCH_FAILURES, len(groups), min(g.journal_seq for g in groups),
+                  max(g.journal_seq for g in groups), exc.message)
 
     def _trained(self, groups: list[Group], metrics: TrainMetrics, left_out: int = 0) -> None:
         exp = self.exp
