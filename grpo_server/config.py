@@ -356,6 +356,13 @@ class ServerConfig(BaseSettings):
     auth_limit_exempt: list[str] = Field(default_factory=list, description=(
         "Client addresses or networks (CIDR) auth_failure_limit never slows down, e.g. a trusted monitor. "
         "Behind a reverse proxy every client has the proxy's address: exempt it only if it limits itself."))
+    key_rate_limit: float = Field(200.0, ge=0, le=1_000_000, description=(
+        "Requests a second one experiment key may send on average: a token bucket per key, refilled at this rate "
+        "and holding key_rate_burst. A request that finds it empty gets 429 `rate_limited` with Retry-After as soon "
+        "as its key is known, before its body is read or any work is done; a refused request takes no token. "
+        "Other keys are not affected; the admin key is not limited. 0 = no limit."))
+    key_rate_burst: int = Field(400, ge=1, le=1_000_000, description=(
+        "How many requests one experiment key may send at once before key_rate_limit's average applies."))
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
     log_format: Literal["plain", "json"] = Field("plain", description="Every process's log lines: plain text, or a "

@@ -17,7 +17,7 @@ import msgpack
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR
+from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR, RATE_LIMITER
 from grpo_server.api.route_table import ADMIN_PRINCIPAL, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context
@@ -255,6 +255,8 @@ def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamR
 
     async def handle(request: web.Request) -> web.StreamResponse:
         who = None if auth == "public" else caller(request)
+        if who is not None:
+            request.app[RATE_LIMITER].take(who)  # 429 rate_limited: this key's requests a second (api/rate_limit.py)
         if auth == "admin":
             require(who, admin_only=True)
         elif auth == "experiment" and scoped_by_path:
