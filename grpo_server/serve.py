@@ -17,6 +17,7 @@ from aiohttp import web
 
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.cpu_features import read_cpu_features
+from grpo_server.protocol.durable import restrict_umask
 from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.worker_auth import SECRET_ENV
 
@@ -115,6 +116,10 @@ def check_role(config: ServerConfig, role: str, replica: int | None) -> None:
 
 
 def serve(config: ServerConfig, role: str = "all", replica: int | None = None) -> int:
+    # Every file the run directory gets (journal, registries, metrics, logs, configs, checkpoints, adapter
+    # versions) is 0640 and every folder 0750, never world-readable: the workers started here, or exec'd for a
+    # split role, inherit this umask.
+    restrict_umask()
     # The kernels this host's workers will run (each worker logs its own too): AVX2 machines are 2-3x slower.
     log.info("%s", read_cpu_features().describe())
     check_role(config, role, replica)

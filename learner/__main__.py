@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from grpo_server.protocol.durable import restrict_umask
 from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
 from grpo_server.protocol.process_exit import exit_now
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    restrict_umask()  # checkpoints and adapter versions 0640, their folders 0750 (under the front end: inherited)
     from learner.ranks import die_with_parent, ignore_stop_signals, launcher_env
 
     # Started by torchrun / the deepspeed launcher (several hosts): the rank is theirs, not our --rank.

@@ -103,9 +103,10 @@ def write_version(folder: Path, config: dict[str, Any], tensors: dict[str, torch
                   metadata={"format": "pt", STEP_KEY: str(step), JOURNAL_KEY: str(journal_seq),
                             GROUPS_KEY: str(groups_trained), FINGERPRINT_KEY: uuid.uuid4().hex})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
-        # safetensors creates its file 0600; a sampler running as another user (compose) must read it.
+        # safetensors creates its file 0600; a sampler running as another user of the same group (a pod's
+        # fsGroup) must read it. Never world-readable (grpo_server/protocol/durable.py RUN_UMASK).
         for path in (tmp, tmp / WEIGHTS_FILE, tmp / CONFIG_FILE):
-            path.chmod(0o755 if path.is_dir() else 0o644)
+            path.chmod(0o750 if path.is_dir() else 0o640)
         # Durable before anyone hears of it: the front end serves this version and a restarted learner
         # numbers on from the newest folder, so one lost to a power cut after its answer would be reused.
         publish_folder(tmp, folder)

@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from grpo_server.protocol.cpu_features import limit_kernels
+from grpo_server.protocol.durable import restrict_umask
 from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
 from grpo_server.protocol.process_exit import exit_now
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sampler", description="grpo_server sampler replica")
     parser.add_argument("--config", type=Path, required=True, help="SamplerConfig YAML")
     args = parser.parse_args(argv)
+    restrict_umask()  # adapter copies and resolved configs 0640, folders 0750 (under the front end: inherited)
     configure_logging("sampler")  # the front end's format, inherited (GRPO_SERVER_LOG_FORMAT)
     try:
         config = SamplerConfig.model_validate(load_yaml(args.config))
