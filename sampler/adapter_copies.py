@@ -36,7 +36,7 @@ from grpo_server.protocol.worker_auth import auth_headers
 
 log = logging.getLogger(__name__)
 
-_COPY_RE = re.compile(r"^v(\d{6,})$")
+_COPY_RE = re.compile(r"^v(\d{6,})(?:\.([0-9a-f]+))?$")  # v<version>[.<life>]
 
 FETCH_TIMEOUT_S = 600.0  # a whole version; a stalled transfer fails sooner (adapter_files.READ_TIMEOUT_S)
 
@@ -66,7 +66,8 @@ class AdapterCopies:
                 del self._loading[key]
 
     def copy_dir(self, adapter: AdapterRef) -> Path:
-        return self.root / adapter.name / f"v{adapter.version:06d}"
+        """Its copy's folder: one per life of the name (AdapterRef.life), as its key."""
+        return self.root / adapter.name / (f"v{adapter.version:06d}" + (f".{adapter.life}" if adapter.life else ""))
 
     async def local_path(self, req: LoadAdapterRequest) -> str:
         """A folder on this host that holds the version: the learner's path as given, our copy, or a fresh
@@ -102,7 +103,8 @@ class AdapterCopies:
         removed = []
         for folder in sorted(self.root.glob("*/v*")):
             match = _COPY_RE.match(folder.name)
-            key = f"{folder.parent.name}@v{int(match.group(1))}" if match else None
+            key = AdapterRef(name=folder.parent.name, version=int(match.group(1)), life=match.group(2) or "").key \
+                if match else None
             if key is not None and key not in keep:
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(key)

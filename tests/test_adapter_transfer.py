@@ -206,3 +206,17 @@ async def test_the_adapter_files_need_the_workers_secret(learner, tmp_path):
                 await fetch_version(session, url, REF, tmp_path / "c", read_fingerprint(folder), timeout_s=30)
             assert "worker secret" in str(info.value)
     assert not (tmp_path / "c").exists()
+
+
+def test_each_life_of_a_name_has_its_own_adapter_key_and_copy(tmp_path):
+    """Issue 57: LoRA names repeated across an experiment's lives (`name@vN`), and vLLM keys prefix-cache blocks by
+    LoRA name, so a new tenant of a deleted name could reuse KV computed under the old tenant's adapter. The life
+    is in the key (the LoRA name on the samplers) and in a copy's folder; a key reads back as the same ref."""
+    old, new = AdapterRef(name="exp", version=3, life="0a1b2c3d"), AdapterRef(name="exp", version=3, life="4e5f6a7b")
+    assert old.key != new.key and {old.key, new.key} == {"exp@v3.0a1b2c3d", "exp@v3.4e5f6a7b"}
+    assert AdapterRef.from_key(old.key) == old and AdapterRef.from_key("exp@v3") == AdapterRef(name="exp", version=3)
+    copies = AdapterCopies(tmp_path, replica=0, learner_url=None, secret=WORKER_SECRET)
+    assert copies.copy_dir(old) != copies.copy_dir(new)
+    for ref in (old, new, AdapterRef(name="exp", version=4, life="4e5f6a7b")):
+        copies.copy_dir(ref).mkdir(parents=True)
+    assert copies.sweep(loaded=[new.key]) == ["exp@v3.0a1b2c3d", "exp@v4.4e5f6a7b"]

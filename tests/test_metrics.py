@@ -55,9 +55,9 @@ async def test_metrics_follow_training(server, client):
     await client.delete_experiment(name)
 
 
-def fake_front_end(experiments, pending=None, workers=None, trackers=None):
-    """An orchestrator as the renderer reads it: `experiments`, `groups.pending_count(name)`, `workers.states()`,
-    `loop_lag`, `budget` (a held-token count of 100 per experiment) and `trackers` (name -> TrackerSet)."""
+def fake_front_end(experiments, pending=None, workers=None):
+    """An orchestrator as the renderer reads it: `experiments` (each with its `trackers`), `groups.pending_count(name)`,
+    `workers.states()`, `loop_lag` and `budget` (a held-token count of 100 per experiment)."""
     lag = LoopLag(interval_s=1.0, window_s=100.0)
     for lag_s in (0.001, 0.002, 0.003, 0.25):
         lag.add(lag_s)
@@ -65,8 +65,7 @@ def fake_front_end(experiments, pending=None, workers=None, trackers=None):
     return SimpleNamespace(experiments={e.name: e for e in experiments},
                            groups=SimpleNamespace(pending_count=lambda name: (pending or {}).get(name, 0)),
                            workers=SimpleNamespace(states=lambda: workers or {}), loop_lag=lag,
-                           budget=TokenBudget(1000, 1000, lambda name: 100 * (len(names) if name is None else 1)),
-                           trackers=trackers or {})
+                           budget=TokenBudget(1000, 1000, lambda name: 100 * (len(names) if name is None else 1)))
 
 
 def fake_experiment(name: str, **changes):
@@ -75,7 +74,7 @@ def fake_experiment(name: str, **changes):
                                   completions_sampled=10, completions_external=2, tokens_sampled=123)
     fields = dict(name=name, counters=counters, serving_version=2, step=3, queue=[object(), object()],
                   recent_rewards=deque([0.5, 1.0]), last_metrics={"kl": 0.01, "clipped_fraction": 0.2, "seconds": 1.5},
-                  last_push_seconds=0.7, staleness=Counter({0: 2, 1: 1, 5: 3}))
+                  last_push_seconds=0.7, staleness=Counter({0: 2, 1: 1, 5: 3}), trackers=None)
     return SimpleNamespace(**{**fields, **changes})
 
 
@@ -86,10 +85,10 @@ def test_render_without_a_server():
     http.add("POST", "/v1/experiments/{name}/feedback", 202)
     # A tracker's counts as its sink keeps them (grpo_server/trackers/base.py), without a backend behind them.
     mlflow = SimpleNamespace(counts=SimpleNamespace(written=7, dropped=2, errors=1, last_error="write: boom"))
-    orchestrator = fake_front_end([fake_experiment('odd"name\\'), fake_experiment(
-        "bare", recent_rewards=deque(), last_metrics=None, last_push_seconds=None, staleness=Counter())],
-        pending={'odd"name\\': 3}, workers={"learner": "ready", "sampler-0": "starting"},
-        trackers={'odd"name\\': TrackerSet(sinks={"mlflow": mlflow})})
+    orchestrator = fake_front_end([fake_experiment('odd"name\\', trackers=TrackerSet(sinks={"mlflow": mlflow})),
+                                   fake_experiment("bare", recent_rewards=deque(), last_metrics=None,
+                                                   last_push_seconds=None, staleness=Counter())],
+                                  pending={'odd"name\\': 3}, workers={"learner": "ready", "sampler-0": "starting"})
     text = prometheus.render(prometheus.registry(http, lambda: orchestrator)).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     types = {name: f.type for name, f in families.items()}

@@ -215,7 +215,7 @@ async def test_a_crashed_training_task_is_reported(tmp_path):
         raise KeyError("boom")
 
     training.train = broken_train
-    exp.start_training(training.run())
+    exp.start_training(training)
     exp.queue.append(rated_group(1))
     exp.queue_changed.set()
     await asyncio.gather(exp.training_task, return_exceptions=True)

@@ -72,7 +72,8 @@ class FrontEndCollector(Collector):
         orchestrator = self.orchestrator()
         experiments = list(orchestrator.experiments.values())
         pending = {exp.name: orchestrator.groups.pending_count(exp.name) for exp in experiments}
-        families = families_of(experiments, pending, orchestrator.workers.states(), self.http, orchestrator.trackers)
+        trackers = {exp.name: exp.trackers for exp in experiments if exp.trackers is not None}
+        families = families_of(experiments, pending, orchestrator.workers.states(), self.http, trackers)
         families += server_families(orchestrator)
         yield from (family for family in families if family.samples)  # as before: no family without samples
 

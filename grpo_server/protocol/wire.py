@@ -27,14 +27,24 @@ ExperimentName = Annotated[str, Field(pattern=EXPERIMENT_NAME)]
 
 
 class AdapterRef(WireModel):
-    """One version of one experiment's adapter. The sampler maps it to its own LoRA id."""
+    """One version of one experiment's adapter. The sampler maps it to its own LoRA id, named by `key`."""
 
     name: ExperimentName
     version: int = Field(ge=0)
+    # Which life of the name (runtime/experiment/owner.py): in the key, so that no adapter, copy or cached KV of
+    # one life is taken for another's (vLLM keys its prefix cache by LoRA name). The learner ignores it.
+    life: str = Field("", pattern=r"^[0-9a-f]{0,16}$")
 
     @property
     def key(self) -> str:
-        return f"{self.name}@v{self.version}"
+        return f"{self.name}@v{self.version}" + (f".{self.life}" if self.life else "")
+
+    @classmethod
+    def from_key(cls, key: str) -> AdapterRef:
+        """The AdapterRef whose `key` this is."""
+        name, _, rest = key.rpartition("@v")
+        version, _, life = rest.partition(".")
+        return cls(name=name, version=int(version), life=life)
 
 
 # --- sampler -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import contextlib
 from typing import TYPE_CHECKING, Protocol
 
 from grpo_server.api_models import ExternalCompletion
-from grpo_server.protocol.wire import AdapterRef, Completion, ScoreRequest
+from grpo_server.protocol.wire import Completion, ScoreRequest
 from grpo_server.runtime.groups import Group
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class Scorer(Protocol):
-    """What scoring needs of an experiment (runtime/experiment.py's Experiment, which calls this module, so it
+    """What scoring needs of an experiment (runtime/experiment/'s Experiment, which calls this module, so it
     is not imported here)."""
 
     name: str
@@ -46,7 +46,7 @@ async def score_external(exp: Scorer, group: Group, token_ids: list[list[int]]) 
             with exp.pinned_serving_version() as version:
                 scored = await sampler.score(ScoreRequest(
                     prompt_token_ids=group.prompt_token_ids, completions_token_ids=token_ids,
-                    temperature=group.temperature, adapter=AdapterRef(name=exp.name, version=version),
+                    temperature=group.temperature, adapter=exp.adapter(version),
                 ))
     return version, [Completion(text=exp.prompts.decode(ids), token_ids=ids, logprobs=logprobs,
                                 finish_reason="external")

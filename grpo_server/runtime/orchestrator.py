@@ -1,6 +1,7 @@
 """The server's experiments: create, look up, delete, re-sync after a worker restarts, and the upkeep loops
 (group expiry, the metrics logs' sampling lines). A request for one experiment goes to its owner
-(`runtime/experiment.py`) once `get` found it.
+(`runtime/experiment/`) once `get` found it; the experiment builds and holds its own parts (training loop, metrics
+log, trackers).
 
 Tenants stay apart across a name's lives: delete archives the experiment's files (the learner's and the
 front end's, `grpo_server/protocol/archive.py`), so a new experiment of that name starts at version 0 and
@@ -22,21 +23,20 @@ from grpo_server.config import MIN_KEY_LENGTH, ExperimentConfig, ServerConfig, k
 from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import VersionPruned, fetch_version, holds
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unavailable, Unprocessable, public_message
-from grpo_server.protocol.wire import AdapterRef
+from grpo_server.protocol.wire import AdapterRef, GenerateRequest, GenerateResponse
 from grpo_server.protocol.worker_config import resolve_rollout_correction
 from grpo_server.runtime.episodes import EpisodeStore
-from grpo_server.runtime.experiment import RECENT_GROUPS, Experiment
+from grpo_server.runtime.experiment import Experiment, sample_and_score
 from grpo_server.runtime.groups import GroupStore
 from grpo_server.runtime.journal import ExperimentRegistry, FeedbackJournal
 from grpo_server.runtime.loop_lag import LoopLag
-from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, MetricsLog, metrics_log_path
+from grpo_server.runtime.metrics_log import SAMPLING_INTERVAL_S, metrics_log_path
 from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.runtime.status import experiment_status, is_sampling, unrestored_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
-from grpo_server.runtime.training import TrainingLoop
 from grpo_server.runtime.verification import nearest_version_needed
-from grpo_server.trackers import TrackerSet, default_trackers, missing_libraries, open_trackers
+from grpo_server.trackers import default_trackers, missing_libraries
 from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,6 @@ class Orchestrator:
         # another tenant's, inherits none of it.
         self.on_delete: list[Callable[[str], Awaitable[None]]] = []
         self.learner_restarts = 0  # re-syncs after a learner restart: its in-memory state (gradients) is gone
-        self.metrics_logs: dict[str, MetricsLog] = {}  # by experiment name
-        self.trackers: dict[str, TrackerSet] = {}  # by experiment name: fed by its metrics log
-        self.training_loops: dict[str, TrainingLoop] = {}  # by experiment name: its training task's owner
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
         self._learner_synced = asyncio.Event()  # clear while a restarted learner is given its experiments again
@@ -126,7 +123,7 @@ class Orchestrator:
         return [unrestored_status(self.unrestored[name].config, self.unrestored[name].reason)
                 if name in self.unrestored and name not in self.experiments else
                 experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
-                                  self.trackers.get(name), experiments_sampling=len(sampling - {name}) + 1)
+                                  experiments_sampling=len(sampling - {name}) + 1)
                 for name in names]
 
     async def start_saved(self, configs: list[ExperimentConfig]) -> None:
@@ -196,29 +193,19 @@ class Orchestrator:
             config.algorithm, numerics_differ=nearest or learner_autocast)})
         # The learner writes version 0 (LoRA B = 0, the base model), or resumes the newest on disk.
         first = await self.workers.learner.add_experiment(config.name, config.lora, config.algorithm)
-        try:
-            await self.workers.load_everywhere(AdapterRef(name=config.name, version=first.version), first.path,
-                                               first.fingerprint)
-        except ApiError:
-            await self.workers.learner.remove_experiment(config.name)
-            raise
         exp = Experiment(config=config, workers=self.workers, server=self.config, prompts=self.prompts,
                          groups=self.groups, episodes=self.episodes, budget=self.budget,
                          journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
+        try:
+            await self.workers.load_everywhere(exp.adapter(first.version), first.path, first.fingerprint)
+        except ApiError:
+            await exp.journal.aclose()
+            await self.workers.learner.remove_experiment(config.name)
+            raise
         exp.resume_from(first)
         exp.serve(first.version, first.path)
         await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
-        tracker_set = open_trackers(trackers, config.name, config.public_dict(), self.config.trackers,
-                                    self.config.run_dir, step=first.step)
-        self.trackers[config.name] = tracker_set
-        metrics_log = MetricsLog(metrics_log_path(self.config.run_dir, config.name), feed=tracker_set.feed)
-        self.metrics_logs[config.name] = metrics_log
-        exp.recall_rewards(metrics_log.recent_group_rewards(RECENT_GROUPS))  # the recent reward survives a restart
-        training = TrainingLoop(exp, self.workers, self.config.verify_tolerance,
-                                self.config.worker_timeout_s, self.config.max_loaded_versions, metrics_log,
-                                nearest_version=nearest, idle_check_s=self.config.verify_idle_s)
-        exp.start_training(training.run())
-        self.training_loops[config.name] = training
+        exp.open(trackers, nearest_version=nearest)  # its metrics log, trackers and training task
         self.experiments[config.name] = exp
         log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
                  "by %s, rollout correction %s (the workers compute in %s%s)", config.name, first.version,
@@ -235,16 +222,14 @@ class Orchestrator:
             exp = self.get(name)
             del self.experiments[name]
             await asyncio.to_thread(self.registry.remove, name)
+            # Its metrics log's file stays, and its tracker runs in their stores (not archived: a store holds every
+            # experiment's runs).
             await exp.stop()
-            self.metrics_logs.pop(name).close()  # the file stays
-            # Its tracker runs stay in their stores (not archived: a store holds every experiment's runs).
-            await asyncio.to_thread(self.trackers.pop(name).close, self.config.trackers.close_timeout_s)
-            self.training_loops.pop(name, None)
             self.groups.drop_experiment(name)
             self.episodes.drop_experiment(name)
             self.workers.turns.forget(name)
             for version in list(exp.adapter_paths):
-                await self.workers.unload_everywhere(AdapterRef(name=name, version=version))
+                await self.workers.unload_everywhere(exp.adapter(version))
             await self._archive_deleted(name)
 
     async def _delete_unrestored(self, name: str) -> None:
@@ -359,6 +344,12 @@ class Orchestrator:
                 raise pruned from exc
             yield copy
 
+    async def sample_base_model(self, request: GenerateRequest, score_prompt: bool,
+                                ) -> tuple[GenerateResponse, list[float] | None]:
+        """The admin's own samples of the base model, in no experiment's turn: the server's token budget still
+        holds their worst case, under "admin" (a name no experiment takes: config.RESERVED_NAMES)."""
+        return await sample_and_score(self.workers, self.budget, "admin", None, request, score_prompt)
+
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         prompts = self.prompts
         if request.continue_from is not None:
@@ -387,7 +378,7 @@ class Orchestrator:
         """After a sampler restart: load every live version again."""
         for exp in list(self.experiments.values()):
             for version, path in list(exp.adapter_paths.items()):
-                await self.workers.load_on(sampler_index, AdapterRef(name=exp.name, version=version), path)
+                await self.workers.load_on(sampler_index, exp.adapter(version), path)
         log.info("%s re-loaded %d experiments' adapters", self.workers.replica(sampler_index).name,
                  len(self.experiments))
 
@@ -419,7 +410,7 @@ class Orchestrator:
             exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
                              f"{len(exp.queue)} journalled groups queued to train")
             if resumed.version != exp.serving_version:
-                await self.workers.load_everywhere(AdapterRef(name=exp.name, version=resumed.version),
+                await self.workers.load_everywhere(exp.adapter(resumed.version),
                                                    resumed.path, resumed.fingerprint)
                 exp.serve(resumed.version, resumed.path)
 
@@ -427,10 +418,8 @@ class Orchestrator:
         """Every interval, a `sampling` line in the metrics log of each experiment that sampled in it."""
         while True:
             await asyncio.sleep(interval_s)
-            for name, exp in list(self.experiments.items()):
-                metrics_log = self.metrics_logs.get(name)
-                if metrics_log is not None:
-                    metrics_log.sampling(exp.counters)
+            for exp in list(self.experiments.values()):
+                exp.log_sampling()
 
     def start_upkeep(self) -> None:
         """Group expiry and the sampling lines of the metrics logs, until `close`."""
@@ -440,11 +429,7 @@ class Orchestrator:
 
     async def close(self) -> None:
         await self.upkeep.stop()
-        await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))
-        for metrics_log in self.metrics_logs.values():
-            metrics_log.close()
-        await asyncio.gather(*(asyncio.to_thread(trackers.close, self.config.trackers.close_timeout_s)
-                               for trackers in self.trackers.values()))
+        await asyncio.gather(*(exp.stop() for exp in self.experiments.values()))  # their logs and trackers too
         self.prompts.close()
 
 

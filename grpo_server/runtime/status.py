@@ -18,7 +18,7 @@ SAMPLING_WINDOW_S = 30.0  # an experiment whose latest sampler request is this r
 
 
 def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int,
-                      trackers: "TrackerSet | None" = None, experiments_sampling: int = 1) -> ExperimentStatus:
+                      experiments_sampling: int = 1) -> ExperimentStatus:
     verification_failed = exp.last_verification is not None and exp.last_verification.ok is False  # None: inconclusive
     training_stopped = exp.training_task is not None and exp.training_task.done() and not exp.training_task.cancelled()
     return ExperimentStatus(
@@ -43,7 +43,7 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         # tenant's: no server path, worker URL or traceback (the log has the full text).
         errors=[public_message(error) for error in exp.errors],
         config=exp.config.public_dict(),
-        trackers=tracker_status(trackers),
+        trackers=tracker_status(exp.trackers),
     )
 
 

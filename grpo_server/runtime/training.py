@@ -8,16 +8,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grpo_server.protocol import log_context
 from grpo_server.protocol.errors import ApiError, Unavailable
-from grpo_server.protocol.wire import (AdapterRef, Completion, TrainMetrics, TrainRequest, TrainSample,
+from grpo_server.protocol.wire import (Completion, TrainMetrics, TrainRequest, TrainSample,
                                        VersionProbe)
-from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.verification import VersionChecks, probe_of
 from grpo_server.workers.pool import WorkerPool
+
+if TYPE_CHECKING:  # the experiment holds its training loop (runtime/experiment/owner.py)
+    from grpo_server.runtime.experiment import Experiment
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +224,7 @@ class TrainingLoop:
         try:
             saved = await self.workers.learner.save_adapter(exp.name)
             exp.learned(saved.version, saved.step)
-            await self.workers.load_everywhere(AdapterRef(name=exp.name, version=saved.version), saved.path,
+            await self.workers.load_everywhere(exp.adapter(saved.version), saved.path,
                                                saved.fingerprint)
         except ApiError as exc:
             exp.record_error(f"push failed: {exc.message}")

@@ -36,16 +36,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grpo_server.api_models import VerificationResult
 from grpo_server.config import ServerConfig
 from grpo_server.protocol.errors import ApiError
-from grpo_server.protocol.wire import AdapterRef, ScoreRequest, TrainMetrics, VersionProbe
-from grpo_server.runtime.experiment import Experiment
+from grpo_server.protocol.wire import ScoreRequest, TrainMetrics, VersionProbe
 from grpo_server.runtime.groups import Group
 from grpo_server.runtime.metrics_log import MetricsLog
 from grpo_server.runtime.version_distance import MAX_NOISE_FLOOR, NOISE_BAND, nearest_version
 from grpo_server.workers.pool import WorkerPool
+
+if TYPE_CHECKING:  # the experiment holds its checks (runtime/experiment/owner.py)
+    from grpo_server.runtime.experiment import Experiment
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ class VersionChecks:
             # next generations, and its pass alone would make them drain first.
             async with self.workers.sampler(take_turn=False) as sampler:
                 scored = await sampler.score(ScoreRequest(
-                    **probe.model_dump(), adapter=AdapterRef(name=exp.name, version=pushed.version)))
+                    **probe.model_dump(), adapter=exp.adapter(pushed.version)))
             if self.nearest_version:
                 result = self._by_distance(pushed, scored.logprobs)
             else:

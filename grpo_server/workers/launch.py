@@ -189,8 +189,7 @@ async def unload_all_adapters(connection: WorkerConnection) -> None:
     sampler = SamplerClient(connection)
     health = await sampler.health(syncing_ok=True)
     for key in health.adapters:
-        name, _, version = key.rpartition("@v")  # AdapterRef.key is "<name>@v<version>"
-        await sampler.unload_adapter(AdapterRef(name=name, version=int(version)), syncing_ok=True)
+        await sampler.unload_adapter(AdapterRef.from_key(key), syncing_ok=True)
     if health.adapters:
         log.info("%s: unloaded %d adapters left from before", sampler.name, len(health.adapters))
 

@@ -121,7 +121,7 @@ async def experiment_metrics(request: web.Request, who: Principal | None, body: 
     if not 1 <= limit <= RECENT_PER_KIND:
         raise BadRequest(f"limit must be an integer from 1 to {RECENT_PER_KIND}, got {raw_limit!r}",
                          code="bad_limit")
-    records = orchestrator.metrics_logs[name].records(kind, limit)
+    records = orchestrator.get(name).metric_records(kind, limit)
     return respond(request, MetricsHistory(name=name, records=records))
 
 

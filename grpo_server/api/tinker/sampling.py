@@ -17,7 +17,6 @@ from grpo_server.api.tinker.service import Sampler, TinkerService
 from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import GenerateRequest
-from grpo_server.runtime.experiment import sample_and_score
 
 DEFAULT_MAX_TOKENS = 16  # the SDK leaves max_tokens out when the client did not set it
 
@@ -61,8 +60,7 @@ async def sample(service: TinkerService, sampler: Sampler, request: ts.SampleReq
     if experiment is not None:
         result, scored = await experiment.sample_for_client(generate, version, score_prompt=request.prompt_logprobs)
     else:  # the admin's own samples of the base model: the server's token budget still holds their worst case
-        result, scored = await sample_and_score(orchestrator.workers, orchestrator.budget, ADMIN, None, generate,
-                                                request.prompt_logprobs)
+        result, scored = await orchestrator.sample_base_model(generate, request.prompt_logprobs)
     return SampleResponse(
         sequences=[SampledSequence(stop_reason="length" if c.finish_reason == "length" else "stop",
                                    tokens=c.token_ids, logprobs=c.logprobs) for c in result.completions],

@@ -34,6 +34,7 @@ from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, TooManyRequests, Unprocessable
 from grpo_server.protocol.worker_config import LoraConfig
+from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,11 @@ class TinkerService:
         model.last_request_at = time.time()
         return model
 
+    def experiment_of(self, model: TinkerModel) -> Experiment:
+        """The experiment behind `model`: the only way its calls reach the learner and the samplers (404 once it
+        was deleted; its calls queued then were cancelled, `on_experiment`)."""
+        return self.orchestrator.get(model.experiment)
+
     def check_base_model(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.base_model:
             raise BadRequest(f"this server trains {self.base_model!r}, not {base_model!r}", code="unknown_base_model")
@@ -263,14 +269,7 @@ class TinkerService:
         targets = first.loss_fn_inputs.get("target_tokens")
         if len(first.tokens) > 1 or targets:
             model.probe_tokens = first.tokens + [int(targets[-1])] if targets else list(first.tokens)
-        learner_request = wire.ForwardBackwardRequest(name=model.experiment, data=data, loss_fn=given.loss_fn,
-                                                      loss_fn_config=config)
-        workers = self.orchestrator.workers
-        async with workers.turns.training(model.experiment):
-            verb = workers.learner.forward if request.forward_only else workers.learner.forward_backward
-            out = await verb(learner_request, timeout_s=self.orchestrator.config.worker_timeout_s)
-            if not request.forward_only:  # in the turn: a batch waiting for it sees them (training.py)
-                self.orchestrator.get(model.experiment).gradients_summed()
+        out = await self.experiment_of(model).forward_backward(data, given.loss_fn, config, request.forward_only)
         if not request.forward_only:
             model.gradients_pending = True
             model.learner_life = self.orchestrator.learner_restarts
@@ -283,10 +282,7 @@ class TinkerService:
         if request.adam_params is None:
             kind = (request.optimizer_params or {}).get("type", "?")
             raise BadRequest(f"only AdamW steps (adam_params) are served, not {kind!r}", code="unsupported_optimizer")
-        workers = self.orchestrator.workers
-        async with workers.turns.training(model.experiment):
-            out = await workers.learner.optim_step(model.experiment, wire.AdamParams(**request.adam_params.model_dump()))
-        self.orchestrator.get(model.experiment).optimizer_stepped(out.step)
+        out = await self.experiment_of(model).optim_step(wire.AdamParams(**request.adam_params.model_dump()))
         model.step = out.step
         model.gradients_pending = False
         await self._saved()  # the step reached, so that a restart that rolls it back can say so
@@ -319,13 +315,13 @@ class TinkerService:
         per model (409 beyond: delete some), each deleted once its `ttl_seconds` have passed."""
         await self.expire_checkpoints(model)
         label = name or f"auto-{int(time.time() * 1000)}"
-        learner = self.orchestrator.workers.learner
-        saved = {s.label for s in (await learner.list_states(model.experiment)).states}
+        experiment = self.experiment_of(model)
+        saved = {s.label for s in await experiment.saved_states()}
         cap = self.orchestrator.config.tinker_max_saved_per_model
         if label not in saved and len(saved) >= cap:
             raise Conflict(f"model {model.model_id} holds {len(saved)} saved states, the server's "
                            f"tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
-        await learner.save_state(model.experiment, label, with_optimizer=True)
+        await experiment.save_state(label)
         self._expire_after(model, f"weights/{label}", ttl_seconds)
         await self._saved()
         return f"tinker://{model.model_id}/weights/{label}"
@@ -357,10 +353,7 @@ class TinkerService:
                 raise BadRequest("load_weights needs model_id, or session_id and model_seq_id", code="bad_request")
             target = await self.create_model(owner, request.session_id, request.model_seq_id, request.base_model,
                                              source.lora)
-        workers = self.orchestrator.workers
-        async with workers.turns.training(target.experiment):
-            await workers.learner.load_state(target.experiment, label, source=source.experiment,
-                                             with_optimizer=request.optimizer)
+        await self.experiment_of(target).load_state(label, self.experiment_of(source), request.optimizer)
         return target
 
     async def save_for_sampler(self, model: TinkerModel, name: str | None,
@@ -374,15 +367,13 @@ class TinkerService:
         if name is not None and name not in model.sampler_weights and len(model.sampler_weights) >= cap:
             raise Conflict(f"model {model.model_id} holds {len(model.sampler_weights)} named sampler weights, the "
                            "server's tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
-        training = self.orchestrator.training_loops[model.experiment]
-        version = await training.push_now(probe_from(model.probe_tokens))
-        experiment = self.orchestrator.get(model.experiment)
-        weights = SamplerWeights(version, experiment.adapter_paths[version])
+        experiment = self.experiment_of(model)
+        weights = SamplerWeights(*await experiment.push_for_client(probe_from(model.probe_tokens)))
         if name is not None:
             if name in model.sampler_weights:
                 experiment.unname_version(model.sampler_weights[name].version)
             model.sampler_weights[name] = weights
-            experiment.name_version(version)
+            experiment.name_version(weights.version)
             self._expire_after(model, f"sampler_weights/{name}", ttl_seconds)
             await self._saved()
         return weights
@@ -448,10 +439,10 @@ class TinkerService:
 
     async def checkpoints(self, model: TinkerModel) -> list[ts.Checkpoint]:
         await self.expire_checkpoints(model)
-        states = await self.orchestrator.workers.learner.list_states(model.experiment)
+        states = await self.experiment_of(model).saved_states()
         listed = [ts.Checkpoint(checkpoint_id=f"weights/{s.label}", checkpoint_type="training",
                                 time=datetime.fromtimestamp(s.saved_at, timezone.utc),
-                                tinker_path=f"tinker://{model.model_id}/weights/{s.label}") for s in states.states]
+                                tinker_path=f"tinker://{model.model_id}/weights/{s.label}") for s in states]
         listed += [ts.Checkpoint(checkpoint_id=f"sampler_weights/{name}", checkpoint_type="sampler",
                                  time=datetime.fromtimestamp(w.saved_at, timezone.utc), tinker_path=f"tinker://{model.model_id}/sampler_weights/{name}")
                    for name, w in model.sampler_weights.items()]
@@ -460,7 +451,7 @@ class TinkerService:
     async def delete_checkpoint(self, model: TinkerModel, checkpoint_id: str) -> None:
         kind, _, name = checkpoint_id.partition("/")
         if kind == "weights":
-            await self.orchestrator.workers.learner.delete_state(model.experiment, name)
+            await self.experiment_of(model).delete_state(name)
             model.expires.pop(checkpoint_id, None)
             await self._saved()
         elif kind == "sampler_weights" and name in model.sampler_weights:
