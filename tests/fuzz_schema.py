@@ -169,6 +169,15 @@ def _msgpack(ctx, value) -> bytes | None:
         return None
 
 
+@schemathesis.serializer("application/x-protobuf")
+def _protobuf(ctx, value) -> bytes | None:
+    """The Tinker forward_backward body (a protobuf message: a string of bytes to the schema): the generated value
+    as bytes. Real messages, valid and broken, are fuzzed by tests/test_fuzz_tinker.py."""
+    if isinstance(value, bytes):
+        return value
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else None
+
+
 @schemathesis.deserializer(MSGPACK)
 def _unmsgpack(ctx, response):
     return msgpack.unpackb(response.content, raw=False)

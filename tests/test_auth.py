@@ -258,3 +258,125 @@ def test_no_handler_checks_a_key_itself():
              for n, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
     assert found == []
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The Tinker rows: the same keys, aimed at experiment A's Tinker session, model, sampler and futures
+# ------------------------------------------------------------------------------------------------
+
+# What B's key gets, aimed at A's things: a row that names a model is the table's 404 before its handler runs
+# (route_table `resource`); a session, a sampler or a future of another key is as unknown as one that never
+# existed (404; a future 410, the SDK's "expired"). Rows that act on nothing of A's succeed for any key.
+TINKER_OTHER = {
+    "post_session_heartbeat": 404, "post_sessions_session_id_finish": 404, "get_samplers_sampler_id": 404,
+    "post_asample": 404, "post_retrieve_future": 410,
+    **{e.operation_id: 404 for e in TINKER_ROUTES if e.resource is not None},
+}
+TINKER_MATRIX = tuple(e for e in TINKER_ROUTES if e.auth != "public")
+
+
+class TinkerTarget:
+    """A's Tinker session, model (rank of A's experiment), saved state `s`, sampler weights `w` and a sampler on
+    them, made with A's key."""
+
+    def __init__(self, api: Api, base_model: str):
+        self.api, self.base_model = api, base_model
+
+    async def call(self, method: str, path: str, key: str | None, body: Any = None,
+                   raw: bytes | None = None) -> tuple[int, Any]:
+        if raw is None:
+            return await self.api.call(method, path, key, body)
+        headers = {"Content-Type": "application/x-protobuf", **({"X-API-Key": f"tml-{key}"} if key else {})}
+        async with self.api.session.request(method, self.api.url + path, data=raw, headers=headers) as response:
+            return response.status, await response.json()
+
+    async def ok(self, path: str, body: Any) -> Any:
+        status, data = await self.call("POST", path, KEYS[A], body)
+        assert status == 200, (path, status, data)
+        return data
+
+    async def result(self, answer: dict) -> Any:
+        while True:
+            status, data = await self.call("POST", "/api/v1/retrieve_future", KEYS[A],
+                                           {"request_id": answer["request_id"]})
+            if status != 408:
+                assert status == 200 and "error" not in data, data
+                return data
+
+    async def make(self) -> "TinkerTarget":
+        status, info = await self.api.call("GET", f"/v1/experiments/{A}", KEYS[A])
+        self.rank = info["config"]["lora"]["r"]
+        self.session = (await self.ok("/api/v1/create_session", {"sdk_version": "0.38.0"}))["session_id"]
+        self.model = (await self.result(await self.ok("/api/v1/create_model", {
+            "session_id": self.session, "model_seq_id": 0, "base_model": self.base_model,
+            "lora_config": {"rank": self.rank}})))["model_id"]
+        for label in ("s", "del-own", "del-admin"):
+            await self.result(await self.ok("/api/v1/save_weights", {"model_id": self.model, "path": label}))
+        await self.result(await self.ok("/api/v1/save_weights_for_sampler", {"model_id": self.model, "path": "w"}))
+        self.sampler = (await self.ok("/api/v1/create_sampling_session", {
+            "session_id": self.session, "sampling_session_seq_id": 0,
+            "model_path": f"tinker://{self.model}/sampler_weights/w"}))["sampling_session_id"]
+        return self
+
+    async def sample(self) -> dict:
+        return await self.ok("/api/v1/asample", {"sampling_session_id": self.sampler, "num_samples": 1,
+                                                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                                                 "sampling_params": {"max_tokens": 1}})
+
+    async def request(self, endpoint: Endpoint, who: str) -> tuple[str, Any, bytes | None]:
+        """The path, JSON body and protobuf body of a cheap valid call of `endpoint` on A's things."""
+        model, op = self.model, endpoint.operation_id
+        path = endpoint.path.replace("{session_id}", self.session).replace("{sampler_id}", self.sampler) \
+            .replace("{model_id}", model).replace("{kind}", "weights").replace("{checkpoint}", f"del-{who}")
+        if op == "post_forward_backward":
+            from tinker.proto import tinker_public_pb2 as pb
+            tokens = pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=b"\x01\x00\x00\x00\x02\x00\x00\x00"))
+            targets = pb.Tensor(dtype=pb.DTYPE_INT64, shape=[2], dense=b"\x02" + b"\x00" * 7 + b"\x03" + b"\x00" * 7)
+            datum = pb.Datum(model_input=[tokens], loss_fn_inputs={"target_tokens": targets})
+            return path, None, pb.ForwardBackwardRequest(model_id=model, data=[datum], loss_fn="cross_entropy",
+                                                         forward_only=True).SerializeToString()
+        bodies = {
+            "post_client_config": {"sdk_version": "0.38.0"},
+            "post_create_session": {"sdk_version": "0.38.0"},
+            "post_session_heartbeat": {"session_id": self.session},
+            "post_sessions_session_id_finish": {"reason": {"type": "success"}},
+            "post_telemetry": {},
+            "post_create_model": {"session_id": self.session, "model_seq_id": 9, "base_model": self.base_model,
+                                  "lora_config": {"rank": self.rank}},
+            "post_get_info": {"model_id": model},
+            "post_optim_step": {"model_id": model, "adam_params": {"learning_rate": 0.0}},
+            "post_save_weights": {"model_id": model, "path": f"m-{who}"},
+            "post_save_weights_for_sampler": {"model_id": model, "path": f"m-{who}"},
+            "post_load_weights": {"model_id": model, "path": f"tinker://{model}/weights/s", "optimizer": False},
+            "post_create_sampling_session": {"session_id": self.session, "sampling_session_seq_id": 1,
+                                             "model_path": f"tinker://{model}/sampler_weights/w"},
+            "post_asample": {"sampling_session_id": self.sampler, "num_samples": 1, "sampling_params": {"max_tokens": 1},
+                             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}},
+            "post_retrieve_future": {"request_id": (await self.sample())["request_id"]},
+            "post_cancel_future": {"request_id": (await self.sample())["request_id"]},
+            "post_weights_info": {"tinker_path": f"tinker://{model}/weights/s"},
+        }
+        if endpoint.method != "GET" and endpoint.request is not None and op not in bodies:
+            raise AssertionError(f"{op}: give the Tinker auth matrix a cheap valid request for this new row")
+        return path, bodies.get(op), None
+
+
+@pytest.fixture(scope="module")
+async def tinker_target(api, tiny_model_dir):
+    return await TinkerTarget(api, str(tiny_model_dir)).make()
+
+
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("endpoint", TINKER_MATRIX, ids=[e.operation_id for e in TINKER_MATRIX])
+async def test_tinker_auth_matrix(tinker_target, endpoint: Endpoint, who: str):
+    if endpoint.operation_id == "post_sessions_session_id_finish" and who in ("own", "admin"):
+        pytest.skip("finishing A's session would end it for the rows after; a finish is tried by test_tinker.py")
+    path, body, raw = await tinker_target.request(endpoint, who)
+    status, data = await tinker_target.call(endpoint.method, path, _key(who, A, B), body, raw)
+    want = 401 if who in ("none", "wrong") else TINKER_OTHER.get(endpoint.operation_id, endpoint.status) \
+        if who == "other" else endpoint.status
+    assert status == want, (endpoint.method, path, who, status, data)
+    if status >= 400:
+        assert set(data) == {"error"} and set(data["error"]) == {"code", "message"}, data
+    if status == 404 and endpoint.resource is not None:
+        assert data["error"]["code"] == "model_not_found", data  # the table's, before the handler

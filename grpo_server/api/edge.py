@@ -18,7 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR, RATE_LIMITER
-from grpo_server.api.route_table import ADMIN_PRINCIPAL, Endpoint, Principal
+from grpo_server.api.route_table import ADMIN_PRINCIPAL, RESOURCE, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context
 from grpo_server.protocol.codec import MSGPACK
@@ -246,6 +246,20 @@ def aiohttp_routes(endpoints: tuple[Endpoint, ...]) -> list[web.RouteDef]:
     return [web.route(e.method, e.path, guarded(e)) for e in endpoints]
 
 
+async def _by_codec(request: web.Request, endpoint: Endpoint, who: Principal | None) -> BaseModel:
+    """A `codec` row's body: its resource resolved from a peek at the bytes (404 before any decoding), then the
+    whole body decoded on the body pool, in the caller's slot."""
+    codec = endpoint.codec
+    raw = await read_body(request)
+    try:
+        peeked = codec.peek(raw)
+        if endpoint.resource is not None:
+            request[RESOURCE] = endpoint.resource(request, who, peeked)
+        return await off_loop(request, who, lambda: codec.decode(raw))
+    except (ValueError, KeyError, IndexError) as exc:  # ValueError includes pydantic's ValidationError
+        raise BadRequest(f"body is not {codec.describes}: {exc}", code="malformed_body") from exc
+
+
 def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """`endpoint.handler` behind the row's rules, in this order: the caller's key (401 / 429) before the body is
     looked at; `admin` rows the admin's only, `experiment` rows the admin's or the experiment's own (the path's
@@ -261,6 +275,8 @@ def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamR
             require(who, admin_only=True)
         elif auth == "experiment" and scoped_by_path:
             require(who, request.match_info["name"])
+        if endpoint.codec is not None:
+            return await endpoint.handler(request, who, await _by_codec(request, endpoint, who))
         body = await parse_body(request, endpoint.request, who) if endpoint.request is not None else None
         if auth == "experiment" and endpoint.scope is not None:
             named = endpoint.scope(body)
@@ -268,6 +284,8 @@ def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamR
                 raise Forbidden("an experiment's key acts on its own experiment: name it", code="wrong_experiment")
             if named is not None:
                 require(who, named)
+        if endpoint.resource is not None:
+            request[RESOURCE] = endpoint.resource(request, who, body)
         return await endpoint.handler(request, who, body)
     return handle
 

@@ -61,7 +61,9 @@ def _error_statuses(endpoint: Endpoint) -> list[int]:
         statuses.add(403)
     if endpoint.request is not None:
         statuses |= {400, 413, 422}
-    if "{name}" in endpoint.path or endpoint.auth == "experiment":
+    if endpoint.codec is not None:
+        statuses |= {400, 413, 429}  # 429: the caller's slot of the body pool is full
+    if "{name}" in endpoint.path or endpoint.auth == "experiment" or endpoint.resource is not None:
         statuses.add(404)
     return sorted(statuses)
 
@@ -90,6 +92,9 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
         schema = refs[endpoint.request]
         operation["requestBody"] = {"required": True, "content": {JSON: {"schema": schema},
                                                                   MSGPACK: {"schema": schema}}}
+    elif endpoint.codec is not None:
+        operation["requestBody"] = {"required": True, "description": endpoint.codec.describes, "content": {
+            endpoint.codec.content_type: {"schema": {"type": "string", "contentMediaType": endpoint.codec.content_type}}}}
     if endpoint.response is not None:
         schema = refs[endpoint.response]
         content = {JSON: {"schema": schema}, MSGPACK: {"schema": schema}}

@@ -5,8 +5,11 @@ besides its handler's body: aiohttp's registration, who may call it, the body it
 
 The table is executed, not only declared: `edge.aiohttp_routes` wraps each handler in its row's rules. The
 wrapper finds the caller's `Principal` (a 401 or 429 first), applies the row's `auth` and `scope` (a 403), and
-decodes and validates the body as the row's `request` model (400 / 413 / 422); the handler is called as
-`handler(request, who, body)` and never looks at a key itself (`tests/test_auth.py` tries every row).
+decodes and validates the body as the row's `request` model, or through its `codec` (400 / 413 / 422; a large
+body on the body pool, in the caller's slot: api/body_pool.py), and resolves its `resource` for the caller (a
+404 for one that is not the caller's, before a body of another `codec` is decoded); the handler is called as
+`handler(request, who, body)`, finds the resource in `request[RESOURCE]`, and never looks at a key itself
+(`tests/test_auth.py` tries every row).
 
 Who may call (`auth`):
 - `public`: no key needed (an `Authorization` header is ignored);
@@ -60,6 +63,20 @@ class Principal:
 
 
 ADMIN_PRINCIPAL = Principal("admin")
+RESOURCE = "resource"  # request[RESOURCE]: what the row's `resource` resolved (the Tinker rows' model)
+
+
+@dataclass(frozen=True)
+class BodyCodec:
+    """A body that is not JSON or msgpack (the Tinker forward_backward's protobuf). `peek` reads what the row's
+    `resource` needs (the model it names) without decoding the rest; `decode` the whole body, on the body pool once
+    the resource is the caller's. Both raise ValueError for a malformed body (a 400 naming `describes`)."""
+
+    content_type: str
+    describes: str  # e.g. "a protobuf tinker_public.ForwardBackwardRequest"
+    peek: Callable[[bytes], Any] = field(compare=False)
+    decode: Callable[[bytes], BaseModel] = field(compare=False)
+
 # handler(request, who, body): `who` None on public routes, `body` None where the row has no request model.
 Handler = Callable[[web.Request, Any, Any], Awaitable[web.StreamResponse]]
 JSON = "application/json"
@@ -99,6 +116,12 @@ class Endpoint:
     # With auth "experiment" and no `{name}` in the path: the experiment the validated body names (the OpenAI
     # routes' `model`, tokenize's `experiment`). None from it: no experiment named, which only the admin may do.
     scope: Callable[[Any], str | None] | None = field(default=None, compare=False)
+    # A body decoded by `codec` instead of as the JSON/msgpack `request` model (which is then None).
+    codec: BodyCodec | None = None
+    # What the row acts on, found for the caller from the request, the caller and the body (or the codec's peek),
+    # before the handler runs: an unknown one or another key's raises its 404 (the Tinker rows' model). The
+    # handler reads it in request[RESOURCE].
+    resource: Callable[[web.Request, Principal, Any], Any] | None = field(default=None, compare=False)
 
     @property
     def operation_id(self) -> str:

@@ -12,14 +12,14 @@ Checks that need no model (the body's shape, the key) answer at once with the se
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from grpo_server.api.app_state import TINKER
-from grpo_server.api.edge import off_loop, read_body
-from grpo_server.api.route_table import ADMIN, Endpoint, Principal
+from grpo_server.api.route_table import ADMIN, RESOURCE, BodyCodec, Endpoint, Principal
 from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.data import MAX_DATUMS_PER_CALL, ForwardBackwardOutput, SampleResponse
 from grpo_server.api.tinker.futures import Pending
@@ -28,7 +28,7 @@ from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_
                                              forward_backward_model_id)
 from grpo_server.api.tinker.sampling import sample
 from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
-from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, Unprocessable
+from grpo_server.protocol.errors import ApiError, NotFound, Unprocessable
 
 LONG_POLL_S = 30.0  # the SDK's read timeout is 45 s, and it polls again at once after a 408
 
@@ -67,20 +67,13 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
     return _json(ts.UntypedAPIFuture(request_id=request_id, model_id=model.model_id, **extra))
 
 
-def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | None,
+def _model_call(request: web.Request, owner: str, seq_id: int | None,
                 run: Callable[[TinkerModel], Awaitable[Any]]) -> web.Response:
-    """A call on a model: an unknown model is a failed future (category `user`), as the SDK expects; a call made
-    while the learner restarts waits for it, and the first call after a restart rolled the model back fails,
-    naming what was lost (service.rollback)."""
+    """A call on the row's model (the table resolved it for the caller: api/route_table.py `resource`), in its
+    seq_id order: a call made while the learner restarts waits for it, and the first call after a restart rolled
+    the model back fails, naming what was lost (service.rollback)."""
     service = request.app[TINKER]
-    try:
-        model = service.model(owner, model_id)
-    except ApiError as exc:
-        error = exc
-
-        async def unknown() -> Any:
-            raise error
-        return _submit(request, owner, unknown)
+    model = request[RESOURCE]
 
     async def unless_rolled_back() -> Any:  # in seq_id order: the first call to run after a restart is told
         # A learner that is restarting is waited for (the SDK does not retry a failed call): then this call knows
@@ -91,6 +84,45 @@ def _model_call(request: web.Request, owner: str, model_id: str, seq_id: int | N
             raise lost
         return await run(model)
     return _submit(request, owner, unless_rolled_back, model, seq_id)
+
+
+# The model a row acts on, for the table to resolve (`resource`): an unknown one, another key's, or one whose
+# experiment was deleted is a 404 `model_not_found` before the handler runs.
+
+def _model_named(field: str) -> Callable[[web.Request, Principal, Any], TinkerModel]:
+    def resolve(request: web.Request, who: Principal, body: Any) -> TinkerModel:
+        return request.app[TINKER].model(who.owner, getattr(body, field))
+    return resolve
+
+
+def _model_in_path(request: web.Request, who: Principal, body: Any) -> TinkerModel:
+    return request.app[TINKER].model(who.owner, request.match_info["model_id"])
+
+
+def _model_loaded(request: web.Request, who: Principal, body: Any) -> TinkerModel:
+    """load_weights: the live model it loads into, or (create-via-load) the model whose checkpoint it reads."""
+    model_id = body.model_id if body.model_id is not None else parse_path(body.path, "weights")[0]
+    return request.app[TINKER].model(who.owner, model_id)
+
+
+def _model_of_path(field: str, kind: str | None) -> Callable[[web.Request, Principal, Any], TinkerModel | None]:
+    """The model of a tinker:// path in `field` (None: the field is unset); `kind` None: weights or sampler."""
+    def resolve(request: web.Request, who: Principal, body: Any) -> TinkerModel | None:
+        path = getattr(body, field)
+        if path is None:
+            return None
+        parts = path.removeprefix("tinker://").split("/")
+        model_id, _ = parse_path(path, kind or (parts[1] if len(parts) == 3 else "weights"))
+        return request.app[TINKER].model(who.owner, model_id)
+    return resolve
+
+
+def _peek_forward_backward(body: bytes) -> SimpleNamespace:
+    return SimpleNamespace(model_id=forward_backward_model_id(body))
+
+
+FORWARD_BACKWARD = BodyCodec(PROTO_CONTENT_TYPE, "a protobuf tinker_public.ForwardBackwardRequest",
+                             _peek_forward_backward, decode_forward_backward_request)
 
 
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
@@ -150,41 +182,20 @@ async def create_model(request: web.Request, who: Principal | None, body: Any) -
 
 
 async def get_info(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    owner = who.owner
     service = request.app[TINKER]
-    return _json(service.info(service.model(owner, body.model_id)))
+    return _json(service.info(request[RESOURCE]))
 
 
 async def forward_backward(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    """The body is protobuf: its model is checked first (an unknown one is a failed future, as on every model
-    call), then the rest is decoded in the caller's slot of the body pool (api/body_pool.py)."""
-    owner = who.owner
+    """The body is protobuf (the row's codec): the table checked its model before decoding the rest."""
     service = request.app[TINKER]
-    raw = await read_body(request)
-    try:
-        model_id = forward_backward_model_id(raw)
-        service.model(owner, model_id)
-    except ValueError as exc:
-        raise BadRequest(f"body is not a protobuf tinker_public.ForwardBackwardRequest: {exc}",
-                         code="malformed_body") from exc
-    except ApiError:
-        return _model_call(request, owner, model_id, None, _never)  # its failed future, the body undecoded
-    try:
-        body = await off_loop(request, who, lambda: decode_forward_backward_request(raw))
-    except (ValueError, KeyError, IndexError) as exc:
-        raise BadRequest(f"body is not a protobuf tinker_public.ForwardBackwardRequest: {exc}",
-                         code="malformed_body") from exc
-    return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.forward_backward(m, body))
-
-
-async def _never(model: TinkerModel) -> Any:
-    raise AssertionError("a call on an unknown model never runs")
+    return _model_call(request, who.owner, body.seq_id, lambda m: service.forward_backward(m, body))
 
 
 async def optim_step(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     owner = who.owner
     service = request.app[TINKER]
-    return _model_call(request, owner, body.model_id, body.seq_id, lambda m: service.optim_step(m, body))
+    return _model_call(request, owner, body.seq_id, lambda m: service.optim_step(m, body))
 
 
 async def save_weights(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -193,7 +204,7 @@ async def save_weights(request: web.Request, who: Principal | None, body: Any) -
 
     async def run(model: TinkerModel) -> ts.SaveWeightsResponse:
         return ts.SaveWeightsResponse(path=await service.save_weights(model, body.path, body.ttl_seconds))
-    return _model_call(request, owner, body.model_id, body.seq_id, run)
+    return _model_call(request, owner, body.seq_id, run)
 
 
 async def save_weights_for_sampler(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -206,7 +217,7 @@ async def save_weights_for_sampler(request: web.Request, who: Principal | None, 
             return ts.SaveWeightsForSamplerResponse(path=f"tinker://{model.model_id}/sampler_weights/{body.path}")
         sampler = service.new_sampler(owner, model, weights, None)
         return ts.SaveWeightsForSamplerResponse(sampling_session_id=sampler.sampler_id)
-    return _model_call(request, owner, body.model_id, body.seq_id, run)
+    return _model_call(request, owner, body.seq_id, run)
 
 
 async def load_weights(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -217,7 +228,7 @@ async def load_weights(request: web.Request, who: Principal | None, body: Any) -
         model = await service.load_weights(owner, body)
         return ts.LoadWeightsResponse(path=body.path, model_id=model.model_id)
     if body.model_id is not None:  # the legacy load into a live model: in its seq_id order
-        return _model_call(request, owner, body.model_id, body.seq_id, lambda _: run())
+        return _model_call(request, owner, body.seq_id, lambda _: run())
     return _submit(request, owner, run)
 
 
@@ -228,7 +239,7 @@ async def create_sampling_session(request: web.Request, who: Principal | None, b
     service = request.app[TINKER]
     service.session(owner, body.session_id)
     if body.model_path is not None:
-        sampler = service.sampler_for_path(owner, body.model_path)
+        sampler = service.sampler_for_path(owner, body.model_path, request[RESOURCE])
     else:
         service.check_base_model(body.base_model)
         sampler = service.new_sampler(owner, None, None, None)
@@ -310,11 +321,8 @@ async def cancel_future(request: web.Request, who: Principal | None, body: Any) 
 # --- checkpoints and runs -----------------------------------------------------------------------------------------
 
 async def weights_info(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    owner = who.owner
     service = request.app[TINKER]
-    parts = body.tinker_path.removeprefix("tinker://").split("/")
-    model_id, _ = parse_path(body.tinker_path, parts[1] if len(parts) == 3 else "weights")
-    model = service.model(owner, model_id)
+    model = request[RESOURCE]
     return _json(ts.WeightsInfoResponse(base_model=service.base_model, is_lora=True, lora_rank=model.lora.rank,
                                         train_mlp=model.lora.train_mlp, train_attn=model.lora.train_attn,
                                         train_unembed=False))
@@ -323,23 +331,21 @@ async def weights_info(request: web.Request, who: Principal | None, body: Any) -
 async def training_run(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     owner = who.owner
     service = request.app[TINKER]
-    model = service.model(owner, request.match_info["model_id"])
+    model = request[RESOURCE]
     return _json(ts.TrainingRun(training_run_id=model.model_id, base_model=service.base_model, model_owner=owner,
                                 is_lora=True, lora_rank=model.lora.rank,
                                 last_request_time=datetime.fromtimestamp(model.last_request_at, timezone.utc)))
 
 
 async def list_checkpoints(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    owner = who.owner
     service = request.app[TINKER]
-    model = service.model(owner, request.match_info["model_id"])
+    model = request[RESOURCE]
     return _json(ts.CheckpointsListResponse(checkpoints=await service.checkpoints(model)))
 
 
 async def delete_checkpoint(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    owner = who.owner
     service = request.app[TINKER]
-    model = service.model(owner, request.match_info["model_id"])
+    model = request[RESOURCE]
     await service.delete_checkpoint(model, f"{request.match_info['kind']}/{request.match_info['checkpoint']}")
     return web.Response(status=204)
 
@@ -349,9 +355,11 @@ RUN = API + "/training_runs/{model_id}"
 
 
 def _row(method: str, path: str, handler, request_model, response_model, summary: str, status: int = 200,
-         errors: tuple[int, ...] = (), auth: str = "key", content_type: str = "application/json") -> Endpoint:
+         errors: tuple[int, ...] = (), auth: str = "key", content_type: str = "application/json",
+         model: Callable[[web.Request, Principal, Any], Any] | None = None, codec: BodyCodec | None = None,
+         ) -> Endpoint:
     return Endpoint(method, API + path, handler, request_model, response_model, status, f"Tinker: {summary}", auth,
-                    errors, content_type)
+                    errors, content_type, resource=model, codec=codec)
 
 
 ROUTES: tuple[Endpoint, ...] = (
@@ -372,20 +380,24 @@ ROUTES: tuple[Endpoint, ...] = (
     _row("POST", "/create_model", create_model, ts.CreateModelRequest, ts.UntypedAPIFuture,
          "a LoRA training model (an experiment); future of CreateModelResponse"),
     _row("POST", "/get_info", get_info, ts.GetInfoRequest, ts.GetInfoResponse, "a model's base model and LoRA rank",
-         errors=(404,)),
+         model=_model_named("model_id")),
     _row("POST", "/forward_backward", forward_backward, None, ts.UntypedAPIFuture,
          "forward (forward_only) or forward and backward; the body is a protobuf ForwardBackwardRequest; future "
-         "of a protobuf ForwardBackwardOutput", errors=(400, 413)),
+         "of a protobuf ForwardBackwardOutput", codec=FORWARD_BACKWARD, model=_model_named("model_id")),
     _row("POST", "/optim_step", optim_step, ts.OptimStepRequest, ts.UntypedAPIFuture,
-         "one AdamW step on the gradients summed since the last; future of OptimStepResponse"),
+         "one AdamW step on the gradients summed since the last; future of OptimStepResponse",
+         model=_model_named("model_id")),
     _row("POST", "/save_weights", save_weights, ts.SaveWeightsRequest, ts.UntypedAPIFuture,
-         "a training checkpoint (adapter and optimizer state); future of SaveWeightsResponse"),
+         "a training checkpoint (adapter and optimizer state); future of SaveWeightsResponse",
+         model=_model_named("model_id")),
     _row("POST", "/save_weights_for_sampler", save_weights_for_sampler, ts.SaveWeightsForSamplerRequest,
-         ts.UntypedAPIFuture, "a version pushed to the samplers; future of SaveWeightsForSamplerResponse"),
+         ts.UntypedAPIFuture, "a version pushed to the samplers; future of SaveWeightsForSamplerResponse",
+         model=_model_named("model_id")),
     _row("POST", "/load_weights", load_weights, ts.LoadWeightsRequest, ts.UntypedAPIFuture,
-         "a checkpoint into a new or live model; future of LoadWeightsResponse"),
+         "a checkpoint into a new or live model; future of LoadWeightsResponse", model=_model_loaded),
     _row("POST", "/create_sampling_session", create_sampling_session, ts.CreateSamplingSessionRequest,
-         ts.CreateSamplingSessionResponse, "a sampler on saved weights or the base model", errors=(404,)),
+         ts.CreateSamplingSessionResponse, "a sampler on saved weights or the base model", errors=(404,),
+         model=_model_of_path("model_path", "sampler_weights")),
     _row("GET", "/samplers/{sampler_id}", get_sampler, None, ts.GetSamplerResponse, "a sampler", errors=(404,)),
     _row("POST", "/asample", asample, ts.SampleRequest, ts.UntypedAPIFuture,
          "samples of a prompt; future of a protobuf SampleResponse", errors=(404,)),
@@ -393,11 +405,11 @@ ROUTES: tuple[Endpoint, ...] = (
          "a call's result (long poll; 408 while it runs, 410 once expired)", errors=(408, 410)),
     _row("POST", "/cancel_future", cancel_future, ts.CancelFutureRequest, None, "cancel a call"),
     _row("POST", "/weights_info", weights_info, ts.WeightsInfoRequest, ts.WeightsInfoResponse,
-         "what a checkpoint holds", errors=(404,)),
+         "what a checkpoint holds", model=_model_of_path("tinker_path", None)),
     _row("GET", "/training_runs/{model_id}", training_run, None, ts.TrainingRun, "a model as a training run",
-         errors=(404,)),
+         model=_model_in_path),
     _row("GET", "/training_runs/{model_id}/checkpoints", list_checkpoints, None, ts.CheckpointsListResponse,
-         "a model's checkpoints", errors=(404,)),
+         "a model's checkpoints", model=_model_in_path),
     _row("DELETE", "/training_runs/{model_id}/checkpoints/{kind}/{checkpoint}", delete_checkpoint, None, None,
-         "delete a checkpoint", status=204, errors=(404,)),
+         "delete a checkpoint", status=204, errors=(404,), model=_model_in_path),
 )

@@ -419,9 +419,11 @@ class TinkerService:
         if experiment is not None:
             (experiment.name_version if change > 0 else experiment.unname_version)(sampler.weights.version)
 
-    def sampler_for_path(self, owner: str, model_path: str) -> Sampler:
+    def sampler_for_path(self, owner: str, model_path: str, model: TinkerModel | None = None) -> Sampler:
+        """A sampler on the sampler weights `model_path` names (`model`: its model, when the route table resolved
+        it already)."""
         model_id, name = parse_path(model_path, "sampler_weights")
-        model = self.model(owner, model_id)
+        model = model if model is not None else self.model(owner, model_id)
         weights = model.sampler_weights.get(name)
         if weights is None:
             raise NotFound(f"no sampler weights {model_path!r}", code="weights_not_found")
