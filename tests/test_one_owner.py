@@ -37,11 +37,13 @@ def writes(paths: list[Path], fields: set[str]) -> list[str]:
             else:
                 continue
             for target in targets:
-                while isinstance(target, ast.Subscript):
+                # Down the chain: `exp.counters.groups_trained += 1` writes the field `counters` too.
+                while isinstance(target, ast.Subscript | ast.Attribute):
+                    if (isinstance(target, ast.Attribute) and target.attr in fields
+                            and EXPERIMENT.search(ast.unparse(target.value))):
+                        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+                        break
                     target = target.value
-                if (isinstance(target, ast.Attribute) and target.attr in fields
-                        and EXPERIMENT.search(ast.unparse(target.value))):
-                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     return found
 
 
@@ -86,5 +88,5 @@ def test_the_check_sees_a_write(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f(exp, orchestrator, series):\n    exp.step = 1\n    exp.inflight[2] += 1\n"
                      "    orchestrator.get('x').queue.append(3)\n    del exp.adapter_paths[1]\n"
-                     "    series.step.append(4)\n")
-    assert len(writes([probe], {"step", "inflight", "queue", "adapter_paths"})) == 4
+                     "    series.step.append(4)\n    exp.counters.groups_trained += 1\n")
+    assert len(writes([probe], {"step", "inflight", "queue", "adapter_paths", "counters"})) == 5

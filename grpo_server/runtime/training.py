@@ -191,9 +191,8 @@ class TrainingLoop:
         away); a learner restart before that step queues it again from the journal, for as many tries."""
         exp = self.exp
         self._failing = ((), 0)
-        exp.counters.groups_dropped_failed += len(groups)
-        exp.record_error(f"train step failed {MAX_BATCH_FAILURES} times in a row on the same batch: its "
-                         f"{len(groups)} groups dropped (counters.groups_dropped_failed): {exc.message}")
+        exp.dropped_failed(groups, f"train step failed {MAX_BATCH_FAILURES} times in a row on the same batch: its "
+                                   f"{len(groups)} groups dropped (counters.groups_dropped_failed): {exc.message}")
         log.error("%s: train step failed %d times on the same batch, %d groups dropped (journal seq %d-%d): %s",
                   exp.name, MAX_BATCH_FAILURES, len(groups), min(g.journal_seq for g in groups),
                   max(g.journal_seq for g in groups), exc.message)

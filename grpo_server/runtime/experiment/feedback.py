@@ -153,6 +153,12 @@ class FeedbackVerbs:
         self.queue[:0] = batch
         return True
 
+    def dropped_failed(self, groups: list[Group], reason: str) -> None:
+        """A batch the learner kept failing on, dropped (runtime/training.py MAX_BATCH_FAILURES): counted, and
+        `reason` shown in its errors. Not put back: the next step's journal position passes it."""
+        self.counters.groups_dropped_failed += len(groups)
+        self.record_error(reason)
+
     def trained(self, groups: list[Group], metrics: TrainMetrics | None, truncated: int = 0) -> None:
         self.counters.completions_masked_truncated += truncated  # left out by mask_truncated; metrics None: no step
         if metrics is None:
