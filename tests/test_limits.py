@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import ssl
 import subprocess
+
+import aiohttp
 
 import pytest
 
@@ -12,7 +15,8 @@ from grpo_server.client import AsyncClient, GrpoServerError
 from tests.serving import start_server, stop_server, wait_for
 
 LIMITS = {"max_experiments": 2, "max_n": 4, "max_tokens": 8, "max_prompt_tokens": 16, "max_pending_groups": 2,
-          "max_episode_turns": 2, "max_pending_episodes": 2, "max_episode_tokens": 40, "episode_ttl_s": 3}
+          "max_episode_turns": 2, "max_pending_episodes": 2, "max_episode_tokens": 40, "episode_ttl_s": 3,
+          "tinker_max_saved_per_model": 2, "max_loaded_versions": 2}
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +92,52 @@ async def test_episode_limits_and_expiry(tls_server):
 
 async def _expired(client: AsyncClient) -> bool:
     return (await client.status("two")).counters.episodes_expired == 2
+
+
+async def test_what_one_tinker_key_pins_is_bounded(tls_server, tiny_model_dir):
+    """Issue 57, from outside: unnamed save_weights_for_sampler calls share the model's tinker_max_saved_per_model
+    (2 here) with its named saves, so they cannot pin a thousand versions against pruning (the oldest unnamed
+    samplers are forgotten: 404); and sampling old versions loads at most max_loaded_versions (2 here) of the
+    experiment on the samplers at once (the shared adapter table), 429 `too_many_loaded_versions` beyond. Runs
+    after the tests above (it replaces their experiment "one")."""
+    server, trust = tls_server
+    key = "tinker-bounded-key-5a6b7c8d"
+    connector = aiohttp.TCPConnector(ssl=trust)
+    async with AsyncClient(server.url, server.api_key, ssl_context=trust) as admin, \
+            aiohttp.ClientSession(server.url, connector=connector, headers={"X-API-Key": f"tml-{key}"}) as http:
+        await admin.delete_experiment("one")
+        await admin.create_experiment({"name": "bounded", "api_key": key, "lora": {"r": 8},
+                                       "sampling": {"n": 2, "max_tokens": 2}})
+
+        async def call(path: str, body: dict) -> dict:
+            async with http.post(path, json=body) as answer:
+                assert answer.status == 200, (path, answer.status, await answer.text())
+                return await answer.json()
+
+        async def outcome(answer: dict) -> dict:
+            while True:
+                async with http.post("/api/v1/retrieve_future", json={"request_id": answer["request_id"]}) as got:
+                    if got.status != 408:
+                        assert got.status == 200
+                        return await got.json() if got.content_type == "application/json" else {"sampled": True}
+
+        session = (await call("/api/v1/create_session", {"sdk_version": "0.38.0"}))["session_id"]
+        model = (await outcome(await call("/api/v1/create_model", {
+            "session_id": session, "model_seq_id": 0, "base_model": str(tiny_model_dir),
+            "lora_config": {"rank": 8}})))["model_id"]
+        samplers = [(await outcome(await call("/api/v1/save_weights_for_sampler", {"model_id": model})))[
+            "sampling_session_id"] for _ in range(4)]
+        kept = []
+        for sampler in samplers:
+            async with http.get(f"/api/v1/samplers/{sampler}") as answer:
+                kept.append(answer.status)
+        assert kept == [404, 404, 200, 200], kept  # the newest two of four: the cap of 2
+        await outcome(await call("/api/v1/save_weights_for_sampler", {"model_id": model, "path": "newest"}))
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+        answers = await asyncio.gather(*(call("/api/v1/asample", {
+            "sampling_session_id": sampler, "num_samples": 1, "prompt": prompt, "sampling_params": {"max_tokens": 2}})
+            for sampler in samplers[2:]))  # two old versions at once, beside the one served: over 2 loaded
+        results = [await outcome(answer) for answer in answers]
+        refused = [r for r in results if "error" in r]
+        assert len(refused) == 1 and refused[0]["error"].startswith("too_many_loaded_versions"), results
+        assert refused[0]["category"] == "user" and {"sampled": True} in results
