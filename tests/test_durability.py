@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
 import pytest
@@ -17,6 +18,10 @@ from grpo_server.client import AsyncClient
 from tests.serving import ADMIN_KEY, complete_when_admitted, start_server, stop_server, wait_for
 
 NAME = "durable"
+# What the server says of a replay: the status error of a learner restart (runtime/orchestrator.py
+# _resync_learner), and the log line of an experiment restored at start (runtime/orchestrator.py _create).
+RESYNCED = re.compile(r"learner restarted; resumed at v\d+ \(step (\d+)\), (\d+) journalled groups queued to train")
+RESTORED = re.compile(rf"experiment {NAME} created, serving v\d+ at step (\d+), (\d+) journalled groups to train")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
@@ -31,10 +36,13 @@ def kill_everything(server) -> None:
     server.process.wait()
 
 
-async def rate_one(client) -> bool:
+async def rate_one(client) -> int:
+    """One group sampled and rated: 1, the group acknowledged for training (a 202 that must end up in the weights).
+    Anything else fails here: a refusal raises, and a group skipped would leave nothing to train."""
     group = await complete_when_admitted(client, NAME, prompt="Pick a number")
-    answer = await client.feedback(NAME, group.group_id, [float(i % 2) for i in range(4)])
-    return answer.skipped is None  # accepted for training (a 202 that must end up in the weights)
+    answer = await client.feedback(NAME, group.group_id, [float(i % 2) for i in range(4)])  # never zero variance
+    assert answer.skipped is None, answer
+    return 1
 
 
 def _datum(tokens: list[int]) -> types.Datum:
@@ -125,7 +133,12 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
                 status = await client.status(NAME)
                 return status if any("learner restarted" in e for e in status.errors) else None
 
-            await wait_for(learner_back, timeout_s=300)
+            resynced = await wait_for(learner_back, timeout_s=300)
+            # The learner's restart replayed the journal: it resumed at its last checkpoint (every 2 steps, one
+            # group a step), behind the 5 groups acknowledged before the kill, and queued the groups since.
+            (resumed_step, replayed), = [tuple(map(int, m.groups())) for e in resynced.errors
+                                         if (m := RESYNCED.search(e))]
+            assert resumed_step < 5 and replayed >= 5 - resumed_step, resynced.errors
 
             async def every_experiment_resynced():  # the Tinker model's experiment too
                 return all(any("learner restarted" in e for e in s.errors) for s in await client.list_experiments())
@@ -135,6 +148,7 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
             for _ in range(3):
                 accepted += await rate_one(client)
             before = await client.status(NAME)
+        assert accepted == 11, accepted
         kill_everything(server)
 
         server = start_server(run_dir, tiny_model_dir)  # the same run directory: everything resumes
@@ -150,10 +164,15 @@ async def test_accepted_feedback_and_tinker_models_survive_crashes(tiny_model_di
             # Exactly once: one group per step (batch_groups 1), every accepted group trained, none twice.
             assert status.counters.groups_trained == accepted == status.step, (status.counters, accepted)
             assert status.policy_version >= before.policy_version  # numbering continues, nothing reused
+            # And the journal replay is what trained the rest: the restart resumed at the last checkpoint (an even
+            # step: at most 10 of the 11) and queued exactly the acknowledged groups after it.
+            (resumed_step, replayed), = [tuple(map(int, m.groups())) for m in RESTORED.finditer(
+                server.log_path.read_text(errors="replace"))]
+            assert replayed >= 1 and resumed_step + replayed == accepted, (resumed_step, replayed, accepted)
             for _ in range(2):  # and the resumed experiment keeps learning
                 accepted += await rate_one(client)
             status = await wait_for(drained, timeout_s=300)
-            assert status.counters.groups_trained == accepted == status.step
+            assert status.counters.groups_trained == accepted == status.step == 13
         await asyncio.to_thread(tinker_after_restart, server.url, tinker_saved)
     finally:
         if server.process.poll() is None:
