@@ -5,7 +5,8 @@ Properties of every case:
 - the call answers at once with a future or a 4xx, never a 5xx;
 - its future ends as the SDK expects, a protobuf result or a failure of category `user`: the client's mistake,
   never the server's (a `server` failure is a 5xx by another name);
-- meanwhile `/v1/health` answers within a second: no body holds the event loop.
+- meanwhile `/v1/health` answers within a second, and the server's own `event_loop_lag_max_s` (its loop-lag watch,
+  grpo_server/runtime/loop_lag.py) stays under a second: no body holds the event loop.
 
 How many cases: GRPO_FUZZ_PROTO_EXAMPLES (default 120). The long run (over 10,000 cases):
 `GRPO_FUZZ_PROTO_EXAMPLES=10000 pytest tests/test_fuzz_tinker.py -s`.
@@ -18,6 +19,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests as http_requests
@@ -67,23 +69,29 @@ def _outcome(session, url: str, request_id: str) -> tuple[str, str]:
 
 def test_forward_backward_protobuf_fuzz(target):
     url, model_id, vocab, session = target
-    slowest_health, slowest_call, stop = [0.0], [0.0], threading.Event()
+    slowest_health, loop_lag, slowest_call, stop = [0.0], [0.0], [0.0], threading.Event()
 
     def watch_health() -> None:
         with http_requests.Session() as watcher:
             while not stop.is_set():
                 started = time.monotonic()
-                assert watcher.get(f"{url}/v1/health", timeout=30).status_code == 200
+                answer = watcher.get(f"{url}/v1/health", timeout=30)
                 slowest_health[0] = max(slowest_health[0], time.monotonic() - started)
+                assert answer.status_code == 200, (answer.status_code, answer.text)
+                # The loop's own account (the last minute's largest lag): a stall between two of these asks too.
+                loop_lag[0] = max(loop_lag[0], answer.json()["event_loop_lag_max_s"])
                 time.sleep(0.05)
 
-    watcher = threading.Thread(target=watch_health, daemon=True)
-    watcher.start()
+    # The watcher's failure is the test's: raised by result() below, not lost with its thread.
+    watching = ThreadPoolExecutor(max_workers=1, thread_name_prefix="watch-health")
+    watcher = watching.submit(watch_health)
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(body=bodies(model_id, vocab))
     def one_case(body: bytes) -> None:
+        if watcher.done():  # it failed: stop here, with its error
+            watcher.result()
         started = time.monotonic()
         answer = session.post(f"{url}/api/v1/forward_backward", data=body,
                               headers={"Content-Type": "application/x-protobuf"}, timeout=60)
@@ -104,8 +112,11 @@ def test_forward_backward_protobuf_fuzz(target):
         one_case()
     finally:
         stop.set()
-        watcher.join(timeout=30)
+        watching.shutdown(wait=False)
+    watcher.result(timeout=60)
     print(f"\n{sum(SEEN.values())} protobuf cases: {json.dumps(dict(SEEN.most_common()), indent=1)}; "
-          f"slowest call {slowest_call[0]:.3f} s, slowest /v1/health {slowest_health[0]:.3f} s")
+          f"slowest call {slowest_call[0]:.3f} s, slowest /v1/health {slowest_health[0]:.3f} s, "
+          f"event_loop_lag_max_s {loop_lag[0]:.3f} s")
     assert slowest_health[0] < 1.0
+    assert 0 < loop_lag[0] < 1.0, loop_lag  # 0 exactly: no answer read, or a field that is never filled
     assert SEEN["result protobuf"] > 0, "no case was valid: the fuzz tests only the refusals"
