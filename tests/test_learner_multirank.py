@@ -298,8 +298,8 @@ class _ThreadFollower:
     def __init__(self, thread: threading.Thread, exit_codes: list[int]):
         self.thread, self.exit_codes = thread, exit_codes
 
-    def exit_code(self, rank: int) -> int | None:
-        return None if self.thread.is_alive() else self.exit_codes[0]
+    def exit_code(self, rank: int) -> int | None:  # -1: the thread raised (the test raises it after its join)
+        return None if self.thread.is_alive() else (self.exit_codes or [-1])[0]
 
     def expect_exit(self) -> None:
         pass
@@ -308,25 +308,37 @@ class _ThreadFollower:
 def test_lockstep_answers_errors_all_ranks_share_and_reports_a_rank_that_fails_alone():
     """The protocol between rank 0 and a follower over the real store, with stand-in trainers."""
     store = host_store(2, timeout_s=30)
-    follower_trainer, exit_codes = _FakeTrainer(fail_train=True), []
+    follower_trainer, exit_codes, raised = _FakeTrainer(fail_train=True), [], []
     follower_channel = CommandChannel(join_store(RankEnv(1, 2, store.port), timeout_s=30))
-    thread = threading.Thread(target=lambda: exit_codes.append(follow(follower_trainer, follower_channel, 1)),
-                              daemon=True)  # a failed assertion must not leave the session waiting on it
+
+    def run_follower() -> None:
+        try:
+            exit_codes.append(follow(follower_trainer, follower_channel, 1))
+        except BaseException as exc:  # the test's failure: raised below, not lost with the thread
+            raised.append(exc)
+
+    thread = threading.Thread(target=run_follower, daemon=True)  # a failed assertion must not leave the session
+    # waiting on it
     thread.start()
     broken: list[str] = []
     lockstep = LockstepTrainer(_FakeTrainer(), CommandChannel(store), _ThreadFollower(thread, exit_codes),
                                on_broken=broken.append, outcome_timeout_s=30)
-    assert lockstep.add_experiment("a") == "added a"
-    with pytest.raises(ApiError) as err:  # every rank raises it: a normal answer, the job goes on
-        lockstep.add_experiment("taken")
-    assert (err.value.code, err.value.status, broken) == ("exists", 409, [])
+    try:
+        assert lockstep.add_experiment("a") == "added a"
+        with pytest.raises(ApiError) as err:  # every rank raises it: a normal answer, the job goes on
+            lockstep.add_experiment("taken")
+        assert (err.value.code, err.value.status, broken) == ("exists", 409, [])
 
-    with pytest.raises(ApiError) as err:  # only rank 1 fails: reported with its error, the job breaks
-        lockstep.train("batch")
-    assert (err.value.code, err.value.status) == ("rank_failed", 500)
-    assert "rank 0: ok; rank 1: MemoryError: injected: out of memory on this rank" in err.value.message
-    assert len(broken) == 1 and "MemoryError" in broken[0]
-    thread.join(timeout=30)
+        with pytest.raises(ApiError) as err:  # only rank 1 fails: reported with its error, the job breaks
+            lockstep.train("batch")
+        assert (err.value.code, err.value.status) == ("rank_failed", 500)
+        assert "rank 0: ok; rank 1: MemoryError: injected: out of memory on this rank" in err.value.message
+        assert len(broken) == 1 and "MemoryError" in broken[0]
+    finally:  # the follower's own failure first: what rank 0 saw of it follows from it
+        thread.join(timeout=30)
+        if raised:
+            raise raised[0]
+    assert not thread.is_alive(), "the follower did not leave the job"
     assert exit_codes == [1]  # the failed rank left the job
     assert follower_trainer.calls == [("add_experiment", "a"), ("add_experiment", "taken"), ("train", "batch")]
     with pytest.raises(ApiError) as err:  # nothing more reaches the ranks of a broken job
