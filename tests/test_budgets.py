@@ -20,6 +20,10 @@ from tests.serving import headers, start_server, stop_server, wait_for
 PER_EXPERIMENT = 60_000  # tokens: about 4.4 MB held, reached by ~100 groups of a 480-token prompt
 TOTAL = 90_000
 LOOP_BOUND_S = 0.25  # the event loop's longest stall while tokenizing (each of the 4 requests takes ~0.5 s here)
+# The loop's own longest hold (health's event_loop_lag_max_s) in that test: 9-33 ms off the loop on the shared 2-core
+# box; with the tokenizing on the loop (prompts.PromptBuilder.off_loop calling in place), 147-204 ms: under
+# LOOP_BOUND_S, and its health round trips too (193 ms in one run).
+LOOP_LAG_BOUND_S = 0.1
 QUIET_REQUESTS = 24
 # A completion of some length: at 8 tokens a tiny-model request (~90 ms) is all scheduling, and waiting out one of
 # noisy's steps (a solo turn, grpo_server/workers/turns.py) alone doubles it (2.01x and 2.05x in two full runs).
@@ -98,12 +102,15 @@ async def test_a_large_tokenize_request_does_not_stall_the_event_loop(budget_ser
             await asyncio.sleep(0.02)
         counts = [answer.count for answer in await tokenizing]
         took = time.perf_counter() - started
+        # The server's own account of its loop, once all four are done: the lag watch (runtime/loop_lag.py) sees
+        # every stall, the last one after the health answers above too (its window, a minute, covers them all).
+        health = await client.health()
         assert counts[0] > 10 * 512 and len(set(counts)) == 1, counts
         print(f"4 tokenize requests of {len(text)} characters: {took:.2f} s; health answered {len(health_s)} times, "
               f"slowest {max(health_s) * 1e3:.0f} ms; loop lag p99 {health.event_loop_lag_p99_s * 1e3:.0f} ms, "
               f"max {health.event_loop_lag_max_s * 1e3:.0f} ms")
         assert len(health_s) >= 3 and max(health_s) < LOOP_BOUND_S, (took, health_s)
-        assert health.event_loop_lag_max_s < LOOP_BOUND_S, health
+        assert health.event_loop_lag_max_s < LOOP_LAG_BOUND_S, health
         assert health.model == "tiny-llama", health.model  # the public answer names the model's folder, not its path
 
 
