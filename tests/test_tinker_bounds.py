@@ -199,15 +199,15 @@ async def test_names_adam_values_and_ttls_out_of_range_are_the_clients_4xx(serve
 
 
 async def test_one_keys_asample_calls_hold_a_bounded_number_of_sequences(server):
-    """tinker_max_samples_per_key (1024): 24 calls of 64 sequences at once; those past it get 429
+    """tinker_max_samples_per_key (1024): 32 calls of 64 sequences at once; those past it get 429
     too_many_samples at once, the rest are sampled."""
     async with Tenant(server, "bounds-asample", "bounds-asample-key-0c1d2e3f") as tenant:
         sampler = await tenant.call("/api/v1/create_sampling_session", {
             "session_id": tenant.session_id, "sampling_session_seq_id": 0, "base_model": None})
         body = {"sampling_session_id": sampler["sampling_session_id"], "num_samples": 64,
                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-                "sampling_params": {"max_tokens": 64, "temperature": 1.0}}
-        answers = await asyncio.gather(*(tenant.post("/api/v1/asample", {**body, "seq_id": i}) for i in range(24)))
+                "sampling_params": {"max_tokens": 4, "temperature": 1.0}}
+        answers = await asyncio.gather(*(tenant.post("/api/v1/asample", {**body, "seq_id": i}) for i in range(32)))
         refused = [a for s, a, _ in answers if s == 429]
         admitted = [a for s, a, _ in answers if s == 200]
         assert refused and all(a["error"]["code"] == "too_many_samples" for a in refused), answers
