@@ -267,10 +267,13 @@ def http_api_md() -> str:
     for path, operations in document["paths"].items():
         for method, op in operations.items():
             request = ""
-            if "requestBody" in op:
-                name = _schema_name(op["requestBody"]["content"]["application/json"]["schema"])
+            body = op.get("requestBody", {}).get("content", {})
+            if "application/json" in body:
+                name = _schema_name(body["application/json"]["schema"])
                 request = f"[{name}](#{_anchor(name)})"
                 requested.append(name)
+            elif body:  # a body of its own codec (forward_backward's protobuf)
+                request = f"`{next(iter(body))}`"
             statuses = sorted(op["responses"], key=int)
             ok = [s for s in statuses if int(s) < 400]
             answer = ""

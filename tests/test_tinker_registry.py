@@ -8,7 +8,7 @@ import asyncio
 
 from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.registry import TinkerRegistry
-from grpo_server.api.tinker.service import SamplerWeights, TinkerModel
+from grpo_server.api.tinker.state import SamplerWeights, TinkerModel
 
 
 def _model(model_id: str, experiment: str) -> TinkerModel:

@@ -27,7 +27,8 @@ from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_
                                              encode_forward_backward_output, encode_sample_response,
                                              forward_backward_model_id)
 from grpo_server.api.tinker.sampling import sample
-from grpo_server.api.tinker.service import TinkerModel, failure, parse_path
+from grpo_server.api.tinker.service import failure
+from grpo_server.api.tinker.state import TinkerModel, parse_path
 from grpo_server.protocol.errors import ApiError, NotFound, Unprocessable
 
 LONG_POLL_S = 30.0  # the SDK's read timeout is 45 s, and it polls again at once after a 408

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import schema as ts
-from grpo_server.api.tinker.service import Sampler, TinkerService
+from grpo_server.api.tinker.service import TinkerService
+from grpo_server.api.tinker.state import Sampler
 from grpo_server.api.tinker.data import SampledSequence, SampleResponse
 from grpo_server.protocol.errors import BadRequest
 from grpo_server.protocol.wire import GenerateRequest

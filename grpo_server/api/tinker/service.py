@@ -1,4 +1,5 @@
-"""The Tinker API's state and verbs, on this server's experiments (`routes.py` is the HTTP side).
+"""The Tinker API's state and verbs, on this server's experiments (`routes.py` is the HTTP side; state.py the records
+kept here; checkpoints.py the saved states and sampler weights).
 
 A Tinker training model is an experiment: its LoRA adapter, AdamW state, versions and checkpoints are the
 learner's as for any experiment, and its requests run through the same learner, samplers and turns. What
@@ -21,15 +22,15 @@ import logging
 import secrets
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
-from datetime import datetime, timezone
 
 from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import schema as ts
+from grpo_server.api.tinker.checkpoints import CheckpointVerbs
 from grpo_server.api.tinker.data import LOSS_VALUES_PER_POSITION, ForwardBackwardOutput, ForwardBackwardRequest
-from grpo_server.api.tinker.futures import FutureStore, SeqLane
+from grpo_server.api.tinker.futures import FutureStore
 from grpo_server.api.tinker.registry import TinkerRegistry
+from grpo_server.api.tinker.state import Sampler, SamplerWeights, TinkerModel, parse_path
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, TooManyRequests, Unprocessable
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-PROBE_TOKENS = 64  # at most this many tokens scored by a push's check
-MAX_REMEMBERED = 4096  # sample seq_ids a sampler remembers (for a resubmission's future)
 # What one key may hold in the front end's memory: beyond, its oldest sessions and samplers are forgotten
 # (a forgotten sampler answers not found; its weights stay, and a new sampler on their path serves them).
 MAX_SESSIONS_PER_KEY = 256
@@ -50,57 +49,7 @@ MAX_SAMPLERS_PER_KEY = 1024
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-@dataclass
-class SamplerWeights:
-    version: int
-    path: str  # the version's folder on the learner (what a sampler loads)
-    saved_at: float = field(default_factory=time.time)
-
-
-@dataclass
-class TinkerModel:
-    model_id: str
-    experiment: str
-    owner: str
-    lora: ts.LoraConfig
-    lane: SeqLane = field(default_factory=SeqLane)
-    sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
-    probe_tokens: list[int] | None = None  # a sequence it trained on: what its pushes' checks score
-    # What a restart may roll back, as this front end last saw it: the optimizer step its last optim_step reached
-    # (kept in the registry), and whether it holds summed gradients, made under which learner life.
-    step: int = 0
-    gradients_pending: bool = False
-    learner_life: int = 0
-    expires: dict[str, float] = field(default_factory=dict)  # checkpoint id -> epoch seconds (its ttl_seconds)
-    created_at: float = field(default_factory=time.time)
-    last_request_at: float = field(default_factory=time.time)
-
-
-@dataclass
-class Sampler:
-    sampler_id: str
-    owner: str
-    model: TinkerModel | None  # None: the base model
-    weights: SamplerWeights | None
-    model_path: str | None
-    seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id (a client's retry)
-
-    def remember(self, seq_id: int, request_id: str) -> None:
-        self.seen[seq_id] = request_id
-        if len(self.seen) > MAX_REMEMBERED:  # only recent samples are resubmitted
-            for old in sorted(self.seen)[:MAX_REMEMBERED // 4]:
-                del self.seen[old]
-
-
-def parse_path(path: str, kind: str) -> tuple[str, str]:
-    """`tinker://{model_id}/{kind}/{name}` -> (model_id, name); a 400 otherwise."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] != kind or not parts[0] or not parts[2]:
-        raise BadRequest(f"{path!r} is not a tinker://<model_id>/{kind}/<name> path", code="bad_path")
-    return parts[0], parts[2]
-
-
-class TinkerService:
+class TinkerService(CheckpointVerbs):
     def __init__(self, orchestrator: Orchestrator, base_model: str, futures: FutureStore):
         self.orchestrator = orchestrator
         self.base_model = base_model
@@ -310,74 +259,6 @@ class TinkerService:
         return ApiError(f"model {model.model_id} was restarted: {'; '.join(lost)}. Load a saved state or go on "
                         "from here knowingly; this call was not run", code="rolled_back", status=503)
 
-    async def save_weights(self, model: TinkerModel, name: str | None, ttl_seconds: int | None = None) -> str:
-        """A training state (weights and AdamW) as `weights/{label}`: at most tinker_max_saved_per_model of them
-        per model (409 beyond: delete some), each deleted once its `ttl_seconds` have passed."""
-        await self.expire_checkpoints(model)
-        label = name or f"auto-{int(time.time() * 1000)}"
-        experiment = self.experiment_of(model)
-        saved = {s.label for s in await experiment.saved_states()}
-        cap = self.orchestrator.config.tinker_max_saved_per_model
-        if label not in saved and len(saved) >= cap:
-            raise Conflict(f"model {model.model_id} holds {len(saved)} saved states, the server's "
-                           f"tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
-        await experiment.save_state(label)
-        self._expire_after(model, f"weights/{label}", ttl_seconds)
-        await self._saved()
-        return f"tinker://{model.model_id}/weights/{label}"
-
-    def _expire_after(self, model: TinkerModel, checkpoint_id: str, ttl_seconds: int | None) -> None:
-        if ttl_seconds is not None and ttl_seconds > 0:
-            model.expires[checkpoint_id] = time.time() + ttl_seconds
-        else:
-            model.expires.pop(checkpoint_id, None)  # saved again without one: kept
-
-    async def expire_checkpoints(self, model: TinkerModel) -> None:
-        """Delete the model's checkpoints whose ttl_seconds have passed (checked whenever it saves or lists)."""
-        now = time.time()
-        for checkpoint_id in [c for c, at in model.expires.items() if at <= now]:
-            try:
-                await self.delete_checkpoint(model, checkpoint_id)
-            except NotFound:
-                model.expires.pop(checkpoint_id, None)
-
-    async def load_weights(self, owner: str, request: ts.LoadWeightsRequest) -> TinkerModel:
-        """Into a new model (create-via-load, the SDK's create_training_client_from_state*) or, legacy, into
-        `request.model_id`: the source model's checkpoint, with its optimizer state when asked."""
-        source_id, label = parse_path(request.path, "weights")
-        source = self.model(owner, source_id)
-        if request.model_id is not None:
-            target = self.model(owner, request.model_id)
-        else:
-            if request.session_id is None or request.model_seq_id is None:
-                raise BadRequest("load_weights needs model_id, or session_id and model_seq_id", code="bad_request")
-            target = await self.create_model(owner, request.session_id, request.model_seq_id, request.base_model,
-                                             source.lora)
-        await self.experiment_of(target).load_state(label, self.experiment_of(source), request.optimizer)
-        return target
-
-    async def save_for_sampler(self, model: TinkerModel, name: str | None,
-                               ttl_seconds: int | None = None) -> SamplerWeights:
-        """A version push, as after a native train step (runtime/training.py: written, loaded on every sampler,
-        served, checked against the learner's logprobs, older versions pruned). Named, it is kept as
-        `sampler_weights/{name}` (pruning keeps a named version: `Experiment.name_version`) until deleted or its
-        ttl_seconds pass; unnamed, only the sampler made on it names it."""
-        await self.expire_checkpoints(model)
-        cap = self.orchestrator.config.tinker_max_saved_per_model
-        if name is not None and name not in model.sampler_weights and len(model.sampler_weights) >= cap:
-            raise Conflict(f"model {model.model_id} holds {len(model.sampler_weights)} named sampler weights, the "
-                           "server's tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
-        experiment = self.experiment_of(model)
-        weights = SamplerWeights(*await experiment.push_for_client(probe_from(model.probe_tokens)))
-        if name is not None:
-            if name in model.sampler_weights:
-                experiment.unname_version(model.sampler_weights[name].version)
-            model.sampler_weights[name] = weights
-            experiment.name_version(weights.version)
-            self._expire_after(model, f"sampler_weights/{name}", ttl_seconds)
-            await self._saved()
-        return weights
-
     def admit_samples(self, owner: str, sequences: int) -> Callable[[], None]:
         """Admit an asample call of `sequences` (429 while `owner` would hold over tinker_max_samples_per_key);
         the function that releases them, once its call has ended."""
@@ -436,43 +317,6 @@ class TinkerService:
         if sampler.model is not None:
             self.model(owner, sampler.model.model_id)  # its experiment still exists
         return sampler
-
-    # --- checkpoints ---------------------------------------------------------------------------------------
-
-    async def checkpoints(self, model: TinkerModel) -> list[ts.Checkpoint]:
-        await self.expire_checkpoints(model)
-        states = await self.experiment_of(model).saved_states()
-        listed = [ts.Checkpoint(checkpoint_id=f"weights/{s.label}", checkpoint_type="training",
-                                time=datetime.fromtimestamp(s.saved_at, timezone.utc),
-                                tinker_path=f"tinker://{model.model_id}/weights/{s.label}") for s in states]
-        listed += [ts.Checkpoint(checkpoint_id=f"sampler_weights/{name}", checkpoint_type="sampler",
-                                 time=datetime.fromtimestamp(w.saved_at, timezone.utc), tinker_path=f"tinker://{model.model_id}/sampler_weights/{name}")
-                   for name, w in model.sampler_weights.items()]
-        return listed
-
-    async def delete_checkpoint(self, model: TinkerModel, checkpoint_id: str) -> None:
-        kind, _, name = checkpoint_id.partition("/")
-        if kind == "weights":
-            await self.experiment_of(model).delete_state(name)
-            model.expires.pop(checkpoint_id, None)
-            await self._saved()
-        elif kind == "sampler_weights" and name in model.sampler_weights:
-            weights = model.sampler_weights.pop(name)
-            if model.experiment in self.orchestrator.experiments:
-                self.orchestrator.get(model.experiment).unname_version(weights.version)
-            model.expires.pop(checkpoint_id, None)
-            await self._saved()
-        else:
-            raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
-
-
-def probe_from(tokens: list[int] | None) -> wire.VersionProbe | None:
-    """A push's check for a Tinker model (runtime/verification.py): the learner and a sampler score the second
-    half of a sequence it trained on, given the first half, at temperature 1."""
-    if not tokens or len(tokens) < 2:
-        return None
-    cut = max(1, min(len(tokens) // 2, len(tokens) - PROBE_TOKENS))
-    return wire.VersionProbe(prompt_token_ids=tokens[:cut], completions_token_ids=[tokens[cut:]], temperature=1.0)
 
 
 def _forget_oldest(table: dict, mine, keep: int) -> list:
