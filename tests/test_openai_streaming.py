@@ -194,6 +194,62 @@ async def test_episode_header_is_passed_through(server, experiment):
     assert {c["choices"][0]["index"] for c in chunks} == {0}  # an episode's turn is one completion
 
 
+async def test_a_policy_trained_into_special_tokens_streams_without_stalling_the_server(server, tiny_model_dir,
+                                                                                        tokenizer):
+    """Issue 57, as a tenant would do it on purpose: a few Tinker SFT steps teach its adapter to emit only
+    `<|im_start|>` (a special token: it decodes to nothing), its weights serve, and a stream of 32 choices of
+    ~440 of them goes out. Before, cutting each choice re-decoded it from its start on the event loop (the old
+    code held the loop ~0.2 s here); the server's own event_loop_lag_max_s stays under 0.1 s."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    key, name, special = "sse-special-key-7c8d9e0f", "sse-special", tokenizer.convert_tokens_to_ids("<|im_start|>")
+    async with aiohttp.ClientSession(headers=headers()) as session:
+        async with session.post(f"{server.url}/v1/experiments",
+                                json={"name": name, "api_key": key, "lora": {"r": 8}}) as created:
+            assert created.status == 201, await created.text()
+    try:
+        prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+        def train() -> None:
+            with tinker.ServiceClient(base_url=server.url, api_key=f"tml-{key}") as service:
+                training = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
+                sequence = [*prompt, *[special] * 48]
+                datum = types.Datum(model_input=types.ModelInput.from_ints(sequence[:-1]), loss_fn_inputs={
+                    "target_tokens": sequence[1:], "weights": [0.0] * (len(prompt) - 1) + [1.0] * 48})
+                for _ in range(5):
+                    training.forward_backward([datum], "cross_entropy").result()
+                    training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+                training.save_weights_for_sampler(name="special").result()  # now served
+
+        await asyncio.to_thread(train)
+
+        async def lag() -> float:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{server.url}/v1/health") as answer:
+                    return (await answer.json())["event_loop_lag_max_s"]
+
+        await wait_for(lambda: _below(lag, 0.1), timeout_s=70)  # the window (the last minute) holds no stall yet
+        async with openai_client(server.url, key) as oai:
+            stream = await oai.chat.completions.create(model=name, messages=MESSAGES, n=32, max_tokens=440,
+                                                       temperature=0.0, stream=True)
+            ids = defaultdict(list)
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    ids[choice.index] += choice.model_extra["token_ids"]
+        assert len(ids) == 32 and sum(len(v) for v in ids.values()) > 32 * 400
+        assert sum(i == special for v in ids.values() for i in v) > 0.95 * sum(len(v) for v in ids.values())
+        assert await lag() < 0.1
+    finally:
+        async with aiohttp.ClientSession(headers=headers()) as session:
+            async with session.delete(f"{server.url}/v1/experiments/{name}") as deleted:
+                assert deleted.status == 204
+
+
+async def _below(measure, bound: float) -> bool:
+    return await measure() < bound
+
+
 # ------------------------------------------------------------------------------------------------
 # The framing alone: a fake experiment, and the chunks of a plain answer
 # ------------------------------------------------------------------------------------------------
