@@ -222,3 +222,42 @@ def test_an_extra_figure_writes_a_block_of_its_own():
     assert "**missed**: episodes/s 0.80" in block  # the 64 row, by its own ratio
     again = table.replace_block(once, table.render_extra(_results(rollouts={"error": "boom"}), "rollouts"), "rollouts")
     assert again.split(start)[0] == once.split(start)[0] and "failed: boom" in again and "| 64 |" not in again
+
+
+def test_the_hostile_row_judges_every_target():
+    """The hostile tenant's verdict names each target missed: the victim's ratios, the front end's RSS growth, the
+    event-loop lag during the flood and a 202 not trained; and says what the special-token streams held."""
+    table = _load("table")
+    lat = {"median_s": 0.5, "p90_s": 0.6}
+    ho = {"ratio_completion_median": 1.4, "ratio_feedback_median": 1.2, "every_202_trained": True, "target": 2.0,
+          "target_rss_mib": 200.0, "target_lag_s": 0.25, "requests": 20, "n": 4, "max_tokens": 8, "batch_groups": 2,
+          "front_end_rss": {"before_mib": 600.0, "peak_mib": 700.0, "growth_mib": 100.0},
+          "loop_lag": {"alone_max_s": 0.01, "flood_max_s": 0.05},
+          "checks": {"completion": True, "feedback": True, "rss": True, "loop_lag": True, "every_202_trained": True},
+          "victim": {"alone": {"completion": lat, "feedback": lat}, "flooded": {"completion": lat, "feedback": lat},
+                     "counters": {"groups_trained": 30}},
+          "hostile": {"threads_per_kind": 4, "answers": {"csr over_limit": 3, "names 422 invalid_request": 9},
+                      "threads": {"asample64": 20, "csr": 2, "decode": 10, "names": 2, "stream": 2},
+                      "name_chars": 10240, "streams": {"streams": 2, "tokens": 100, "special_share": 1.0,
+                                                       "text_chars": 0, "n": 64, "max_tokens": 256}}}
+
+    def row(fig: dict) -> str:
+        return next(line for line in table.render_extra(_results(hostile=fig), "hostile").splitlines()
+                    if line.startswith("| hostile tenant |"))
+    met = row(ho)
+    assert met.endswith("| met |") and "**+100 MiB**" in met and "**0.050 s**" in met and "10 KB name" in met
+    assert "csr over_limit 3" in met and "1.00 of them the special token" in met
+    bad = {**ho, "front_end_rss": {**ho["front_end_rss"], "growth_mib": 3400.0}, "loop_lag": {"flood_max_s": 8.0},
+           "checks": {**ho["checks"], "rss": False, "loop_lag": False}}
+    assert "**missed**: RSS +3400 MiB; loop lag 8.00 s |" in row(bad)
+    starved = {**ho, "ratio_completion_median": 240.0, "ratio_feedback_median": None,
+               "checks": {**ho["checks"], "completion": False, "feedback": False},
+               "victim": {**ho["victim"], "flooded": {"completion": {"median_s": 120.0, "count": 2}, "feedback": None,
+                                                      "errors": {"503 worker_timeout": 2}}}}
+    line = row(starved)
+    assert "503 worker_timeout x2" in line and "-> n/a s" in line
+    assert line.endswith("| **missed**: completion 240.00x and 2 victim 5xx; feedback n/ax |")
+    # A figure of the first round (no RSS, lag or checks) is still judged on its ratios.
+    old = {k: v for k, v in ho.items() if k not in ("front_end_rss", "loop_lag", "checks")}
+    old["hostile"] = {"threads_per_kind": 4, "answers": {"train ok": 8}}
+    assert row({**old, "ratio_feedback_median": 2.5}).endswith("| **missed**: feedback 2.50x |")

@@ -195,24 +195,60 @@ def _fairness_row(fa: dict) -> tuple[str, str, str, str, str]:
 
 
 def _hostile_row(ho: dict) -> tuple[str, str, str, str, str]:
-    name, target = "hostile tenant", "<= 2x each; every 202 trained"
+    name = "hostile tenant"
+    target = (f"<= {ho.get('target', 2.0):g}x each; front end RSS +< {ho.get('target_rss_mib', 200):g} MiB; "
+              f"event_loop_lag_max_s < {ho.get('target_lag_s', 0.25):g} s; every 202 trained")
     err = _error(ho)
     if err:
-        return (name, "a tenant's native latency alone vs beside another key's Tinker and download flood", err, target,
-                "")
-    v, answers = ho["victim"], ho["hostile"]["answers"]
+        return (name, "a tenant's native latency alone vs beside another key's flood of attacks", err, target, "")
+    v, h = ho["victim"], ho["hostile"]
+    answers, threads = h["answers"], h.get("threads", {})
     what = (f"`victim`'s completion + feedback latency ({ho['requests']}+ rounds one after another, n={ho['n']}, "
             f"max_tokens {ho['max_tokens']}, batch_groups {ho['batch_groups']}) alone vs while another key floods "
             f"Tinker asample with prompt logprobs, forward_backward + optim_step and adapter downloads "
-            f"({ho['hostile']['threads_per_kind']} threads each), on a server of its own")
+            f"({h['threads_per_kind']} threads each)")
+    if threads:  # issue 57's attacks
+        st = h.get("streams") or {}
+        what += (f", and asample of num_samples {st.get('n', 64)} ({threads.get('asample64')} threads), ~3 KB CSR "
+                 f"bodies of 268M dense values ({threads.get('csr')}), ~6 MiB protobuf forward_backward bodies "
+                 f"({threads.get('decode')}), sampler saves with a {h.get('name_chars', 10240) // 1024} KB name "
+                 f"({threads.get('names')}) and chat streams of n={st.get('n', 64)}, max_tokens "
+                 f"{st.get('max_tokens')} from weights trained to emit a special token ({threads.get('stream')})")
+    what += "; on a server of its own"
+    rss, lag = ho.get("front_end_rss") or {}, ho.get("loop_lag") or {}
     measured = (f"completion median {_f(v['alone']['completion']['median_s'], 3)} -> "
                 f"{_f(v['flooded']['completion']['median_s'], 3)} s: **{_f(ho['ratio_completion_median'], 2)}x**; "
-                f"feedback {_f(v['alone']['feedback']['median_s'], 4)} -> {_f(v['flooded']['feedback']['median_s'], 4)}"
-                f" s: **{_f(ho['ratio_feedback_median'], 2)}x**; every 202 trained: **{ho['every_202_trained']}** "
-                f"({v['counters']['groups_trained']} trained). Hostile calls: "
-                + ", ".join(f"{k} {n}" for k, n in list(answers.items())[:6]))
-    missed = [f"{k} {ho[f'ratio_{k}_median']:.2f}x" for k in ("completion", "feedback")
-              if ho[f"ratio_{k}_median"] > ho["target"]] + ([] if ho["every_202_trained"] else ["a 202 not trained"])
+                f"feedback {_f(v['alone']['feedback']['median_s'], 4)} -> "
+                f"{_f((v['flooded']['feedback'] or {}).get('median_s'), 4)} s: "
+                f"**{_f(ho['ratio_feedback_median'], 2)}x**; ")
+    errors = v["flooded"].get("errors") or {}
+    if errors:
+        measured += ("the victim's completions answered " + ", ".join(f"{k} x{n}" for k, n in errors.items())
+                     + " (each counted at the time it waited); ")
+    if rss or lag:
+        measured += (f"front end RSS {_f(rss.get('before_mib'), 0)} -> peak {_f(rss.get('peak_mib'), 0)} MiB: "
+                     f"**+{_f(rss.get('growth_mib'), 0)} MiB**; event_loop_lag_max_s during the flood "
+                     f"**{_f(lag.get('flood_max_s'), 3)} s** (alone {_f(lag.get('alone_max_s'), 3)}); ")
+    if rss.get("decode_flood_stopped_at_s") is not None:
+        measured += (f"the decode flood stopped {rss['decode_flood_stopped_at_s']:g} s in, past {rss['safety_mib']:g}"
+                     " MiB of growth (the safety cap); ")
+    measured += (f"victim rounds flooded: {v['flooded']['completion'].get('count', 'n/a')}; every 202 trained: "
+                 f"**{ho['every_202_trained']}** ({v['counters']['groups_trained']} trained). "
+                 "Hostile calls: " + ", ".join(f"{k} {n}" for k, n in answers.items()))
+    st = h.get("streams")
+    if st and st.get("streams"):
+        measured += (f". Streams: {st['streams']} of {st['tokens']} tokens, {_f(st['special_share'], 2)} of them the "
+                     f"special token, {st['text_chars']} characters of text")
+    checks = ho.get("checks") or {"completion": ho["ratio_completion_median"] <= ho["target"],
+                                  "feedback": ho["ratio_feedback_median"] <= ho["target"],
+                                  "every_202_trained": ho["every_202_trained"]}
+    labels = {"completion": f"completion {_f(ho['ratio_completion_median'])}x"
+                            + (f" and {sum(errors.values())} victim 5xx" if errors else ""),
+              "feedback": f"feedback {_f(ho['ratio_feedback_median'])}x",
+              "rss": f"RSS +{_f(rss.get('growth_mib'), 0)} MiB",
+              "loop_lag": f"loop lag {_f(lag.get('flood_max_s'), 2)} s",
+              "every_202_trained": "a 202 not trained"}
+    missed = [labels.get(k, k) for k, ok in checks.items() if not ok]
     return (name, what, measured, target, f"**missed**: {'; '.join(missed)}" if missed else "met")
 
 
