@@ -267,10 +267,11 @@ class ServerConfig(BaseSettings):
     tinker_max_saved_per_model: int = Field(64, ge=1, le=100_000, description=(
         "Saved training states (save_weights) one Tinker model may hold, and named sampler weights apart; beyond, "
         "409 `too_many_checkpoints` until some are deleted (or their ttl_seconds pass). Bounds its disk."))
-    tinker_max_samples_per_key: int = Field(1024, ge=1, le=2**20, description=(
-        "Sequences one key's Tinker asample calls may have queued or being sampled at once (num_samples summed); "
-        "beyond, 429 `too_many_samples` (the SDK retries). Native and OpenAI sampling is admitted by the learner's "
-        "backlog instead; this keeps one key's sampling from queueing ahead of every other tenant's."))
+    tinker_max_samples_per_key: int = Field(128, ge=1, le=2**20, description=(
+        "Sequences one key's Tinker asample calls may have queued or being sampled at once (num_samples summed: "
+        "two calls of max_n); beyond, 429 `too_many_samples` (the SDK retries). Native and OpenAI sampling is "
+        "admitted by the learner's backlog instead; this keeps one key's sampling from queueing ahead of every "
+        "other tenant's (the samplers serve in arrival order)."))
     tinker_max_tokens_per_call: int = Field(65_536, ge=1, le=2**24, description=(
         "Token positions one Tinker forward / forward_backward may carry, all its datums together: each "
         "position holds full-vocabulary logits in the learner while the call runs."))

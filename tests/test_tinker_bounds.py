@@ -134,7 +134,8 @@ class Tenant:
 
 async def test_a_small_body_of_csr_tensors_is_refused_before_anything_is_built(server):
     """Sixteen empty 16 x 2^20 CSR tensors: ~3 KB on the wire, 268M values dense. Before: each passed the
-    per-tensor bound, and the front end built them (12.5 GiB for a 16 KB body)."""
+    per-tensor bound, and the front end built them (12.5 GiB for a 16 KB body). Now the decoder stops at the first
+    datum over the call's bounds: a 422 at once."""
     async with Tenant(server, "bounds-csr", "bounds-csr-key-0a1b2c3d") as tenant:
         before = _rss_mib(server.process.pid)
         datum = pb.Datum(model_input=[_tokens([1, 2, 3])],
@@ -142,10 +143,8 @@ async def test_a_small_body_of_csr_tensors_is_refused_before_anything_is_built(s
         body = _body(tenant.model_id, [datum])
         assert len(body) < 16 * 1024
         status, answer, took = await tenant.post("/api/v1/forward_backward", body)
-        assert status == 200, answer
-        failed = await tenant.outcome(answer["request_id"])
-        assert failed["category"] == "user" and failed["error"].startswith("over_limit"), failed
-        assert "split the batch" in failed["error"]
+        assert status == 422 and answer["error"]["code"] == "over_limit", answer
+        assert "split the batch" in answer["error"]["message"]
         grew = _rss_mib(server.process.pid) - before
         assert grew < 100, f"the front end grew {grew:.0f} MiB for a {len(body)}-byte body"
         # A call within the bounds still trains.
@@ -153,17 +152,37 @@ async def test_a_small_body_of_csr_tensors_is_refused_before_anything_is_built(s
         assert "protobuf" in await tenant.outcome(answer["request_id"])
 
 
-@pytest.mark.parametrize("what, datum, count", [
-    ("datums", _datum(), 1025),
-    ("chunks", pb.Datum(model_input=[_tokens([1])] * 1025), 1),
+@pytest.mark.parametrize("what, datum, count, status, code", [
+    ("datums", _datum(), 1025, 422, "over_limit"),
+    ("chunks", pb.Datum(model_input=[_tokens([1])] * 1025), 1, 400, "malformed_body"),
     ("loss inputs", pb.Datum(model_input=[_tokens([1])], loss_fn_inputs={f"x{i}": _dense([1.0]) for i in range(17)}),
-     1),
+     1, 400, "malformed_body"),
+    ("token positions", pb.Datum(model_input=[_tokens(list(range(1, 1025)))] * 65), 1, 422, "over_limit"),
 ])
-async def test_counts_in_a_forward_backward_are_bounded(server, what, datum, count):
+async def test_counts_in_a_forward_backward_are_bounded(server, what, datum, count, status, code):
     async with Tenant(server, "bounds-counts", "bounds-counts-key-4e5f6a7b") as tenant:
-        status, answer, _ = await tenant.post("/api/v1/forward_backward", _body(tenant.model_id, [datum] * count))
-        assert status == 400 and answer["error"]["code"] == "malformed_body", (what, status, answer)
+        got, answer, _ = await tenant.post("/api/v1/forward_backward", _body(tenant.model_id, [datum] * count))
+        assert (got, answer["error"]["code"]) == (status, code), (what, got, answer)
         assert "at most" in answer["error"]["message"], answer
+
+
+async def test_decoded_calls_waiting_in_a_lane_are_bounded_per_key(server):
+    """A forward_backward waits in its model's seq_id lane decoded, at full size: one key's waiting calls hold at
+    most 4 x tinker_max_tokens_per_call token positions (429 too_many_tokens_queued beyond, at once), and a
+    refused call's result keeps no decoded request. The calls wait behind a gap in their seq_ids (2 never comes),
+    and the delete at the end cancels them."""
+    async with Tenant(server, "bounds-queued", "bounds-queued-key-6c7d8e9f") as tenant:
+        status, first, _ = await tenant.post("/api/v1/forward_backward", _body(tenant.model_id, [_datum()], 1))
+        assert "protobuf" in await tenant.outcome(first["request_id"])
+        before = _rss_mib(server.process.pid)
+        full = [pb.Datum(model_input=[_tokens(list(range(1, 1025)))] * 16)] * 4  # 65,536 positions: a whole call
+        answers = [await tenant.post("/api/v1/forward_backward", _body(tenant.model_id, full, seq_id))
+                   for seq_id in range(3, 9)]
+        statuses = [status for status, _, _ in answers]
+        assert statuses == [200] * 4 + [429] * 2, [(s, a) for s, a, _ in answers]
+        assert all(a["error"]["code"] == "too_many_tokens_queued" for s, a, _ in answers if s == 429)
+        grew = _rss_mib(server.process.pid) - before
+        assert grew < 200, f"the front end grew {grew:.0f} MiB holding four whole calls"
 
 
 async def test_another_keys_model_is_answered_before_the_body_is_decoded(server):
@@ -199,7 +218,7 @@ async def test_names_adam_values_and_ttls_out_of_range_are_the_clients_4xx(serve
 
 
 async def test_one_keys_asample_calls_hold_a_bounded_number_of_sequences(server):
-    """tinker_max_samples_per_key (1024): 32 calls of 64 sequences at once; those past it get 429
+    """tinker_max_samples_per_key (128): 32 calls of 64 sequences at once; those past it get 429
     too_many_samples at once, the rest are sampled."""
     async with Tenant(server, "bounds-asample", "bounds-asample-key-0c1d2e3f") as tenant:
         sampler = await tenant.call("/api/v1/create_sampling_session", {
@@ -211,7 +230,7 @@ async def test_one_keys_asample_calls_hold_a_bounded_number_of_sequences(server)
         refused = [a for s, a, _ in answers if s == 429]
         admitted = [a for s, a, _ in answers if s == 200]
         assert refused and all(a["error"]["code"] == "too_many_samples" for a in refused), answers
-        assert 0 < len(admitted) <= 1024 // 64
+        assert 0 < len(admitted) <= 128 // 64
         for answer in admitted:
             assert "protobuf" in await tenant.outcome(answer["request_id"])
         # Once they are done, the key may sample again.

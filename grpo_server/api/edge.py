@@ -255,7 +255,8 @@ async def _by_codec(request: web.Request, endpoint: Endpoint, who: Principal | N
         peeked = codec.peek(raw)
         if endpoint.resource is not None:
             request[RESOURCE] = endpoint.resource(request, who, peeked)
-        return await off_loop(request, who, lambda: codec.decode(raw))
+        decode = codec.decoder(request)
+        return await off_loop(request, who, lambda: decode(raw))
     except (ValueError, KeyError, IndexError) as exc:  # ValueError includes pydantic's ValidationError
         raise BadRequest(f"body is not {codec.describes}: {exc}", code="malformed_body") from exc
 

@@ -69,13 +69,15 @@ RESOURCE = "resource"  # request[RESOURCE]: what the row's `resource` resolved (
 @dataclass(frozen=True)
 class BodyCodec:
     """A body that is not JSON or msgpack (the Tinker forward_backward's protobuf). `peek` reads what the row's
-    `resource` needs (the model it names) without decoding the rest; `decode` the whole body, on the body pool once
-    the resource is the caller's. Both raise ValueError for a malformed body (a 400 naming `describes`)."""
+    `resource` needs (the model it names) without decoding the rest; `decoder(request)` gives the function that
+    decodes the whole body within the server's bounds, run on the body pool once the resource is the caller's.
+    Both raise ValueError for a malformed body (a 400 naming `describes`); a decoder raises an ApiError of its own
+    for a body over its bounds."""
 
     content_type: str
     describes: str  # e.g. "a protobuf tinker_public.ForwardBackwardRequest"
     peek: Callable[[bytes], Any] = field(compare=False)
-    decode: Callable[[bytes], BaseModel] = field(compare=False)
+    decoder: Callable[[web.Request], Callable[[bytes], BaseModel]] = field(compare=False)
 
 # handler(request, who, body): `who` None on public routes, `body` None where the row has no request model.
 Handler = Callable[[web.Request, Any, Any], Awaitable[web.StreamResponse]]

@@ -258,11 +258,6 @@ class ForwardBackwardInput(_Wire):
     loss_fn: str  # one of LossFnType; kept open so an unknown name is a user error the server reports itself
     loss_fn_config: dict[str, float | str] | None = Field(None, max_length=MAX_LOSS_INPUTS)
 
-    def sizes(self) -> tuple[int, int]:
-        """(token positions, dense values of the loss inputs), summed over the datums, from the shapes alone."""
-        return (sum(d.model_input.length for d in self.data),
-                sum(t.dense_size for d in self.data for t in d.loss_fn_inputs.values()))
-
 
 class ForwardBackwardRequest(_Wire):
     """`POST /api/v1/forward_backward` (protobuf on the wire): a forward(+backward) pass on `model_id`."""

@@ -152,6 +152,9 @@ class FutureStore:
         try:
             entry.outcome = Outcome(value=await work())
         except ApiError as exc:
+            # Kept without its traceback and causes: their frames hold what the call held (a decoded request of
+            # up to a call's bounds), for as long as the result waits to be read.
+            exc.__traceback__ = exc.__cause__ = exc.__context__ = None
             entry.outcome = Outcome(error=exc)
         except asyncio.CancelledError:
             entry.outcome = Outcome(error=ApiError("the call was cancelled", code="cancelled", status=499))

@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 
 from .data import (
+    MAX_DATUMS_PER_CALL,
     Datum,
     DmelChunk,
     EncodedTextChunk,
@@ -227,22 +228,33 @@ def forward_backward_model_id(body: bytes) -> str:
     raise ValueError("it names no model_id (field 1)")
 
 
-def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
+class OverLimit(Exception):
+    """A forward_backward that holds more than its decoder's bounds (api/tinker/routes.py makes it a 422)."""
+
+
+def decode_forward_backward_request(body: bytes, max_positions: int | None = None,
+                                    max_values: int | None = None) -> ForwardBackwardRequest:
     """Parse the body of `POST /api/v1/forward_backward` (decompress `Content-Encoding: zstd` first).
 
     `loss_fn_config` is read from `loss_fn_config_v2` (numbers and strings) when present, else from the legacy
     float map the SDK writes alongside it. Raises ValueError on a malformed message, whatever is wrong with it:
     a field of another wire type than its number's (an int where bytes belong), a packed run of the wrong
     length, a number out of range (tests/test_fuzz_tinker.py sends all of these).
+
+    Bounds before work: decoding stops with OverLimit as soon as the datums so far hold more than `max_positions`
+    token positions or `max_values` dense loss-input values (counted from their shapes), so a body that no call
+    may run never becomes more than a call may hold (a 6 MiB body of a million positions decoded to 165 MiB).
     """
     try:
-        return _decode_forward_backward_request(body)
+        return _decode_forward_backward_request(body, max_positions, max_values)
     except (AttributeError, TypeError, KeyError, IndexError, struct.error, OverflowError) as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
+def _decode_forward_backward_request(body: bytes, max_positions: int | None,
+                                     max_values: int | None) -> ForwardBackwardRequest:
     model_id, loss_fn, seq_id, forward_only = "", "", 0, False
+    positions = values = 0
     data: list[Datum] = []
     legacy: dict[str, float] = {}
     v2: dict[str, float | str] = {}
@@ -252,7 +264,15 @@ def _decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
         elif number == 2:
             seq_id = _signed(value)  # type: ignore[arg-type]
         elif number == 3:
-            data.append(_datum(value))  # type: ignore[arg-type]
+            datum = _datum(value)  # type: ignore[arg-type]
+            data.append(datum)
+            positions += datum.model_input.length
+            values += sum(t.dense_size for t in datum.loss_fn_inputs.values())
+            if len(data) > MAX_DATUMS_PER_CALL or (max_positions is not None and positions > max_positions) \
+                    or (max_values is not None and values > max_values):
+                raise OverLimit(f"a call holds at most {MAX_DATUMS_PER_CALL} datums, {max_positions} token positions and "
+                                f"{max_values} loss input values; this one reached {len(data)} datums, {positions} "
+                                f"positions and {values} values when decoding stopped: split the batch")
         elif number == 4:
             loss_fn = value.decode()  # type: ignore[union-attr]
         elif number == 5:

@@ -21,9 +21,10 @@ from pydantic import BaseModel
 from grpo_server.api.app_state import TINKER
 from grpo_server.api.route_table import ADMIN, RESOURCE, BodyCodec, Endpoint, Principal
 from grpo_server.api.tinker import schema as ts
-from grpo_server.api.tinker.data import MAX_DATUMS_PER_CALL, ForwardBackwardOutput, SampleResponse
+from grpo_server.api.tinker.data import (LOSS_VALUES_PER_POSITION, MAX_DATUMS_PER_CALL, ForwardBackwardOutput,
+                                         SampleResponse)
 from grpo_server.api.tinker.futures import Pending
-from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, decode_forward_backward_request,
+from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, OverLimit, decode_forward_backward_request,
                                              encode_forward_backward_output, encode_sample_response,
                                              forward_backward_model_id)
 from grpo_server.api.tinker.sampling import sample
@@ -41,27 +42,50 @@ def _json(payload: BaseModel, status: int = 200) -> web.Response:
 
 
 def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]],
-            model: TinkerModel | None = None, seq_id: int | None = None, **extra: Any) -> web.Response:
+            model: TinkerModel | None = None, seq_id: int | None = None,
+            on_end: Callable[[], None] | None = None, **extra: Any) -> web.Response:
     """Start `work` (after every lower seq_id of `model`) and answer its future. The same seq_id again is a
-    retry of the same call: the same future."""
+    retry of the same call: the same future. `on_end` is called once the call has ended, or at once if `work`
+    will not run (a retry, a refusal)."""
+    end = on_end or (lambda: None)
+    try:
+        return _submitted(request, owner, work, model, seq_id, end, **extra)
+    except BaseException:
+        end()
+        raise
+
+
+def _submitted(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]], model: TinkerModel | None,
+               seq_id: int | None, end: Callable[[], None], **extra: Any) -> web.Response:
     futures = request.app[TINKER].futures
+
+    async def then_end() -> Any:
+        try:
+            return await work()
+        finally:
+            end()
     if model is None:
-        return _json(ts.UntypedAPIFuture(request_id=futures.submit(owner, work), **extra))
+        return _json(ts.UntypedAPIFuture(request_id=futures.submit(owner, then_end), **extra))
     known = model.lane.known(seq_id)
     if known is not None:
+        end()
         return _json(ts.UntypedAPIFuture(request_id=known, model_id=model.model_id, **extra))
     try:
         model.lane.check(seq_id)
     except ApiError as exc:
         error = exc
+        end()
 
         async def refused() -> Any:
             raise error
         return _json(ts.UntypedAPIFuture(request_id=futures.submit(owner, refused), **extra))
 
     async def in_order() -> Any:
-        async with model.lane.turn(seq_id):
-            return await work()
+        try:
+            async with model.lane.turn(seq_id):
+                return await work()
+        finally:
+            end()
     # Registered with its experiment while it waits for its turn too: a delete cancels it (service.on_experiment).
     request_id = futures.submit(owner, request.app[TINKER].on_experiment(model.experiment, in_order))
     model.lane.remember(seq_id, request_id)
@@ -69,7 +93,8 @@ def _submit(request: web.Request, owner: str, work: Callable[[], Awaitable[Any]]
 
 
 def _model_call(request: web.Request, owner: str, seq_id: int | None,
-                run: Callable[[TinkerModel], Awaitable[Any]]) -> web.Response:
+                run: Callable[[TinkerModel], Awaitable[Any]], on_end: Callable[[], None] | None = None,
+                ) -> web.Response:
     """A call on the row's model (the table resolved it for the caller: api/route_table.py `resource`), in its
     seq_id order: a call made while the learner restarts waits for it, and the first call after a restart rolled
     the model back fails, naming what was lost (service.rollback)."""
@@ -84,7 +109,7 @@ def _model_call(request: web.Request, owner: str, seq_id: int | None,
         if lost is not None:
             raise lost
         return await run(model)
-    return _submit(request, owner, unless_rolled_back, model, seq_id)
+    return _submit(request, owner, unless_rolled_back, model, seq_id, on_end=on_end)
 
 
 # The model a row acts on, for the table to resolve (`resource`): an unknown one, another key's, or one whose
@@ -122,8 +147,21 @@ def _peek_forward_backward(body: bytes) -> SimpleNamespace:
     return SimpleNamespace(model_id=forward_backward_model_id(body))
 
 
+def _forward_backward_decoder(request: web.Request) -> Callable[[bytes], Any]:
+    """Decoding stops once the body holds more than a call may (tinker_max_tokens_per_call positions, and
+    LOSS_VALUES_PER_POSITION values a position): a 422 `over_limit` at once, before it is built whole."""
+    cap = request.app[TINKER].orchestrator.config.tinker_max_tokens_per_call
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return decode_forward_backward_request(raw, cap, LOSS_VALUES_PER_POSITION * cap)
+        except OverLimit as exc:
+            raise Unprocessable(str(exc), code="over_limit") from None  # no frame of the partial decode kept
+    return decode
+
+
 FORWARD_BACKWARD = BodyCodec(PROTO_CONTENT_TYPE, "a protobuf tinker_public.ForwardBackwardRequest",
-                             _peek_forward_backward, decode_forward_backward_request)
+                             _peek_forward_backward, _forward_backward_decoder)
 
 
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
@@ -188,9 +226,13 @@ async def get_info(request: web.Request, who: Principal | None, body: Any) -> we
 
 
 async def forward_backward(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    """The body is protobuf (the row's codec): the table checked its model before decoding the rest."""
+    """The body is protobuf (the row's codec): the table checked its model before decoding the rest, and the
+    decoder its bounds. It then waits in its model's lane at full size, so a key's decoded calls are admitted by
+    their token positions (429 `too_many_tokens_queued` beyond)."""
     service = request.app[TINKER]
-    return _model_call(request, who.owner, body.seq_id, lambda m: service.forward_backward(m, body))
+    positions = sum(d.model_input.length for d in body.forward_backward_input.data)
+    release = service.admit_positions(who.owner, positions)
+    return _model_call(request, who.owner, body.seq_id, lambda m: service.forward_backward(m, body), release)
 
 
 async def optim_step(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -276,18 +318,9 @@ async def asample(request: web.Request, who: Principal | None, body: Any) -> web
     if body.seq_id is not None and body.seq_id in sampler.seen:  # the SDK's resubmission after a 429
         return _json(ts.UntypedAPIFuture(request_id=sampler.seen[body.seq_id], sample_sequence_ids=ids))
     release = service.admit_samples(owner, body.num_samples)  # 429 before anything is queued
-
-    async def run() -> SampleResponse:
-        try:
-            return await sample(service, sampler, body)
-        finally:
-            release()
     experiment = sampler.model.experiment if sampler.model is not None else None if owner == ADMIN else owner
-    try:
-        response = _submit(request, owner, service.on_experiment(experiment, run), sample_sequence_ids=ids)
-    except BaseException:
-        release()
-        raise
+    response = _submit(request, owner, service.on_experiment(experiment, lambda: sample(service, sampler, body)),
+                       on_end=release, sample_sequence_ids=ids)
     if body.seq_id is not None:
         sampler.remember(body.seq_id, ts.UntypedAPIFuture.model_validate_json(response.text).request_id)
     return response

@@ -27,13 +27,13 @@ from typing import Awaitable, Callable, TypeVar
 from grpo_server.api.route_table import ADMIN
 from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.checkpoints import CheckpointVerbs
-from grpo_server.api.tinker.data import LOSS_VALUES_PER_POSITION, ForwardBackwardOutput, ForwardBackwardRequest
+from grpo_server.api.tinker.data import ForwardBackwardOutput, ForwardBackwardRequest
 from grpo_server.api.tinker.futures import FutureStore
 from grpo_server.api.tinker.registry import TinkerRegistry
 from grpo_server.api.tinker.state import Sampler, SamplerWeights, TinkerModel, parse_path
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import wire
-from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, TooManyRequests, Unprocessable
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound, TooManyRequests
 from grpo_server.protocol.worker_config import LoraConfig
 from grpo_server.runtime.experiment import Experiment
 from grpo_server.runtime.orchestrator import Orchestrator
@@ -49,6 +49,37 @@ MAX_SAMPLERS_PER_KEY = 1024
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+QUEUED_CALLS = 4  # forward_backward calls of the largest size one key may have decoded and waiting at once
+
+
+class Admission:
+    """An amount each key's calls hold from their admission until they end (`admit` -> its release), refused with a
+    429 at once beyond a cap: the walls that keep one key's queued calls from holding the server's memory or its
+    samplers ahead of every other tenant's."""
+
+    def __init__(self, what: str, setting: str, code: str):
+        self.what, self.setting, self.code = what, setting, code
+        self.held: Counter[str] = Counter()
+
+    def admit(self, owner: str, amount: int, cap: int) -> Callable[[], None]:
+        held = self.held[owner]
+        if held + amount > cap:
+            raise TooManyRequests(f"this key's {self.what} hold {held}, and {amount} more would pass the server's "
+                                  f"{self.setting} ({cap}); retry once some have finished", code=self.code,
+                                  retry_after=1.0)
+        self.held[owner] += amount
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:  # once, whichever path ends the call
+                released = True
+                self.held[owner] -= amount
+                if self.held[owner] <= 0:
+                    del self.held[owner]
+        return release
+
+
 class TinkerService(CheckpointVerbs):
     def __init__(self, orchestrator: Orchestrator, base_model: str, futures: FutureStore):
         self.orchestrator = orchestrator
@@ -58,7 +89,11 @@ class TinkerService(CheckpointVerbs):
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.models: dict[str, TinkerModel] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.samples_in_flight: Counter[str] = Counter()  # owner -> sequences its asample calls hold
+        # What one key's calls hold from their admission to their end (429 beyond): asample sequences, and the
+        # token positions of decoded forward_backward calls.
+        self.samples = Admission("sequences of asample calls", "tinker_max_samples_per_key", "too_many_samples")
+        self.positions = Admission("token positions of forward_backward calls",
+                                   f"{QUEUED_CALLS} x tinker_max_tokens_per_call", "too_many_tokens_queued")
         # The calls queued or running on each experiment (`on_experiment`), and those its delete cancelled.
         self._calls: defaultdict[str, set[asyncio.Task]] = defaultdict(set)
         self._deleted_under: set[asyncio.Task] = set()
@@ -193,14 +228,7 @@ class TinkerService(CheckpointVerbs):
 
     async def forward_backward(self, model: TinkerModel, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
         given = request.forward_backward_input
-        # Bounds before work: what the dense lists would hold, from the shapes, before any is built.
-        positions, values = given.sizes()
-        cap = self.orchestrator.config.tinker_max_tokens_per_call
-        if positions > cap or values > LOSS_VALUES_PER_POSITION * cap:
-            raise Unprocessable(f"{positions} token positions and {values} loss input values in one call, over the "
-                                f"server's tinker_max_tokens_per_call {cap} (and {LOSS_VALUES_PER_POSITION} values "
-                                "a position): split the batch", code="over_limit")
-        try:  # lists of up to the bounds above: built on a thread, not on the event loop
+        try:  # lists within the call's bounds (its decoder checked them: routes.py): on a thread, not the loop
             data = await asyncio.to_thread(lambda: [
                 wire.Datum(tokens=d.tokens(), loss_fn_inputs={k: v.flat() for k, v in d.loss_fn_inputs.items()})
                 for d in given.data])
@@ -260,20 +288,16 @@ class TinkerService(CheckpointVerbs):
                         "from here knowingly; this call was not run", code="rolled_back", status=503)
 
     def admit_samples(self, owner: str, sequences: int) -> Callable[[], None]:
-        """Admit an asample call of `sequences` (429 while `owner` would hold over tinker_max_samples_per_key);
-        the function that releases them, once its call has ended."""
-        cap, held = self.orchestrator.config.tinker_max_samples_per_key, self.samples_in_flight[owner]
-        if held + sequences > cap:
-            raise TooManyRequests(f"this key's asample calls hold {held} sequences, and {sequences} more would pass "
-                                  f"the server's tinker_max_samples_per_key {cap}; retry shortly",
-                                  code="too_many_samples", retry_after=1.0)
-        self.samples_in_flight[owner] += sequences
+        """Admit an asample call of `sequences`: 429 `too_many_samples` while `owner` would hold more than
+        tinker_max_samples_per_key; the function that releases them once the call has ended."""
+        return self.samples.admit(owner, sequences, self.orchestrator.config.tinker_max_samples_per_key)
 
-        def release() -> None:
-            self.samples_in_flight[owner] -= sequences
-            if self.samples_in_flight[owner] <= 0:
-                del self.samples_in_flight[owner]
-        return release
+    def admit_positions(self, owner: str, positions: int) -> Callable[[], None]:
+        """Admit a decoded forward_backward of `positions` token positions: 429 `too_many_tokens_queued` while
+        `owner`'s calls queued or running would hold more than QUEUED_CALLS x tinker_max_tokens_per_call (each
+        waits at full size in its model's seq_id lane); the function that releases them once the call ended."""
+        return self.positions.admit(owner, positions,
+                                    QUEUED_CALLS * self.orchestrator.config.tinker_max_tokens_per_call)
 
     # --- samplers ------------------------------------------------------------------------------------------
 
