@@ -123,7 +123,7 @@ class VllmEngine(MergedServing, Engine):
     # --- requests ----------------------------------------------------------------------------
 
     async def _run(self, prompt_ids: list[int], params: Any, adapter: AdapterRef | None,
-                   served_as: ServedAs) -> Any:
+                   served_as: ServedAs, priority: int = 0) -> Any:
         """One request to the end, inside `_serving`; its adapter cannot be removed while it runs."""
         from vllm import TokensPrompt
         from vllm.exceptions import VLLMClientError
@@ -147,6 +147,7 @@ class VllmEngine(MergedServing, Engine):
                 params,
                 uuid.uuid4().hex,
                 lora_request=entry.request if entry is not None and served_as == "lora" else None,
+                priority=priority,
             ):
                 final = out
         except (VLLMClientError, ValueError) as exc:
@@ -187,7 +188,7 @@ class VllmEngine(MergedServing, Engine):
             structured_outputs=tools.structured_outputs if tools is not None else None,
         )
         async with self._serving(req.adapter) as served_as:  # merged or LoRA: the same params either way
-            out = await self._run(req.prompt_token_ids, params, req.adapter, served_as)
+            out = await self._run(req.prompt_token_ids, params, req.adapter, served_as, req.priority)
         self.prefix_cache.queries += len(req.prompt_token_ids)
         self.prefix_cache.hits += out.num_cached_tokens or 0
         completions = [self._completion(c, tools) for c in out.outputs]

@@ -58,6 +58,9 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_bytes(cfg),
         max_num_seqs=cfg.max_num_seqs,
+        # Waiting requests by priority, not arrival alone: each carries the sequences its experiment already has
+        # in flight (GenerateRequest.priority), so one tenant's flood cannot queue ahead of every other's.
+        scheduling_policy="priority",
         enable_prefix_caching=True,
         block_size=block_size(cfg),
         disable_log_stats=True,

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from grpo_server.client import AsyncClient
 from grpo_server.protocol.verbs import SamplerVerbs
+from grpo_server.protocol.wire import GenerateRequest
 from grpo_server.workers.pool import WorkerConnection, WorkerPool
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
 from tests.serving import (TINY_KV_CACHE_GIB, complete_when_admitted, free_port, start_server, stop_server,
@@ -106,6 +107,44 @@ async def test_balancer_spreads_requests_and_skips_a_replica_it_cannot_reach():
         finally:
             for runner in runners:
                 await runner.cleanup()
+
+
+async def test_each_request_carries_its_experiments_share_in_flight_as_its_priority():
+    """Issue 57: the samplers served in arrival order, so one tenant's flood of sampling queued ahead of every
+    other's. Each generate request now carries, as its vLLM priority, the sequences its experiment already has in
+    flight (lower goes first among waiting requests): a quiet tenant's request is 0 behind a flood."""
+    seen: list[dict] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        seen.append(unpack(await request.read()))
+        await asyncio.sleep(0.2)
+        completion = {"text": "x", "token_ids": [], "logprobs": [], "finish_reason": "stop"}
+        return web.Response(body=pack({"prompt_token_ids": [], "completions": [completion]}), content_type=MSGPACK)
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", generate)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            pool = WorkerPool([WorkerConnection(Up("sampler-0", f"http://127.0.0.1:{port}"), session, 30)],
+                              learner=None)
+
+            async def one(experiment: str, n: int) -> None:
+                async with pool.sampler(experiment=experiment) as sampler:
+                    await sampler.generate(GenerateRequest(prompt_token_ids=[1], n=n, max_tokens=1))
+
+            flood = [asyncio.create_task(one("hostile", 64)) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            await one("victim", 4)
+            await asyncio.gather(*flood)
+        assert sorted(r["priority"] for r in seen if r["n"] == 64) == [0, 64, 128]
+        assert [r["priority"] for r in seen if r["n"] == 4] == [0]
+        assert not pool.sequences_in_flight  # every request's share released
+    finally:
+        await runner.cleanup()
 
 
 # --- two real vLLM replicas behind the real server -----------------------------------------------------

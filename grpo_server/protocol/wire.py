@@ -84,6 +84,10 @@ class GenerateRequest(WireModel):
     # to max_tokens past EOS (`stop: []` there).
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # The engine's order among waiting requests (vLLM's priority scheduling: lower first, then by arrival). The
+    # front end sets it to the sequences its experiment already has in flight (workers/pool.py): a tenant with
+    # nothing in flight goes before the waiting requests of one that floods the samplers.
+    priority: int = Field(0, ge=0)
 
 
 class ToolCall(WireModel):

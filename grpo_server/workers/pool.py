@@ -37,6 +37,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Protocol, TypeVar
 
@@ -48,7 +49,7 @@ from grpo_server.protocol.codec import MSGPACK, pack, unpack
 from grpo_server.protocol.log_context import context_headers
 from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed, public_message
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient, Verb
-from grpo_server.protocol.wire import AdapterRef
+from grpo_server.protocol.wire import AdapterRef, GenerateRequest
 from grpo_server.workers.turns import ComputeTurns
 
 Ans = TypeVar("Ans", bound=BaseModel)
@@ -177,11 +178,26 @@ class BalancedReplicas:
 
     name = "samplers"
 
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, experiment: str | None = None):
         self.pool = pool
+        self.experiment = experiment
 
     async def request(self, verb: Verb[Any, Ans], body: BaseModel | dict | None, *, timeout_s: float | None = None,
                       syncing_ok: bool = False) -> Ans:
+        if isinstance(body, GenerateRequest):  # its place among waiting requests: the experiment's share in flight
+            in_flight = self.pool.sequences_in_flight
+            body = body.model_copy(update={"priority": in_flight[self.experiment]})
+            in_flight[self.experiment] += body.n
+            try:
+                return await self._request(verb, body, timeout_s, syncing_ok)
+            finally:
+                in_flight[self.experiment] -= body.n
+                if in_flight[self.experiment] <= 0:
+                    del in_flight[self.experiment]
+        return await self._request(verb, body, timeout_s, syncing_ok)
+
+    async def _request(self, verb: Verb[Any, Ans], body: BaseModel | dict | None, timeout_s: float | None,
+                       syncing_ok: bool) -> Ans:
         tried: set[int] = set()
         while True:
             replica = self.pool.pick_replica(exclude=tried)
@@ -206,6 +222,9 @@ class WorkerPool:
         self.learner = LearnerClient(learner) if learner is not None else None
         self.turns = turns or ComputeTurns(alternate=False)  # held by sampler calls and train steps
         self.load = {id(s): ReplicaLoad() for s in samplers}
+        # Sequences each experiment (None: no experiment's) has being sampled: the priority of its next request
+        # (BalancedReplicas; GenerateRequest.priority).
+        self.sequences_in_flight: Counter[str | None] = Counter()
         self.fingerprints: dict[str, str | None] = {}  # AdapterRef.key -> its fingerprint, while loaded
         self._turn = itertools.count()
 
@@ -233,7 +252,7 @@ class WorkerPool:
         if not self.ready_samplers():
             raise self._none_ready()
         async with (self.turns.sampling(experiment) if take_turn else contextlib.nullcontext()):
-            yield SamplerClient(BalancedReplicas(self))
+            yield SamplerClient(BalancedReplicas(self, experiment))
 
     def _none_ready(self) -> Unavailable:
         states = ", ".join(f"{s.name}: {s.process.state}" for s in self.samplers)
