@@ -34,9 +34,11 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
 5. fairness (only when asked: `--only fairness`; a server of its own, a few minutes): a quiet experiment's
    completion latency alone vs beside a noisy experiment flooded by 8 clients with its learner steps running,
    and the event-loop lag (fairness.py).
-6. hostile (only when asked: `--only hostile`; a server of its own, a few minutes): one key floods the Tinker API
-   (asample with prompt logprobs, forward_backward + optim_step) and adapter downloads; another key's completion
-   and feedback latency alone vs beside it, and whether every group it had acknowledged was trained (hostile.py).
+6. hostile (only when asked: `--only hostile`; a server of its own, several minutes): one key floods the Tinker
+   API (asample with prompt logprobs and of num_samples max_n, forward_backward + optim_step, CSR bodies, ~6 MiB
+   protobuf bodies, long sampler-weight names), adapter downloads and chat streams of special tokens; another
+   key's completion and feedback latency alone vs beside it, the front end's RSS and event-loop lag, and whether
+   every group it had acknowledged was trained (hostile.py).
 7. rollouts (only when asked: `--only rollouts`; a server of its own and three `vllm serve` processes, each
    started once): 3-turn tool-calling agent episodes with `openai.AsyncOpenAI` through this server's
    `/v1/chat/completions` vs vLLM's own OpenAI server on the same model and engine settings (base weights; and,
