@@ -35,11 +35,16 @@ class BodyPool:
     def waiting(self, owner: str) -> int:
         return self._waiting.get(owner, 0)
 
-    async def run(self, owner: str, decode: Callable[[], T]) -> T:
-        """`decode()` on the pool, in `owner`'s slot (429 while `owner` has `max_waiting` bodies here)."""
-        if self._waiting[owner] >= self.max_waiting:
+    def check(self, owner: str) -> None:
+        """429 while `owner` has `max_waiting` bodies here: asked before a large body is read off the socket too,
+        so a refused flood costs no reading."""
+        if self._waiting.get(owner, 0) >= self.max_waiting:
             raise TooManyRequests(f"{self._waiting[owner]} large bodies of this key are being decoded; send fewer "
                                   "at once", code="too_many_bodies", retry_after=1.0)
+
+    async def run(self, owner: str, decode: Callable[[], T]) -> T:
+        """`decode()` on the pool, in `owner`'s slot (429 while `owner` has `max_waiting` bodies here)."""
+        self.check(owner)
         self._waiting[owner] += 1
         slot = self._slots.setdefault(owner, asyncio.Lock())
         try:

@@ -49,7 +49,10 @@ async def read_body(request: web.Request) -> bytes:
 
 async def parse_body(request: web.Request, model: type[M], who: Principal | None = None) -> M:
     """The body as `model`: 400 for an undecodable body, 413 too large, 422 naming each bad field. A large one is
-    decoded in the caller's slot of the body pool (api/body_pool.py)."""
+    decoded in the caller's slot of the body pool (api/body_pool.py), and refused before it is read while that
+    slot's queue is full."""
+    if (request.content_length or 0) > OFF_LOOP_BYTES:
+        request.app[BODY_POOL].check(_pool_owner(request, who))
     raw = await read_body(request)
     if len(raw) > OFF_LOOP_BYTES:
         return await off_loop(request, who, lambda: decode_body(raw, request.content_type, model))
@@ -58,8 +61,11 @@ async def parse_body(request: web.Request, model: type[M], who: Principal | None
 
 def off_loop(request: web.Request, who: Principal | None, decode: Callable[[], M]) -> Awaitable[M]:
     """`decode()` on the body pool, in the slot of `who` (a public route's caller: its address)."""
-    owner = who.owner if who is not None else f"address:{request.remote}"
-    return request.app[BODY_POOL].run(owner, decode)
+    return request.app[BODY_POOL].run(_pool_owner(request, who), decode)
+
+
+def _pool_owner(request: web.Request, who: Principal | None) -> str:
+    return who.owner if who is not None else f"address:{request.remote}"
 
 
 def decode_body(raw: bytes, content_type: str, model: type[M]) -> M:
@@ -250,6 +256,7 @@ async def _by_codec(request: web.Request, endpoint: Endpoint, who: Principal | N
     """A `codec` row's body: its resource resolved from a peek at the bytes (404 before any decoding), then the
     whole body decoded on the body pool, in the caller's slot."""
     codec = endpoint.codec
+    request.app[BODY_POOL].check(_pool_owner(request, who))  # a full slot refuses before the bytes are read
     raw = await read_body(request)
     try:
         peeked = codec.peek(raw)
