@@ -42,6 +42,7 @@ import yaml
 
 from grpo_server.client import Client, GrpoServerError
 from grpo_server.protocol.codec import unpack
+from grpo_server.protocol.wire import AdapterRef
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -250,7 +251,8 @@ def sampler_versions(secret: str) -> list[int]:
     """The experiment's adapter versions the sampler holds (its /health lists `name@vN` to the secret's holders)."""
     with urlopen(Request(SAMPLER_URL + "/health", headers=auth_headers(secret)), timeout=10) as response:
         adapters = unpack(response.read())["adapters"]
-    return sorted(int(a.rpartition("@v")[2]) for a in adapters if a.startswith(f"{EXPERIMENT}@v"))
+    refs = [AdapterRef.from_key(a) for a in adapters]  # `name@vN.<life>`
+    return sorted(r.version for r in refs if r.name == EXPERIMENT)
 
 
 def check_loaded(version: int, secret: str) -> list[int]:

@@ -61,6 +61,14 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+def adapter_versions(keys, name: str) -> set[int]:
+    """The versions of experiment `name` among a sampler's adapter keys (AdapterRef.key: `name@vN.<life>`)."""
+    from grpo_server.protocol.wire import AdapterRef
+
+    refs = [AdapterRef.from_key(key) for key in keys]
+    return {ref.version for ref in refs if ref.name == name}
+
+
 def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", compile_sampler: bool = False,
                  **overrides) -> ServerHandle:
     """`grpo-server serve` on `model_dir`, with the tests' settings and `overrides` (top-level fields). vLLM runs

@@ -14,7 +14,7 @@ import yaml
 
 from grpo_server.client import AsyncClient
 from grpo_server.protocol.codec import unpack
-from tests.serving import complete_when_admitted, headers, start_server, stop_server, wait_for
+from tests.serving import adapter_versions, complete_when_admitted, headers, start_server, stop_server, wait_for
 
 NAME = "bounded"
 KEY = "bounded-key-5c1e90d2"
@@ -35,7 +35,7 @@ async def loaded_on_sampler(server) -> set[int]:
     async with aiohttp.ClientSession(headers=server.worker_headers()) as session:
         async with session.get(f"http://127.0.0.1:{port}/health") as response:
             adapters = unpack(await response.read())["adapters"]
-    return {int(key.rsplit("@v", 1)[1]) for key in adapters if key.startswith(NAME + "@")}
+    return adapter_versions(adapters, NAME)
 
 
 async def train_to(client, version: int, accepted: list[int]) -> None:

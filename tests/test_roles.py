@@ -27,8 +27,8 @@ from grpo_server.workers.pool import WorkerConnection
 from grpo_server.protocol.codec import unpack
 from grpo_server.protocol.worker_auth import SECRET_ENV, auth_headers
 from scripts.compose_check import compose_command
-from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, VERIFY_IDLE_S, WORKER_SECRET, free_port,
-                           train_one_version, wait_for, worker_env)
+from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, VERIFY_IDLE_S, WORKER_SECRET,
+                           adapter_versions, free_port, train_one_version, wait_for, worker_env)
 
 # --- wrong role for the config: a message that says what to set, before anything starts ----------------
 
@@ -200,7 +200,7 @@ async def test_frontend_sampler_and_learner_as_separate_processes(tiny_model_dir
                                             "sampling": {"n": 2, "max_tokens": 4}})
 
             version = await train_one_version(client, name)
-            assert f"{name}@v{version}" in await sampler_adapters(sampler_url)
+            assert version in adapter_versions(await sampler_adapters(sampler_url), name)
 
         # The front end restarts on its own (compose restarts one service): the workers run on, and the new
         # front end takes them over; the learner forgets what it held and resumes from its checkpoint.
@@ -242,7 +242,7 @@ async def served_again(client: AsyncClient, name: str, sampler_url: str) -> int:
     at it. Returns that version."""
     await wait_for(lambda: _worker_state(client, "sampler-0", "ready"), timeout_s=STARTUP_TIMEOUT_S)
     served = (await client.status(name)).policy_version
-    assert f"{name}@v{served}" in await sampler_adapters(sampler_url)
+    assert served in adapter_versions(await sampler_adapters(sampler_url), name)
     group = await client.complete(name, prompt="Back?")
     assert group.policy_version == served and len(group.completions) == 2
     return served

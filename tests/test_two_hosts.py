@@ -11,6 +11,7 @@ it: each costs a minute of the suite (a front end, two learner ranks, a sampler)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,8 @@ import yaml
 
 from grpo_server.client import AsyncClient
 from grpo_server.protocol.adapter_files import holds, read_fingerprint
-from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, VERIFY_IDLE_S, free_port, wait_for,
-                           worker_env)
+from tests.serving import (ADMIN_KEY, STARTUP_TIMEOUT_S, TINY_KV_CACHE_GIB, VERIFY_IDLE_S, adapter_versions, free_port,
+                           wait_for, worker_env)
 from tests.test_roles import end, sampler_adapters, served_again, wait_for_port
 
 HIDE = ["unshare", "--mount", "--map-root-user", "--propagation", "private", "sh", "-c",
@@ -152,14 +153,15 @@ async def test_a_learner_over_two_hosts_under_torchrun(tiny_model_dir, tmp_path)
 
             # B serves exactly what the learner wrote on A, and only the learner's HTTP took it there: its copy is
             # that version, byte for byte, and the push check above found its logprobs the learner's.
-            assert f"{name}@v{version}" in await sampler_adapters(sampler_url)
+            assert version in adapter_versions(await sampler_adapters(sampler_url), name)
             learner_copy = host_a / "run" / "adapters" / name / f"v{version:06d}"
-            b_copy = copies / f"v{version:06d}"
+            b_copy, = copies.glob(f"v{version:06d}.*")  # one per life of the name (AdapterRef.life)
             assert holds(b_copy, read_fingerprint(learner_copy))
             assert (b_copy / "adapter_model.safetensors").read_bytes() == \
                 (learner_copy / "adapter_model.safetensors").read_bytes()
             log_b = (host_b / "sampler--replica0.log").read_text(errors="replace")
-            assert f"{name}@v{version}: {learner_copy.resolve()} not readable here; copied" in log_b
+            assert re.search(rf"{name}@v{version}\.[0-9a-f]+: {re.escape(str(learner_copy.resolve()))} not readable "
+                             "here; copied", log_b)
 
             # B's sampler dies and starts again: its old copies are dropped, and the front end's re-sync brings
             # the live versions back over the learner's HTTP before it serves.
@@ -167,8 +169,8 @@ async def test_a_learner_over_two_hosts_under_torchrun(tiny_model_dir, tmp_path)
             await wait_for(lambda: _worker_state(client, "sampler-0", "down"), timeout_s=60)
             sampler = spawn(host_b, config_b, "sampler", "--replica", "0", hide=host_a)
             served = await served_again(client, name, sampler_url)
-            assert holds(copies / f"v{served:06d}", read_fingerprint(host_a / "run" / "adapters" / name /
-                                                                    f"v{served:06d}"))
+            again, = copies.glob(f"v{served:06d}.*")
+            assert holds(again, read_fingerprint(host_a / "run" / "adapters" / name / f"v{served:06d}"))
         rank1 = (host_b / "learner-node1.log").read_text(errors="replace")
         assert "rank 1 of 2 ready" in rank1
         assert f"experiment {name}: adapter r=" in rank1 and "from checkpoint at v" in rank1
