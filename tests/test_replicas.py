@@ -41,10 +41,13 @@ class Up:
         return self.state == "ready"
 
 
-async def echo_worker(name: str, delay_s: float = 0.0) -> tuple[web.AppRunner, str]:
-    """A worker whose `generate` answers its own name (after `delay_s`, to keep requests in flight)."""
+async def echo_worker(name: str, delay_s: float = 0.0, seen: list | None = None) -> tuple[web.AppRunner, str]:
+    """A worker whose `generate` answers its own name (after `delay_s`, to keep requests in flight); the requests
+    it got go in `seen`."""
     async def generate(request: web.Request) -> web.Response:
-        unpack(await request.read())
+        body = unpack(await request.read())
+        if seen is not None:
+            seen.append(body)
         await asyncio.sleep(delay_s)
         completion = {"text": name, "token_ids": [], "logprobs": [], "finish_reason": "stop"}
         return web.Response(body=pack({"prompt_token_ids": [], "completions": [completion]}), content_type=MSGPACK)
@@ -114,23 +117,10 @@ async def test_each_request_carries_its_experiments_share_in_flight_as_its_prior
     other's. Each generate request now carries, as its vLLM priority, the sequences its experiment already has in
     flight (lower goes first among waiting requests): a quiet tenant's request is 0 behind a flood."""
     seen: list[dict] = []
-
-    async def generate(request: web.Request) -> web.Response:
-        seen.append(unpack(await request.read()))
-        await asyncio.sleep(0.2)
-        completion = {"text": "x", "token_ids": [], "logprobs": [], "finish_reason": "stop"}
-        return web.Response(body=pack({"prompt_token_ids": [], "completions": [completion]}), content_type=MSGPACK)
-
-    app = web.Application()
-    app.add_routes([web.post("/generate", generate)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, url = await echo_worker("0", delay_s=0.2, seen=seen)
     try:
         async with aiohttp.ClientSession() as session:
-            pool = WorkerPool([WorkerConnection(Up("sampler-0", f"http://127.0.0.1:{port}"), session, 30)],
-                              learner=None)
+            pool = WorkerPool([WorkerConnection(Up("sampler-0", url), session, 30)], learner=None)
 
             async def one(experiment: str, n: int) -> None:
                 async with pool.sampler(experiment=experiment) as sampler:

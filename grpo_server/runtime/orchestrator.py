@@ -35,6 +35,7 @@ from grpo_server.runtime.prompts import PromptBuilder
 from grpo_server.runtime.status import experiment_status, is_sampling, unrestored_status
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
+from grpo_server.runtime.training import TrainingLoop
 from grpo_server.runtime.verification import nearest_version_needed
 from grpo_server.trackers import default_trackers, missing_libraries
 from grpo_server.workers.pool import WorkerPool
@@ -205,7 +206,10 @@ class Orchestrator:
         exp.resume_from(first)
         exp.serve(first.version, first.path)
         await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
-        exp.open(trackers, nearest_version=nearest)  # its metrics log, trackers and training task
+        exp.open(trackers)  # its metrics log and trackers
+        exp.start_training(TrainingLoop(exp, self.workers, self.config.verify_tolerance, self.config.worker_timeout_s,
+                                        self.config.max_loaded_versions, exp.metrics_log, nearest_version=nearest,
+                                        idle_check_s=self.config.verify_idle_s))
         self.experiments[config.name] = exp
         log.info("experiment %s created, serving v%d at step %d, %d journalled groups to train; pushes checked "
                  "by %s, rollout correction %s (the workers compute in %s%s)", config.name, first.version,

@@ -5,13 +5,8 @@ call the learner themselves. Part of `Experiment` (owner.py), whose fields they 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from grpo_server.protocol.wire import (AdamParams, Datum, ForwardBackwardOutput, ForwardBackwardRequest,
                                        OptimStepResponse, SavedState, VersionProbe)
-
-if TYPE_CHECKING:
-    from grpo_server.runtime.experiment.owner import Experiment
 
 
 class LearnerVerbs:
@@ -57,7 +52,7 @@ class LearnerVerbs:
         async with self.workers.turns.training(self.name):
             await self.workers.learner.save_state(self.name, label, with_optimizer=True)
 
-    async def load_state(self, label: str, source: "Experiment", with_optimizer: bool) -> None:
+    async def load_state(self, label: str, source: LearnerVerbs, with_optimizer: bool) -> None:
         """`source`'s saved state `label` (maybe this experiment's own) as this experiment's weights."""
         async with self.workers.turns.training(self.name):
             await self.workers.learner.load_state(self.name, label, source=source.name, with_optimizer=with_optimizer)

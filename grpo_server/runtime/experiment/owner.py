@@ -7,9 +7,10 @@ only caller of the workers on its behalf.
 - feedback.py: `feedback`, and the training task's side of the queue (batches taken, put back, trained);
 - versions.py: which versions serve and stay loaded on the samplers;
 - learner_calls.py: a client's learner calls (Tinker's forward_backward, optim_step, saved states, pushes).
-It builds and holds what is its own (`open`): its training loop (runtime/training.py) with its version checks
-(runtime/verification.py), its metrics log and its trackers. `stop` cancels and awaits every task it started and
-closes them. Everything else (status, /metrics, the orchestrator's re-syncs, the API families) reads it and calls
+It holds what is its own: its metrics log and trackers (opened by `open`), and its training loop
+(runtime/training.py, with its version checks; built on this package, so the orchestrator builds it with the
+server's settings and hands it to `start_training`). `stop` cancels and awaits every task it started and closes
+them. Everything else (status, /metrics, the orchestrator's re-syncs, the API families) reads it and calls
 its methods, never writes its fields."""
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine, Protocol
 
 from grpo_server.api_models import ExperimentCounters, VerificationResult
 from grpo_server.config import ExperimentConfig, ServerConfig
-from grpo_server.protocol.wire import AdapterRef
+from grpo_server.protocol.wire import AdapterRef, VersionProbe
 from grpo_server.runtime.episodes import EpisodeStore
 from grpo_server.runtime.experiment.feedback import FeedbackVerbs
 from grpo_server.runtime.experiment.learner_calls import LearnerVerbs
@@ -39,7 +40,6 @@ from grpo_server.runtime.token_budget import TokenBudget
 
 if TYPE_CHECKING:
     from grpo_server.runtime.prompts import PromptBuilder
-    from grpo_server.runtime.training import TrainingLoop
     from grpo_server.trackers import TrackerSet
     from grpo_server.workers.pool import WorkerPool
 
@@ -47,6 +47,15 @@ log = logging.getLogger(__name__)
 
 RECENT_GROUPS = 32  # the window of "recent reward mean"
 MAX_ERRORS_SHOWN = 20
+
+
+class Training(Protocol):
+    """What the experiment needs of its training loop: runtime/training.py's TrainingLoop, which is built on this
+    package (so it is handed in, not imported: `start_training`)."""
+
+    def run(self) -> Coroutine[Any, Any, None]: ...
+
+    async def push_now(self, probe: VersionProbe | None = None) -> int: ...
 
 
 @dataclass(eq=False)
@@ -93,7 +102,7 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
     training_task: asyncio.Task | None = None
     # What it builds and holds (`open`): its training loop (with its version checks), metrics log and trackers.
-    training: "TrainingLoop | None" = None
+    training: Training | None = None
     metrics_log: MetricsLog | None = None
     trackers: "TrackerSet | None" = None
     # This life of the name: in its adapters' names on the samplers (`adapter`), so that nothing one life loaded
@@ -125,10 +134,8 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
 
     # --- what it holds --------------------------------------------------------------------------------
 
-    def open(self, trackers: list[str], nearest_version: bool) -> None:
-        """Open its metrics log and trackers (from the learner's step it resumed at) and start its training task.
-        `nearest_version`: its pushes are checked by version distance, not the tolerance (runtime/verification.py)."""
-        from grpo_server.runtime.training import TrainingLoop  # training.py builds on this package
+    def open(self, trackers: list[str]) -> None:
+        """Open its metrics log and trackers, from the learner's step it resumed at (then `start_training`)."""
         from grpo_server.trackers import open_trackers
 
         server = self.server
@@ -136,9 +143,6 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
                                       server.run_dir, step=self.step)
         self.metrics_log = MetricsLog(metrics_log_path(server.run_dir, self.name), feed=self.trackers.feed)
         self.recall_rewards(self.metrics_log.recent_group_rewards(RECENT_GROUPS))  # it survives a restart
-        self.start_training(TrainingLoop(self, self.workers, server.verify_tolerance, server.worker_timeout_s,
-                                         server.max_loaded_versions, self.metrics_log, nearest_version=nearest_version,
-                                         idle_check_s=server.verify_idle_s))
 
     def metric_records(self, kind: str | None, limit: int) -> list[dict[str, Any]]:
         """Its metrics log's newest records (of `kind`, or all)."""
@@ -151,7 +155,8 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
 
     # --- tasks ----------------------------------------------------------------------------------------
 
-    def start_training(self, training: "TrainingLoop") -> None:
+    def start_training(self, training: Training) -> None:
+        """Hold `training` (its loop, over this experiment and its metrics log) and run it as its training task."""
         self.training = training
         self.training_task = asyncio.create_task(training.run(), name=f"train-{self.name}")
         self.training_task.add_done_callback(self._training_ended)
