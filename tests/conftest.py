@@ -106,6 +106,15 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
 
 
+@pytest.fixture(scope="module")
+def chart():
+    """The Helm chart (deploy/helm/grpo-server), loaded by Helm's own SDK once a module (tests/test_helm_*.py)."""
+    import helm_python as helm  # the dev extra's helm-python-sdk
+
+    with helm.Chart.load(Path(__file__).resolve().parent.parent / "deploy" / "helm" / "grpo-server") as loaded:
+        yield loaded
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """With GRPO_TEST_GAPS (scripts/test --gaps): the largest gap seen under each numeric tolerance."""
     from tests.tolerances import summary
