@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field, RootModel
 
 from grpo_server.api.openai.responses_models import (Echo, FunctionCall, OutputItem, OutputMessage, OutputText,
                                                      ResponseError, ResponseObject, TokenLogprob)
-from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _first_of, _stored, off_loop,
+from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _first_of, _stored, events_off_loop,
                                               id_header, pieces)
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import ApiError
@@ -185,7 +185,7 @@ async def stream_response(request: web.Request, experiment: Experiment, sample: 
             for kind in ("response.created", "response.in_progress"):
                 await send(ResponseLifecycleEvent(type=kind, sequence_number=0, response=skeleton))
             response = answer(await sampling)
-            async for event in off_loop(body_events(response, decode)):  # cut on a thread
+            async for event in events_off_loop(body_events(response, decode)):  # cut on a thread
                 await send(event)
             done = True
             delivered(response)

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Decode = Callable[[Sequence[int]], str]  # token ids -> text, as the sampler decodes a completion
-YIELD_EVERY = 64  # chunks cut on a thread at a time (decoding is CPU work: `off_loop`)
+YIELD_EVERY = 64  # chunks cut on a thread at a time (decoding is CPU work: `events_off_loop`)
 # aiohttp_sse 3 serves GET only unless told; 2.2 (pinned for Python 3.10) takes any method and has no flag.
 _ANY_METHOD = {"allow_all_methods": True} if int(aiohttp_sse.__version__.split(".")[0]) >= 3 else {}
 
@@ -296,7 +296,7 @@ async def stream_group(request: web.Request, experiment: Experiment, sample: Com
                 for event in framing.head(announced):
                     await sse.send(event)
             result = await sampling
-            async for event in off_loop(framing.body(answer(result), decode, announced)):
+            async for event in events_off_loop(framing.body(answer(result), decode, announced)):
                 await sse.send(event)
             await sse.send("[DONE]")
             delivered = True
@@ -315,7 +315,7 @@ async def stream_group(request: web.Request, experiment: Experiment, sample: Com
     return sse
 
 
-async def off_loop(events: Iterator[T]) -> AsyncIterator[T]:
+async def events_off_loop(events: Iterator[T]) -> AsyncIterator[T]:
     """`events`, computed on a thread YIELD_EVERY at a time: cutting a long answer decodes every token, and a
     choice of tokens that make no text (special tokens) is one chunk that decodes all of them, so the event loop
     never waits for it (the thread gives the loop the GIL at Python's switch interval)."""
