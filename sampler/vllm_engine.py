@@ -20,8 +20,12 @@ logprobs send one row per prompt position: with a second request in the same bat
 dies with "einsum(): subscript b has size 2 for operand 1 which does not broadcast with previously
 seen size 47" (the family of vllm#16668). With one request the index broadcasts and the scores are
 right. The layer runs whenever LoRA is enabled, with or without an adapter in the batch (merged
-weights included). So such a score waits for running generations to finish, holds new ones back, and sends its
-completions one after another.
+weights included). So such a score is sent this way only when nothing else waits or runs here: it then holds new
+requests back and sends its completions one after another. Otherwise it takes the one-token decode route of the
+tempered scores (at T = 1), which shares batches.
+
+Requests take their seats in the engine by experiment (sampler/fair_admission.py): one tenant's long requests
+cannot fill the batch and make everyone else wait for them to end.
 
 Merged serving (experiments taking turns on the merged weights): sampler/merged_serving.py. Tool calls
 (vLLM's parsers and structured outputs): sampler/tool_calls.py.
@@ -58,6 +62,7 @@ from sampler.engine_interface import (
     check_adapter_dir,
     completion_text,
 )
+from sampler.fair_admission import FairAdmission
 from sampler.merged_serving import MergedServing
 from sampler.tool_calls import ToolCalls, ToolRequest
 from sampler.vllm_start import start_async_llm
@@ -93,6 +98,7 @@ class VllmEngine(MergedServing, Engine):
         self.merged: str | None = None  # the AdapterRef key folded into the weights now
         self.merge_unsupported: str | None = "not started"
         self.prefix_cache = PrefixCacheCounts()
+        self._admission = FairAdmission(config.max_num_seqs, config.reserved_seqs)
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -140,16 +146,17 @@ class VllmEngine(MergedServing, Engine):
             entry.idle.clear()
         final = None
         try:
-            # Cancelling this coroutine (client gone, caller timeout) closes the generator, which
-            # aborts the request inside vLLM.
-            async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids),
-                params,
-                uuid.uuid4().hex,
-                lora_request=entry.request if entry is not None and served_as == "lora" else None,
-                priority=priority,
-            ):
-                final = out
+            # Seated fairly among the experiments (sampler/fair_admission.py), then in vLLM. Cancelling this
+            # coroutine (client gone, caller timeout) closes the generator, which aborts the request inside vLLM.
+            async with self._admission.seats(adapter.name if adapter is not None else "", params.n):
+                async for out in self._llm.generate(
+                    TokensPrompt(prompt_token_ids=prompt_ids),
+                    params,
+                    uuid.uuid4().hex,
+                    lora_request=entry.request if entry is not None and served_as == "lora" else None,
+                    priority=priority,
+                ):
+                    final = out
         except (VLLMClientError, ValueError) as exc:
             raise BadRequest(str(exc)) from exc
         except EngineDeadError as exc:
@@ -224,10 +231,15 @@ class VllmEngine(MergedServing, Engine):
         if req.adapter is not None and req.adapter.key not in self._adapters:
             raise adapter_not_loaded(req.adapter)
         prompt, temperature = req.prompt_token_ids, req.temperature
-        if temperature not in (0.0, 1.0):
-            results = await asyncio.gather(
-                *(self._score_tempered(prompt, c, req.adapter, temperature) for c in req.completions_token_ids)
-            )
+        # Prompt logprobs need the engine alone (the module docstring): waiting for that behind another tenant's
+        # long generations held this score, and every request that came after it, until they all ended (a
+        # neighbour's 8-token completion waited 104 s behind n = 64 streams of 256 tokens). While anything else
+        # waits or runs here, the score is sent as one-token decode requests instead, which batch with the rest;
+        # at T = 1 their processed logprobs are the raw ones that prompt logprobs give (0 is scored at 1).
+        busy = any(count > 0 for count in self._sampling_now.requests.values())
+        if temperature not in (0.0, 1.0) or busy:
+            results = await asyncio.gather(*(self._score_tempered(prompt, c, req.adapter, temperature or 1.0)
+                                             for c in req.completions_token_ids))
             return ScoreResponse(logprobs=list(results))
         results = []
         async with self._serving(req.adapter, alone=True) as served_as:  # see the module docstring

@@ -57,7 +57,8 @@ def engine_args(cfg: SamplerConfig, max_model_len: int) -> Any:
         logprobs_mode="processed_logprobs",
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_bytes(cfg),
-        max_num_seqs=cfg.max_num_seqs,
+        # The seats sampler/fair_admission.py hands out: max_num_seqs for anyone, reserved_seqs for the light.
+        max_num_seqs=cfg.max_num_seqs + cfg.reserved_seqs,
         # Waiting requests by priority, not arrival alone: each carries the sequences its experiment already has
         # in flight (GenerateRequest.priority), so one tenant's flood cannot queue ahead of every other's.
         scheduling_policy="priority",

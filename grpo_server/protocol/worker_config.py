@@ -158,7 +158,12 @@ class SamplerOptions(StrictModel):
     kv_cache_gib: float = Field(2.0, gt=0, le=4096, description=(
         "KV cache size on CPU, fractions of a GiB included (vLLM's kv_cache_memory_bytes; a "
         "VLLM_CPU_KVCACHE_SPACE in the environment, whole GiB, overrides it, as in vLLM)."))
-    max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences the engine runs at once.")
+    max_num_seqs: int = Field(64, ge=1, le=65536, description=(
+        "Most sequences the engine runs at once for any mix of experiments (reserved_seqs come on top)."))
+    reserved_seqs: int = Field(16, ge=0, le=65536, description=(
+        "vLLM: sequences the engine runs beyond max_num_seqs, only for an experiment that holds at most this many "
+        "with its request, so a light tenant's group starts at once however full a heavy tenant keeps the batch "
+        "(vLLM does not preempt a running sequence for a waiting one; sampler/fair_admission.py)."))
     tool_parser: str = Field("hermes", description=(
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))

@@ -1,0 +1,126 @@
+"""Which experiment's request enters the vLLM engine next: seats by experiment, with room kept for the light ones.
+
+vLLM's scheduler runs at most `max_num_seqs` sequences and never preempts a running one for a waiting one (with
+`scheduling_policy="priority"` it preempts only when KV blocks run out: vllm/v1/core/sched/scheduler.py breaks out
+of its waiting loop once `running` is full). So a tenant whose long requests fill the batch (`n` = 64 streams of 256
+tokens) made every other tenant wait for them to end: in the hostile-tenant benchmark, a neighbour's 8-token
+completion waited up to 104 s. Priorities order the waiting queue only, and nobody waits there once the batch is
+full of one tenant's sequences.
+
+So the engine gets `max_num_seqs + reserved_seqs` slots, and this admission hands them out:
+- any request may take a seat while at most `max_num_seqs` are taken: one experiment alone gets the batch it was
+  configured for, no smaller;
+- the last `reserved_seqs` seats go only to an experiment that holds at most `reserved_seqs` with the request: a
+  light tenant (a group of n = 4, a turn of an episode) finds a seat at once, however full the heavy ones keep
+  the rest;
+- waiting requests are seated fewest-seats-held first, then by arrival (max-min fair: the experiment using least
+  goes next), and the first of that order that does not fit holds the shared seats for itself, so a large request
+  is not passed forever by small ones.
+
+Every sequence of a request takes a seat (vLLM fans `n` out into n requests). A request larger than the shared
+seats takes them all once the engine is empty. The front end's per-experiment priority (GenerateRequest.priority)
+still orders whatever vLLM has waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Waiter:
+    tenant: str
+    seats: int
+    arrival: int
+    admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class FairAdmission:
+    def __init__(self, shared: int, reserved: int) -> None:
+        self.shared = shared  # seats any request may take (the config's max_num_seqs)
+        self.reserved = reserved  # seats beyond those, for experiments that hold few
+        self.held: Counter[str] = Counter()  # seats taken, by experiment ("" for the base model)
+        self.taken = 0
+        # Waiting requests by experiment, each queue in arrival order: choosing the next is a look at the heads
+        # (one per experiment waiting), not a sort of every request waiting.
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._arrivals = itertools.count()
+        self.waited = 0  # requests that did not find a seat at once (tests, the sampler's health)
+
+    @property
+    def capacity(self) -> int:
+        """The engine's max_num_seqs."""
+        return self.shared + self.reserved
+
+    def waiting(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+    @contextlib.asynccontextmanager
+    async def seats(self, tenant: str, count: int) -> AsyncIterator[None]:
+        """Hold `count` seats for `tenant`'s request while it runs in the engine."""
+        waiter = _Waiter(tenant, max(1, min(count, self.shared)), next(self._arrivals))
+        self._queues.setdefault(tenant, deque()).append(waiter)
+        self._admit()
+        if not waiter.admitted.done():
+            self.waited += 1
+            try:
+                await waiter.admitted
+            except BaseException:
+                if self._dequeue(waiter):
+                    self._admit()  # a head of the line that left may have held the others back
+                elif waiter.admitted.done() and not waiter.admitted.cancelled():
+                    self._release(waiter)  # seated just as it was cancelled
+                raise
+        try:
+            yield
+        finally:
+            self._release(waiter)
+
+    def _dequeue(self, waiter: _Waiter) -> bool:
+        """Take `waiter` out of its queue; False if it was not there (seated, or dropped by `_admit`)."""
+        queue = self._queues.get(waiter.tenant)
+        if queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        if not queue:
+            del self._queues[waiter.tenant]
+        return True
+
+    def _release(self, waiter: _Waiter) -> None:
+        self.taken -= waiter.seats
+        self.held[waiter.tenant] -= waiter.seats
+        if self.held[waiter.tenant] <= 0:
+            del self.held[waiter.tenant]
+        self._admit()
+
+    def _fits(self, waiter: _Waiter, shared_open: bool) -> bool:
+        after = self.taken + waiter.seats
+        if shared_open and (after <= self.shared or self.taken == 0):
+            return True
+        return self.held[waiter.tenant] + waiter.seats <= self.reserved and after <= self.capacity
+
+    def _admit(self) -> None:
+        """Seat the waiting requests that fit, in fair order (the module docstring): each time the head of the
+        experiment holding fewest seats (the earliest among equals), until no head fits."""
+        shared_open = True  # until a head of the order does not fit the shared seats: they are kept for it
+        passed: set[str] = set()  # experiments whose head does not fit now
+        while True:
+            heads = [queue[0] for tenant, queue in self._queues.items() if tenant not in passed]
+            if not heads:
+                return
+            waiter = min(heads, key=lambda w: (self.held[w.tenant], w.arrival))
+            if waiter.admitted.done():  # cancelled while it waited; `seats` has not run its cleanup yet
+                self._dequeue(waiter)
+                continue
+            if not self._fits(waiter, shared_open):
+                shared_open = False
+                passed.add(waiter.tenant)
+                continue
+            self._dequeue(waiter)
+            self.taken += waiter.seats
+            self.held[waiter.tenant] += waiter.seats
+            waiter.admitted.set_result(None)
