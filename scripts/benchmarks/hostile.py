@@ -8,7 +8,8 @@ and responsive, and every group the other key had acknowledged (202) must be tra
 On a server of its own (scripts/benchmarks/server.py's `start`, the server's defaults), two experiments with keys of
 their own: `victim`, whose client loops completion + feedback one after another (random rewards, batch_groups 2:
 its learner steps run), and `hostile`, whose key floods with threads of each kind (THREADS), each calling again at
-once, or 50 ms after a refusal whatever its Retry-After said (as fairness.py's noisy tenant):
+once, or 50 ms after a refusal whatever its Retry-After said (as fairness.py's noisy tenant). The threads run in a
+process of their own (FLOOD_PROCESS), as another client's would:
 - `asample`: Tinker asample of 4 sequences with `prompt_logprobs` on its own model's sampler (the SDK);
 - `train`: `forward_backward` + `optim_step` on its model (the SDK);
 - `download`: `GET /v1/experiments/hostile/adapter`;
@@ -361,6 +362,56 @@ def _flood(url: str, model_dir: str, stop: threading.Event, answers: Counter, lo
     return [service, *threads]
 
 
+FLOOD_PROCESS = ("the hostile key's threads run in a process of their own (spawned): in the victim client's process "
+                 "their GIL held its event loop back, and that was counted in the victim's latency")
+FLOOD_START_S = 600.0  # the flood's process primes the hostile model first (a few SFT steps and a push)
+
+
+def _flood_process(url: str, model_dir: str, only: set[str] | None, stop, guard, ready, results) -> None:
+    """The flood (`_flood`) in a process of its own, until `stop`: its answers and figures go back on `results`."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    answers, lock, info = Counter(), threading.Lock(), {}
+    started = _flood(url, model_dir, stop, answers, lock, info, only, guard)
+    ready.set()
+    stop.wait()
+    service, threads = started[0], started[1:]
+    for thread in threads:
+        thread.join(300)
+    service.close("success")
+    with lock:
+        info["streams"] = info["streams"].summary() if "streams" in info else None
+        results.put((dict(answers), info))
+
+
+class Flood:
+    """The hostile key's flood in a spawned process (FLOOD_PROCESS): `started` once it floods, `stopped` for its
+    answers by kind and what it saw."""
+
+    def __init__(self, url: str, model_dir: str, only: set[str] | None, guard) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.stop, self.ready, self.results = context.Event(), context.Event(), context.Queue()
+        self.process = context.Process(target=_flood_process, name="hostile-flood", daemon=True,
+                                       args=(url, model_dir, only, self.stop, guard, self.ready, self.results))
+        self.process.start()
+
+    async def started(self) -> None:
+        while not await asyncio.to_thread(self.ready.wait, 1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the flood's process ended with {self.process.exitcode} before flooding")
+
+    async def stopped(self) -> tuple[Counter, dict]:
+        self.stop.set()
+        try:
+            answers, info = await asyncio.to_thread(self.results.get, True, FLOOD_START_S)
+        finally:
+            await asyncio.to_thread(self.process.join, 60)
+            if self.process.is_alive():
+                self.process.kill()
+        return Counter(answers), info
+
+
 # --- the front end's memory and loop -----------------------------------------------------------------------------
 
 def rss_mib(pid: int) -> float | None:
@@ -373,7 +424,7 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-async def watch_rss(pid: int, samples: list, stop: asyncio.Event, guard: threading.Event) -> None:
+async def watch_rss(pid: int, samples: list, stop: asyncio.Event, guard) -> None:
     """(monotonic time, VmRSS MiB) every RSS_EVERY_S until `stop`; `guard` set once it grew SAFETY_RSS_MIB over
     the first sample."""
     while not stop.is_set():
@@ -407,7 +458,10 @@ async def hostile_figure(url: str, admin_key: str, model_dir: str, front_end_pid
                                        "algorithm": {"batch_groups": BATCH_GROUPS}})
         await admin.create_experiment({"name": "hostile", "api_key": HOSTILE_KEY, "lora": {"r": 8},
                                        "sampling": {"n": N, "max_tokens": MAX_TOKENS}})
-        watching, rss, lags, guard = asyncio.Event(), [], [], threading.Event()
+        import multiprocessing
+
+        # The flood's process stops its decode flood on this (SAFETY_RSS_MIB), so an Event it shares.
+        watching, rss, lags, guard = asyncio.Event(), [], [], multiprocessing.get_context("spawn").Event()
         watchers = [asyncio.create_task(watch_lag(admin, lags, watching))]
         if front_end_pid is not None:
             watchers.append(asyncio.create_task(watch_rss(front_end_pid, rss, watching, guard)))
@@ -447,13 +501,13 @@ async def hostile_figure(url: str, admin_key: str, model_dir: str, front_end_pid
 
 
 async def _phases(url: str, model_dir: str, requests: int, window_s: float, only: set[str] | None,
-                  guard: threading.Event) -> dict:
+                  guard) -> dict:
     async with AsyncClient(url, VICTIM_KEY, timeout_s=900) as victim:
         await victim_rounds(victim, 3)  # warm-up: an experiment's first requests are slow
         alone = await victim_rounds(victim, requests)
-        stop, answers, lock, info = threading.Event(), Counter(), threading.Lock(), {}
+        flood = Flood(url, model_dir, only, guard)
         set_up = time.monotonic()
-        started = await asyncio.to_thread(_flood, url, model_dir, stop, answers, lock, info, only, guard)
+        await flood.started()
         flood_start = time.monotonic()
         try:
             await asyncio.sleep(5)  # the flood under way
@@ -461,11 +515,7 @@ async def _phases(url: str, model_dir: str, requests: int, window_s: float, only
             flooded = await victim_rounds(victim, requests, window_s, FLOODED_AT_MOST_S)
             window = time.monotonic() - window_start
         finally:
-            stop.set()
-            service, threads = started[0], started[1:]
-            for thread in threads:
-                await asyncio.to_thread(thread.join, 300)
-            await asyncio.to_thread(service.close, "success")
+            answers, info = await flood.stopped()
         flood_end = time.monotonic()
         while (await victim.status("victim")).counters.groups_received % BATCH_GROUPS:
             await victim_rounds(victim, 1)  # a whole last batch: a lone group waits for its partner, by design
@@ -489,7 +539,7 @@ async def _phases(url: str, model_dir: str, requests: int, window_s: float, only
                         "answers": dict(sorted(answers.items())), "set_up_s": round(flood_start - set_up, 1),
                         "flood_s": round(flood_end - flood_start, 1), "priming": info.get("priming"),
                         "body_bytes": info.get("body_bytes"),
-                        "streams": info["streams"].summary() if "streams" in info else None,
+                        "streams": info.get("streams"), "flood_process": FLOOD_PROCESS,
                         "asample_max_tokens": ASAMPLE_MAX_TOKENS, "name_chars": NAME_CHARS,
                         "kinds": sorted(only) if only else "all"}}
 
