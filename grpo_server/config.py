@@ -364,6 +364,10 @@ class ServerConfig(BaseSettings):
         "Other keys are not affected; the admin key is not limited. 0 = no limit."))
     key_rate_burst: int = Field(400, ge=1, le=1_000_000, description=(
         "How many requests one experiment key may send at once before key_rate_limit's average applies."))
+    key_refusal_hold_s: float = Field(1.0, ge=0, le=60, description=(
+        "A key refused (429, or 400 / 413 / 422) more than 10 times a second gets its further refusals after a "
+        "pause: its Retry-After, at most this long (up to 128 held per key), so a client that retries at once "
+        "without waiting is paced instead of costing the server a request each time. 0 = answered at once."))
     tls_certfile: Path | None = Field(None, description="PEM certificate (chain): serve HTTPS for remote clients.")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
     log_format: Literal["plain", "json"] = Field("plain", description="Every process's log lines: plain text, or a "

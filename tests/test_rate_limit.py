@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from grpo_server.api.rate_limit import KeyRateLimiter
+import asyncio
+import time
+
+from grpo_server.api.rate_limit import FREE_REFUSALS_BURST, KeyRateLimiter, RefusalPacer
 from grpo_server.api.route_table import ADMIN_PRINCIPAL, Principal
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol.errors import ApiError, Conflict
@@ -44,7 +47,8 @@ async def front_end():
     from grpo_server.api.app import create_app
     from grpo_server.api.app_state import ORCHESTRATOR, RATE_LIMITER
 
-    app = create_app(ServerConfig(key_rate_limit=2.0, key_rate_burst=5), "admin-key-0123456789")
+    # Refusals answered at once here: their pacing has tests of its own below.
+    app = create_app(ServerConfig(key_rate_limit=2.0, key_rate_burst=5, key_refusal_hold_s=0), "admin-key-0123456789")
     del app.cleanup_ctx[:]  # no workers: the routes only
     app[ORCHESTRATOR] = _Orchestrator()
     limiter = app[RATE_LIMITER]
@@ -120,3 +124,96 @@ def test_memory_is_bounded():
     assert limiter.tracked() == 10
     assert _refused(limiter, Principal("experiment", "e99")) is not None  # the newest are the ones kept
     assert _refused(limiter, Principal("experiment", "e0")) is None
+
+
+# --- pacing a key that keeps being refused (RefusalPacer) ---------------------------------------------------------
+
+@pytest.fixture
+async def paced_front_end():
+    """The real app's routes with the defaults' pacing, a burst of 2 and a stopped clock: every call past the burst
+    is refused."""
+    from grpo_server.api.app import create_app
+    from grpo_server.api.app_state import ORCHESTRATOR, RATE_LIMITER, REFUSAL_PACER
+
+    app = create_app(ServerConfig(key_rate_limit=2.0, key_rate_burst=2, key_refusal_hold_s=0.5), "admin-key-0123456789")
+    del app.cleanup_ctx[:]
+    app[ORCHESTRATOR] = _Orchestrator()
+    app[RATE_LIMITER].clock = clock = Clock()
+    app[REFUSAL_PACER].clock = clock
+    async with TestClient(TestServer(app)) as http:
+        yield http, app[REFUSAL_PACER]
+
+
+async def _timed(http, key: str, name: str = "flood") -> tuple[int, float]:
+    began = time.perf_counter()
+    status = (await _call(http, key, name))[0]
+    return status, time.perf_counter() - began
+
+
+async def test_a_key_that_keeps_being_refused_gets_its_refusals_after_a_pause(paced_front_end):
+    http, pacer = paced_front_end
+    for _ in range(2):
+        assert (await _call(http, KEYS["flood"]))[:2] == (409, "stub")
+    quick = [await _timed(http, KEYS["flood"]) for _ in range(FREE_REFUSALS_BURST)]
+    assert all(status == 429 and took < 0.4 for status, took in quick), quick  # its first refusals: at once
+    status, took = await _timed(http, KEYS["flood"])
+    assert status == 429 and took >= 0.45, took  # past them: after the pause (0.5 s, its Retry-After is 1 s)
+    assert pacer.paced == 1
+    # Another key is not paced for it, nor is the admin; and nothing stays held.
+    assert (await _call(http, KEYS["calm"], name="calm"))[:2] == (409, "stub")
+    status, took = await _timed(http, "admin-key-0123456789")
+    assert status == 409 and took < 0.4
+    assert pacer.held_total == 0
+
+
+async def test_concurrent_refusals_are_held_up_to_the_cap_and_the_rest_answered_at_once(paced_front_end):
+    http, pacer = paced_front_end
+    pacer.max_held_per_key = 4
+    for _ in range(2 + FREE_REFUSALS_BURST):  # the burst, then the free refusals
+        await _call(http, KEYS["flood"])
+    answers = await asyncio.gather(*(_timed(http, KEYS["flood"]) for _ in range(10)))
+    assert all(status == 429 for status, _ in answers)
+    held = sorted(took for _, took in answers)
+    assert sum(took >= 0.45 for took in held) == 4, held  # the cap's worth paused, the 6 others at once
+    assert pacer.held_total == 0 and pacer.paced == 4
+
+
+async def test_a_flood_is_paced_to_about_one_call_per_connection_per_pause():
+    """Without a server: 8 callers that retry at once for 1.5 s get about 8 x 1.5 / 0.5 = 24 paced refusals, not
+    thousands."""
+    pacer = RefusalPacer(0.5, free_rate=0.0, free_burst=0)
+    who = Principal("experiment", "flood")
+    calls = 0
+
+    async def caller() -> None:
+        nonlocal calls
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            await pacer.pace(who, retry_after=1.0)
+            calls += 1
+
+    await asyncio.gather(*(caller() for _ in range(8)))
+    assert 16 <= calls <= 32, calls
+
+
+async def test_bodies_that_can_never_pass_are_paced_too_and_other_answers_are_not():
+    """A key that keeps sending a malformed body (400) is paced like one that keeps being refused 429; a 409 (an
+    answer a working client gets) is not, however many."""
+    from grpo_server.api.app import create_app
+    from grpo_server.api.app_state import ORCHESTRATOR, REFUSAL_PACER
+
+    app = create_app(ServerConfig(key_rate_limit=0, key_refusal_hold_s=0.5), "admin-key-0123456789")
+    del app.cleanup_ctx[:]
+    app[ORCHESTRATOR] = _Orchestrator()
+    app[REFUSAL_PACER].clock = Clock()  # no free refusal comes back while the test runs
+    async with TestClient(TestServer(app)) as http:
+        for _ in range(FREE_REFUSALS_BURST + 10):
+            began = time.perf_counter()
+            assert (await _call(http, KEYS["calm"], name="calm"))[:2] == (409, "stub")
+            assert time.perf_counter() - began < 0.4
+        for _ in range(FREE_REFUSALS_BURST):
+            assert (await _call(http, KEYS["flood"], body=b"{not json"))[:2] == (400, "malformed_body")
+        began = time.perf_counter()
+        assert (await _call(http, KEYS["flood"], body=b"{not json"))[:2] == (400, "malformed_body")
+        assert time.perf_counter() - began >= 0.45
+        assert app[REFUSAL_PACER].paced == 1

@@ -15,10 +15,11 @@ from aiohttp import web
 
 from grpo_server.api import prometheus, status_page
 from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, BODY_POOL, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY,
-                                      MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR, RATE_LIMITER, RESPONSES, TINKER)
+                                      MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR, RATE_LIMITER, REFUSAL_PACER, RESPONSES,
+                                      TINKER)
 from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.body_pool import BodyPool
-from grpo_server.api.rate_limit import KeyRateLimiter
+from grpo_server.api.rate_limit import KeyRateLimiter, RefusalPacer
 from grpo_server.api.native.downloads import Downloads
 from grpo_server.api.edge import (aiohttp_routes, context_middleware, count_middleware, echo_request_id,
                                    error_middleware)
@@ -65,6 +66,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
     app[AUTH_LIMITER] = FailedAuthLimiter(config.auth_failure_limit, config.auth_failure_window_s,
                                           config.auth_limit_exempt)
     app[RATE_LIMITER] = KeyRateLimiter(config.key_rate_limit, config.key_rate_burst)
+    app[REFUSAL_PACER] = RefusalPacer(config.key_refusal_hold_s)
     # The public health answer names the model, never a server path: a local folder by its own name.
     app[MODEL_NAME] = Path(config.model).name
     app[OPENAPI_JSON] = openapi_json(ENDPOINTS)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from grpo_server.api.native.downloads import Downloads
     from grpo_server.api.openai.responses_store import ResponseStore
     from grpo_server.api.prometheus import HttpCounter
-    from grpo_server.api.rate_limit import KeyRateLimiter
+    from grpo_server.api.rate_limit import KeyRateLimiter, RefusalPacer
     from grpo_server.api.tinker.service import TinkerService
     from grpo_server.runtime.orchestrator import Orchestrator
 
@@ -24,6 +24,7 @@ OPENAPI_JSON: web.AppKey[bytes] = web.AppKey("openapi_json", bytes)  # built onc
 HTTP_COUNTER: web.AppKey["HttpCounter"] = web.AppKey("http_counter")
 AUTH_LIMITER: web.AppKey["FailedAuthLimiter"] = web.AppKey("auth_limiter")
 RATE_LIMITER: web.AppKey["KeyRateLimiter"] = web.AppKey("rate_limiter")  # requests a second per experiment key
+REFUSAL_PACER: web.AppKey["RefusalPacer"] = web.AppKey("refusal_pacer")  # a flooding key's 429s, answered later
 METRICS_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("metrics_registry", CollectorRegistry)
 TINKER: web.AppKey["TinkerService"] = web.AppKey("tinker")  # the Tinker API's sessions, models and futures
 RESPONSES: web.AppKey["ResponseStore"] = web.AppKey("responses")  # stored responses (previous_response_id)

@@ -17,7 +17,8 @@ import msgpack
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from grpo_server.api.app_state import ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR, RATE_LIMITER
+from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR, RATE_LIMITER,
+                                       REFUSAL_PACER)
 from grpo_server.api.route_table import ADMIN_PRINCIPAL, RESOURCE, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context
@@ -268,17 +269,33 @@ async def _by_codec(request: web.Request, endpoint: Endpoint, who: Principal | N
         raise BadRequest(f"body is not {codec.describes}: {exc}", code="malformed_body") from exc
 
 
+# The refusals a key is paced on once it keeps drawing them (api/rate_limit.py `RefusalPacer`): too many requests, and
+# bodies that can never pass (malformed, too large, invalid). Not 404, 408 or 409: answers a working client gets in
+# the normal course (a Tinker future not ready yet is a 408 it polls again).
+PACED_STATUSES = frozenset({400, 413, 422, 429})
+
+
 def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """`endpoint.handler` behind the row's rules, in this order: the caller's key (401 / 429) before the body is
     looked at; `admin` rows the admin's only, `experiment` rows the admin's or the experiment's own (the path's
-    `{name}`, else the one the body names through `scope`: 403); then the body as the row's model."""
+    `{name}`, else the one the body names through `scope`: 403); then the body as the row's model. A key's
+    refusals (PACED_STATUSES), whichever rule gives them, are paced once it keeps drawing them."""
     auth = endpoint.auth
     scoped_by_path = "{name}" in endpoint.path
 
     async def handle(request: web.Request) -> web.StreamResponse:
         who = None if auth == "public" else caller(request)
-        if who is not None:
+        if who is None:
+            return await checked(request, who)
+        try:
             request.app[RATE_LIMITER].take(who)  # 429 rate_limited: this key's requests a second (api/rate_limit.py)
+            return await checked(request, who)
+        except ApiError as exc:  # a key that keeps being refused gets its refusals after a pause
+            if exc.status in PACED_STATUSES:
+                await request.app[REFUSAL_PACER].pace(who, exc.retry_after)
+            raise
+
+    async def checked(request: web.Request, who: Principal | None) -> web.StreamResponse:
         if auth == "admin":
             require(who, admin_only=True)
         elif auth == "experiment" and scoped_by_path:

@@ -7,10 +7,21 @@ The admin key is not limited (the operator's own calls, monitoring). Public rout
 not limited here. One key's flood leaves every other key's bucket as it was.
 
 Bounded memory: one bucket per experiment key that called (an experiment that is deleted leaves its bucket until
-`max_keys` newer ones push it out, the one idle longest first). O(1) a request."""
+`max_keys` newer ones push it out, the one idle longest first). O(1) a request.
+
+`RefusalPacer`: a refusal (a 429, or a body that can never pass: api/edge.py PACED_STATUSES) costs the front end a
+request's work, and a client that ignores Retry-After sends the next one at once: in the hostile-tenant benchmark
+one key drew 270 refusals a second, on the same 2 cores as the samplers and every other tenant's requests. So a key
+refused more than FREE_REFUSALS_PER_S times a second (burst FREE_REFUSALS_BURST) gets its further refusals after a
+pause, its Retry-After and at most `hold_s`: a client that retries at once is paced to about one call per
+connection per pause, and one that honours Retry-After waits no longer than it would have. A pause holds no work,
+only the open request; at most MAX_HELD_PER_KEY of a key and MAX_HELD in all are held, the rest answered at once as
+before. Measured (scripts/bench --quick --only hostile, one run each, same box and hour): the neighbour's feedback
+median 29x -> 11x its alone figure, the front end's longest loop stall 0.58 -> 0.32 s."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import OrderedDict
@@ -20,6 +31,10 @@ from grpo_server.api.route_table import Principal
 from grpo_server.protocol.errors import TooManyRequests
 
 MAX_KEYS = 10_000
+FREE_REFUSALS_PER_S = 10.0
+FREE_REFUSALS_BURST = 20
+MAX_HELD_PER_KEY = 128
+MAX_HELD = 1024
 
 
 class KeyRateLimiter:
@@ -52,3 +67,50 @@ class KeyRateLimiter:
 
     def tracked(self) -> int:
         return len(self._buckets)
+
+
+class RefusalPacer:
+    def __init__(self, hold_s: float, *, free_rate: float = FREE_REFUSALS_PER_S, free_burst: int = FREE_REFUSALS_BURST,
+                 max_held_per_key: int = MAX_HELD_PER_KEY, max_held: int = MAX_HELD, max_keys: int = MAX_KEYS,
+                 clock: Callable[[], float] = time.monotonic):
+        """`hold_s` 0: refusals are never held."""
+        self.hold_s = hold_s
+        self.free_rate = free_rate
+        self.free_burst = free_burst
+        self.max_held_per_key = max_held_per_key
+        self.max_held = max_held
+        self.max_keys = max_keys
+        self.clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (free refusals, at)
+        self._held: dict[str, int] = {}
+        self.held_total = 0
+        self.paced = 0  # refusals held so far (tests, the log)
+
+    def _free(self, key: str) -> bool:
+        """Whether this refusal of `key` is within its free ones (and takes one)."""
+        now = self.clock()
+        tokens, at = self._buckets.pop(key, (float(self.free_burst), now))
+        tokens = min(float(self.free_burst), tokens + (now - at) * self.free_rate)
+        free = tokens >= 1.0
+        while len(self._buckets) >= self.max_keys:
+            self._buckets.popitem(last=False)
+        self._buckets[key] = (tokens - 1.0 if free else tokens, now)
+        return free
+
+    async def pace(self, who: Principal, retry_after: float | None) -> None:
+        """Before `who`'s refusal is answered: at once while its refusals are few, else after a pause."""
+        if self.hold_s <= 0 or who.is_admin or self._free(who.owner):
+            return
+        key = who.owner
+        if self._held.get(key, 0) >= self.max_held_per_key or self.held_total >= self.max_held:
+            return
+        self._held[key] = self._held.get(key, 0) + 1
+        self.held_total += 1
+        self.paced += 1
+        try:
+            await asyncio.sleep(min(self.hold_s, retry_after or self.hold_s))
+        finally:
+            self.held_total -= 1
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]
