@@ -313,11 +313,12 @@ class VllmEngine(MergedServing, Engine):
                     f"{adapter.key} is already loaded from {existing.path}; a new version needs a new version number",
                     code="adapter_exists",
                 )
-            if len(self._adapters) >= self.config.max_cpu_loras:
-                raise Conflict(
-                    f"{len(self._adapters)} adapters are loaded (max_cpu_loras); unload one first",
-                    code="too_many_adapters",
-                )
+            # No wall at max_cpu_loras: that is the size of vLLM's own LRU cache of adapters. Past it, add_lora
+            # evicts the least recently used one, and a request for an evicted adapter has vLLM read it from its
+            # folder again (`lora_path`, LRUCacheWorkerLoRAManager._apply_adapters): a cold adapter's first
+            # batch pays for the read. Refusing here instead failed the 17th experiment's creation on the
+            # defaults, and then every push (issue 58). What is registered here is bounded by the front end
+            # (max_experiments, and max_loaded_versions each).
             request = LoRARequest(lora_name=adapter.key, lora_int_id=self._next_lora_id, lora_path=path)
             self._next_lora_id += 1
             try:

@@ -149,7 +149,10 @@ class SamplerOptions(StrictModel):
     max_loras: int = Field(4, ge=1, le=256, description=(
         "Most distinct adapters in one engine batch (vLLM): experiments sampling at once through LoRA beyond "
         "this wait inside vLLM for a free slot."))
-    max_cpu_loras: int = Field(16, ge=1, le=4096, description="Adapters kept loaded in the engine's cache.")
+    max_cpu_loras: int = Field(16, ge=1, le=4096, description=(
+        "Adapters kept in memory in the engine's cache (vLLM's LRU). vLLM: more experiments and versions than this "
+        "may be loaded; the least recently used are evicted and read from their folder again at their next request. "
+        "The transformers engine holds at most this many."))
     max_lora_rank: int = Field(16, ge=1, le=512, description=(
         "Largest LoRA rank the engine accepts (vLLM: 1, 8, 16, 32, ..., 512)."))
     gpu_memory_utilization: float = Field(
