@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import struct
 import threading
 import time
 import urllib.error
@@ -188,6 +189,41 @@ async def test_a_large_body_is_decoded_off_the_loop(monkeypatch):
     for body in (small, large):
         assert isinstance(await edge.parse_body(Request(body), SampleRequest), SampleRequest)
     assert seen[0] is threading.main_thread() and seen[1].name.startswith("body-decode")
+
+
+async def test_a_forward_backward_body_is_decoded_in_the_pool_process_within_its_bounds():
+    """The Tinker protobuf decoder is plain Python: on a thread it held the GIL against the event loop for its whole
+    run (api/body_pool.py). Its codec sends it to the body pool's process, as a partial that pickles, and what it
+    raises there comes back whole: a body over the bounds is OverLimit (the route's 422 over_limit)."""
+    import functools
+    import pickle
+    from types import SimpleNamespace
+
+    from grpo_server.api.app_state import TINKER
+    from grpo_server.api.body_pool import BodyPool
+    from grpo_server.api.tinker.protobuf import OverLimit
+    from grpo_server.api.tinker.routes import FORWARD_BACKWARD
+    from scripts.benchmarks.hostile import decode_body
+
+    assert FORWARD_BACKWARD.in_process and FORWARD_BACKWARD.over_limit == (OverLimit,)
+    request = SimpleNamespace(app={TINKER: SimpleNamespace(orchestrator=SimpleNamespace(
+        config=SimpleNamespace(tinker_max_tokens_per_call=65_536)))})
+    decode = FORWARD_BACKWARD.decoder(request)
+    pickle.dumps(decode)
+    pool = BodyPool()
+    try:
+        assert await pool.run("key", os.getpid, in_process=True) != os.getpid()
+        with pytest.raises(OverLimit, match="65 datums"):  # 6 MiB of 1,024 datums: stopped at the 65th
+            await pool.run("key", functools.partial(decode, decode_body("m:0")), in_process=True)
+        from tinker.proto import tinker_public_pb2 as pb  # the SDK's own messages, as a client sends them
+
+        chunk = pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=struct.pack("<3i", 1, 2, 3)))
+        body = pb.ForwardBackwardRequest(model_id="m:0", data=[pb.Datum(model_input=[chunk])],
+                                         loss_fn="cross_entropy").SerializeToString()
+        decoded = await pool.run("key", functools.partial(decode, body), in_process=True)
+        assert decoded.forward_backward_input.data[0].model_input.length == 3
+    finally:
+        pool.close()
 
 
 def test_named_weights_outlive_pruning_and_saved_states_expire(server, tiny_model_dir):

@@ -89,6 +89,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
         # tokenizers, measured on 2 cores): the workers take longer, and leave a core free for most of it.
         prompts_loading = asyncio.ensure_future(asyncio.to_thread(
             PromptBuilder, workers.model_dir, config.max_model_len, config.max_prompt_tokens))
+        decoder_starting = asyncio.ensure_future(bodies.start_process())  # api/body_pool.py: not at the first body
         try:
             pool = await workers.start(session, on_sampler_restart=lambda i: orchestrator.resync_sampler(i),
                                        on_learner_restart=lambda: orchestrator.resync_learner())
@@ -105,6 +106,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
             await orchestrator.start_saved(resumed + [e for e in config.experiments if e.name not in names])
             app[TINKER].restore()
             orchestrator.start_upkeep()
+            await decoder_starting
             log.info("grpo_server ready on http://%s:%s (status page at /)", config.host, config.port)
             # What exists now (imports, tokenizers, the route table) lives as long as the process: out of the
             # collector's sight, its full collections stay short while serving, and the interpreter's final

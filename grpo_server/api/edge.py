@@ -8,6 +8,7 @@ typed model (`parse_body`), calls the experiment's owner (or the orchestrator) a
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -60,9 +61,11 @@ async def parse_body(request: web.Request, model: type[M], who: Principal | None
     return decode_body(raw, request.content_type, model)
 
 
-def off_loop(request: web.Request, who: Principal | None, decode: Callable[[], M]) -> Awaitable[M]:
-    """`decode()` on the body pool, in the slot of `who` (a public route's caller: its address)."""
-    return request.app[BODY_POOL].run(_pool_owner(request, who), decode)
+def off_loop(request: web.Request, who: Principal | None, decode: Callable[[], M],
+             in_process: bool = False) -> Awaitable[M]:
+    """`decode()` on the body pool, in the slot of `who` (a public route's caller: its address); `in_process`: in
+    the pool's process (api/body_pool.py)."""
+    return request.app[BODY_POOL].run(_pool_owner(request, who), decode, in_process)
 
 
 def _pool_owner(request: web.Request, who: Principal | None) -> str:
@@ -264,7 +267,9 @@ async def _by_codec(request: web.Request, endpoint: Endpoint, who: Principal | N
         if endpoint.resource is not None:
             request[RESOURCE] = endpoint.resource(request, who, peeked)
         decode = codec.decoder(request)
-        return await off_loop(request, who, lambda: decode(raw))
+        return await off_loop(request, who, functools.partial(decode, raw), codec.in_process)
+    except codec.over_limit as exc:
+        raise Unprocessable(str(exc), code="over_limit") from None  # no frame of the partial decode kept
     except (ValueError, KeyError, IndexError) as exc:  # ValueError includes pydantic's ValidationError
         raise BadRequest(f"body is not {codec.describes}: {exc}", code="malformed_body") from exc
 

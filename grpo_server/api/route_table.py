@@ -71,13 +71,19 @@ class BodyCodec:
     """A body that is not JSON or msgpack (the Tinker forward_backward's protobuf). `peek` reads what the row's
     `resource` needs (the model it names) without decoding the rest; `decoder(request)` gives the function that
     decodes the whole body within the server's bounds, run on the body pool once the resource is the caller's.
-    Both raise ValueError for a malformed body (a 400 naming `describes`); a decoder raises an ApiError of its own
-    for a body over its bounds."""
+    Both raise ValueError for a malformed body (a 400 naming `describes`); a decoder raises one of `over_limit` for a
+    body over its bounds (a 422)."""
 
     content_type: str
     describes: str  # e.g. "a protobuf tinker_public.ForwardBackwardRequest"
     peek: Callable[[bytes], Any] = field(compare=False)
     decoder: Callable[[web.Request], Callable[[bytes], BaseModel]] = field(compare=False)
+    # Decoded in the body pool's process (api/body_pool.py), not on its threads: a decoder written in Python, which
+    # would hold the GIL against the event loop. Its decoder then returns something that pickles (a partial of a
+    # module-level function), and raises only exceptions that pickle whole (ValueError, `over_limit`'s).
+    in_process: bool = False
+    # What the decoder raises for a body over the server's bounds: a 422 `over_limit`.
+    over_limit: tuple[type[Exception], ...] = ()
 
 # handler(request, who, body): `who` None on public routes, `body` None where the row has no request model.
 Handler = Callable[[web.Request, Any, Any], Awaitable[web.StreamResponse]]

@@ -11,6 +11,7 @@ Checks that need no model (the body's shape, the key) answer at once with the se
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
@@ -149,19 +150,16 @@ def _peek_forward_backward(body: bytes) -> SimpleNamespace:
 
 def _forward_backward_decoder(request: web.Request) -> Callable[[bytes], Any]:
     """Decoding stops once the body holds more than a call may (tinker_max_tokens_per_call positions, and
-    LOSS_VALUES_PER_POSITION values a position): a 422 `over_limit` at once, before it is built whole."""
+    LOSS_VALUES_PER_POSITION values a position): a 422 `over_limit` at once, before it is built whole. A partial of
+    the module-level decoder: it runs in the body pool's process (plain Python, it would hold the GIL)."""
     cap = request.app[TINKER].orchestrator.config.tinker_max_tokens_per_call
-
-    def decode(raw: bytes) -> Any:
-        try:
-            return decode_forward_backward_request(raw, cap, LOSS_VALUES_PER_POSITION * cap)
-        except OverLimit as exc:
-            raise Unprocessable(str(exc), code="over_limit") from None  # no frame of the partial decode kept
-    return decode
+    return functools.partial(decode_forward_backward_request, max_positions=cap,
+                             max_values=LOSS_VALUES_PER_POSITION * cap)
 
 
 FORWARD_BACKWARD = BodyCodec(PROTO_CONTENT_TYPE, "a protobuf tinker_public.ForwardBackwardRequest",
-                             _peek_forward_backward, _forward_backward_decoder)
+                             _peek_forward_backward, _forward_backward_decoder, in_process=True,
+                             over_limit=(OverLimit,))
 
 
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
