@@ -1,6 +1,6 @@
 """The sampler's HTTP side: `SamplerVerbs` (grpo_server/protocol/verbs.py) on one `Engine`.
 
-POST /generate /score /load_adapter /unload_adapter, GET /health, as routes of
+POST /generate /score /load_adapter /unload_adapter /pause /resume, GET /health, as routes of
 `grpo_server/protocol/dispatch.py`, which also maps every error to `{"error": {"code", "message"}}`
 (an `ApiError` the engine raises keeps its code and status). The engine starts and stops with the app
 (a cleanup context), so the port only answers once the model is loaded. A version whose folder this
@@ -18,8 +18,8 @@ from aiohttp import web
 from grpo_server.protocol.dispatch import worker_app
 from grpo_server.protocol.verbs import AdapterList, SamplerVerbs
 from grpo_server.protocol.wire import (
-    GenerateRequest, GenerateResponse, LoadAdapterRequest, SamplerHealth, ScoreRequest, ScoreResponse,
-    UnloadAdapterRequest,
+    GenerateRequest, GenerateResponse, LoadAdapterRequest, Paused, PauseRequest, ResumeRequest, SamplerHealth,
+    ScoreRequest, ScoreResponse, UnloadAdapterRequest,
 )
 from sampler.adapter_copies import AdapterCopies
 from sampler.engine_interface import Engine
@@ -59,6 +59,13 @@ class SamplerHandler:
         await self.engine.unload_adapter(req.adapter)
         self.copies.forget(req.adapter)
         return AdapterList(adapters=await self.engine.loaded_adapters())
+
+    async def pause(self, req: PauseRequest) -> Paused:
+        return Paused(paused=await self.engine.pause(req.lease_s))
+
+    async def resume(self, req: ResumeRequest) -> Paused:
+        await self.engine.resume()
+        return Paused(paused=False)
 
     async def health(self) -> SamplerHealth:
         engine = self.engine

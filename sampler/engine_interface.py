@@ -187,3 +187,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None: ...
 
+    async def pause(self, lease_s: float) -> bool:
+        """Freeze running requests until `resume` (or `lease_s`), so that a train step has the cores alone: whether
+        this engine did. Only vLLM's can; the others go on."""
+        return False
+
+    async def resume(self) -> None:
+        return None
+

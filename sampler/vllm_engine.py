@@ -99,6 +99,10 @@ class VllmEngine(MergedServing, Engine):
         self.merge_unsupported: str | None = "not started"
         self.prefix_cache = PrefixCacheCounts()
         self._admission = FairAdmission(config.max_num_seqs, config.reserved_seqs)
+        self.paused = False  # `pause`: requests frozen for a train step
+        self._lease: asyncio.TimerHandle | None = None
+        self._lease_resume: asyncio.Future | None = None
+        self._pause_lock = asyncio.Lock()
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -347,3 +351,36 @@ class VllmEngine(MergedServing, Engine):
 
     async def loaded_adapters(self) -> list[str]:
         return list(self._adapters)
+
+    # --- a train step's turn ----------------------------------------------------------------------
+
+    async def pause(self, lease_s: float) -> bool:
+        """Freeze the running and waiting requests where they are (vLLM's `pause_generation(mode="keep")`, KV and
+        prefix cache kept) until `resume`, or `lease_s` at most (a front end that dies holding the pause leaves no
+        engine stopped). The front end's solo train turn asks for it (grpo_server/workers/turns.py): the step then
+        has the cores at once, instead of waiting for another tenant's long requests to end. Adapters still load
+        while paused (utility calls are not scheduled work); a new request waits in vLLM until the resume."""
+        if self._llm is None:
+            return False
+        async with self._pause_lock:
+            if self._lease is not None:
+                self._lease.cancel()
+            if not self.paused:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+                self.paused = True
+            self._lease = asyncio.get_running_loop().call_later(lease_s, self._lease_ended)
+        return True
+
+    async def resume(self) -> None:
+        async with self._pause_lock:
+            if self._lease is not None:
+                self._lease.cancel()
+                self._lease = None
+            if self.paused and self._llm is not None:
+                await self._llm.resume_generation()
+            self.paused = False
+
+    def _lease_ended(self) -> None:
+        log.warning("a pause outlived its lease: resuming the engine")
+        self._lease = None
+        self._lease_resume = asyncio.ensure_future(self.resume())  # held: the loop keeps only a weak reference

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -212,7 +213,12 @@ async def test_a_forward_backward_body_is_decoded_in_the_pool_process_within_its
     pickle.dumps(decode)
     pool = BodyPool()
     try:
-        assert await pool.run("key", os.getpid, in_process=True) != os.getpid()
+        decoder = await pool.run("key", os.getpid, in_process=True)
+        assert decoder != os.getpid()
+        assert os.getpriority(os.PRIO_PROCESS, decoder) == 10  # it yields the cores (body_pool._lower_priority)
+        autogroup = Path(f"/proc/{decoder}/autogroup")
+        if autogroup.exists():  # a kernel with autogroups: its own session, weighted down too
+            assert autogroup.read_text().split()[-1] == "10", autogroup.read_text()
         with pytest.raises(OverLimit, match="65 datums"):  # 6 MiB of 1,024 datums: stopped at the 65th
             await pool.run("key", functools.partial(decode, decode_body("m:0")), in_process=True)
         from tinker.proto import tinker_public_pb2 as pb  # the SDK's own messages, as a client sends them

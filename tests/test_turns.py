@@ -322,3 +322,58 @@ async def test_the_gate_is_phase_fair():
     late = asyncio.create_task(shared("s3"))  # came after x5 began to wait: after it
     await asyncio.gather(reading, writer, late)
     assert order == ["s2", "x5", "s3"], order
+
+
+class FakePause:
+    def __init__(self, works: bool = True) -> None:
+        self.works = works
+        self.calls: list[str] = []
+
+    async def pause_samplers(self, lease_s: float) -> bool:
+        self.calls.append(f"pause {lease_s:g}")
+        return self.works
+
+    async def resume_samplers(self) -> None:
+        self.calls.append("resume")
+
+
+async def test_a_solo_turn_pauses_the_others_calls_in_flight_instead_of_waiting_for_them():
+    """With samplers that pause, a's step does not wait for b's call in flight to end (b's request could run for
+    minutes): the samplers freeze it, the step runs, they resume once the step is done; b's new call still waits."""
+    pauser = FakePause()
+    t = ComputeTurns(alternate=True, clock=Clock(), pauser=pauser)
+    log: list[str] = []
+    b1, train_a, b2 = (asyncio.Event() for _ in range(3))
+    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.training("a"), log, "train a", train_a)))
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.sampling("b"), log, "b2", b2)))
+    await settle()
+    assert log == ["b1 in", "train a in"] and t.solo_turns == 1  # at once, b1 still in flight (frozen)
+    assert pauser.calls == [f"pause {turns.PAUSE_LEASE_S:g}"]
+    train_a.set()
+    await settle()
+    assert pauser.calls[-1] == "resume" and log[-2:] == ["train a out", "b2 in"]
+    b1.set()
+    b2.set()
+    await asyncio.gather(*tasks)
+    assert pauser.calls.count("resume") == 1  # b's calls end no pause of their own
+
+
+async def test_samplers_that_cannot_pause_leave_the_solo_turn_as_it_was():
+    pauser = FakePause(works=False)
+    t = ComputeTurns(alternate=True, clock=Clock(), pauser=pauser)
+    log: list[str] = []
+    b1, train_a = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(hold(t.sampling("b"), log, "b1", b1))]
+    await settle()
+    tasks.append(asyncio.create_task(hold(t.training("a"), log, "train a", train_a)))
+    await settle()
+    assert log == ["b1 in"]  # waits for b1, as without a pauser
+    b1.set()
+    await settle()
+    assert log == ["b1 in", "b1 out", "train a in"]
+    train_a.set()
+    await asyncio.gather(*tasks)
+    assert "resume" not in pauser.calls[1:]  # nothing was paused for it to resume

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -43,8 +44,23 @@ MAX_WAITING = 8  # bodies of one key waiting for its slot
 
 def _lower_priority() -> None:
     """The decoding process yields the cores to the samplers, the learner and the event loop (bulk work for one key
-    at a time; any user may lower its own priority)."""
+    at a time; any user may lower its own priority). With the kernel's autogroups (sched_autogroup_enabled, the
+    default of desktop and many server kernels), a nice value only ranks the processes of one session, and every
+    session shares the CPU equally: the workers each have a session of their own (workers/processes.py), so a
+    decoder at nice 10 in the front end's session still took 0.8 of a core from the learner, whose step then took
+    16 s instead of 0.7. So it takes a session of its own and lowers that session's weight too (best effort: a
+    kernel without autogroups has no /proc/self/autogroup; writing it may be refused for a moment, EAGAIN)."""
     os.nice(DECODER_NICENESS)
+    os.setsid()
+    for _ in range(20):
+        try:
+            with open("/proc/self/autogroup", "w") as autogroup:
+                autogroup.write(str(DECODER_NICENESS))
+            return
+        except BlockingIOError:  # the kernel takes one change of any autogroup per 100 ms from unprivileged users
+            time.sleep(0.05)
+        except OSError:
+            return
 
 
 class BodyPool:

@@ -17,11 +17,11 @@ from grpo_server.protocol.wire import (AdamParams, AdapterRef, AdapterVersion, A
                                        DeleteStateRequest, ExperimentName, ForwardBackwardOutput,
                                        ForwardBackwardRequest, GenerateRequest, GenerateResponse, LearnerStatus,
                                        LoadAdapterRequest, LoadStateRequest, LogprobsRequest, LogprobsResponse,
-                                       OptimStepRequest, OptimStepResponse, PrunedVersions, PruneVersionsRequest,
-                                       RemoveExperimentRequest, SamplerHealth, SaveAdapterRequest, SavedState,
-                                       SavedStates, SaveStateRequest, ScoredVersion, ScoreRequest, ScoreResponse,
-                                       ScoreVersionRequest, StatesRequest, TrainMetrics, TrainRequest,
-                                       UnloadAdapterRequest, VersionProbe, WireModel)
+                                       OptimStepRequest, OptimStepResponse, Paused, PauseRequest, PrunedVersions,
+                                       PruneVersionsRequest, RemoveExperimentRequest, ResumeRequest, SamplerHealth,
+                                       SaveAdapterRequest, SavedState, SavedStates, SaveStateRequest, ScoredVersion,
+                                       ScoreRequest, ScoreResponse, ScoreVersionRequest, StatesRequest, TrainMetrics,
+                                       TrainRequest, UnloadAdapterRequest, VersionProbe, WireModel)
 from grpo_server.protocol.worker_config import AlgorithmConfig, LoraConfig
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -74,7 +74,9 @@ class SamplerVerbs:
     load_adapter = Verb("load_adapter", LoadAdapterRequest, AdapterList)
     unload_adapter = Verb("unload_adapter", UnloadAdapterRequest, AdapterList)
     health = Verb("health", None, SamplerHealth)
-    ALL = (generate, score, load_adapter, unload_adapter, health)
+    pause = Verb("pause", PauseRequest, Paused)
+    resume = Verb("resume", ResumeRequest, Paused)
+    ALL = (generate, score, load_adapter, unload_adapter, health, pause, resume)
 
 
 class LearnerVerbs:
@@ -142,6 +144,12 @@ class SamplerClient(_Client):
 
     async def health(self, *, syncing_ok: bool = False) -> SamplerHealth:
         return await self.transport.request(SamplerVerbs.health, None, syncing_ok=syncing_ok)
+
+    async def pause(self, lease_s: float) -> Paused:
+        return await self.transport.request(SamplerVerbs.pause, PauseRequest(lease_s=lease_s))
+
+    async def resume(self) -> Paused:
+        return await self.transport.request(SamplerVerbs.resume, ResumeRequest())
 
 
 class LearnerClient(_Client):

@@ -158,6 +158,21 @@ class UnloadAdapterRequest(WireModel):
     adapter: AdapterRef
 
 
+class PauseRequest(WireModel):
+    """Freeze the engine's requests where they are (none is ended or lost) until `resume`, or for `lease_s` at most:
+    a front end that dies holding a pause leaves no sampler stopped."""
+
+    lease_s: float = Field(gt=0, le=3600)
+
+
+class ResumeRequest(WireModel):
+    """Unfreeze what `PauseRequest` froze (nothing to say: a POST, since it changes the engine's state)."""
+
+
+class Paused(WireModel):
+    paused: bool  # whether the engine is paused now (an engine that cannot pause answers False)
+
+
 class PrefixCacheCounts(WireModel):
     """Since the engine started: prompt tokens of its generate requests (`queries`) and how many of them
     vLLM's prefix cache supplied (`hits`): what vLLM's `vllm:prefix_cache_queries` / `_hits` count, taken per

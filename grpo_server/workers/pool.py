@@ -221,6 +221,8 @@ class WorkerPool:
         self.learner_connection = learner
         self.learner = LearnerClient(learner) if learner is not None else None
         self.turns = turns or ComputeTurns(alternate=False)  # held by sampler calls and train steps
+        if self.turns.pauser is None:  # a solo train turn freezes the samplers' requests in flight (turns.py)
+            self.turns.pauser = self
         self.load = {id(s): ReplicaLoad() for s in samplers}
         # Sequences each experiment (None: no experiment's) has being sampled: the priority of its next request
         # (BalancedReplicas; GenerateRequest.priority).
@@ -280,6 +282,21 @@ class WorkerPool:
         source = self.learner_connection.process.url if self.learner_connection is not None else None
         await SamplerClient(sampler).load_adapter(adapter, path, source_url=source,
                                                   fingerprint=self.fingerprints.get(adapter.key), syncing_ok=True)
+
+    async def pause_samplers(self, lease_s: float) -> bool:
+        """Freeze every ready sampler's requests where they are, for a solo train turn (turns.py), at most `lease_s`:
+        whether all of them did. If one did not (an engine that cannot pause, one unreachable), none stays paused,
+        and the turn does without."""
+        targets = self.ready_samplers()
+        answers = await asyncio.gather(*(SamplerClient(s).pause(lease_s) for s in targets), return_exceptions=True)
+        if targets and all(not isinstance(a, BaseException) and a.paused for a in answers):
+            return True
+        await self.resume_samplers()
+        return False
+
+    async def resume_samplers(self) -> None:
+        # Every ready one, paused or not (resuming is idempotent); one that restarted meanwhile is not paused.
+        await asyncio.gather(*(SamplerClient(s).resume() for s in self.ready_samplers()), return_exceptions=True)
 
     async def unload_everywhere(self, adapter: AdapterRef) -> None:
         self.fingerprints.pop(adapter.key, None)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from grpo_server.protocol.gate import Gate
 
@@ -21,6 +21,15 @@ RECENT_SAMPLING_S = 1.0
 SOLO_CLAIM_S = 2.0  # longest hold of others' new calls while theirs in flight end; past it the step shares the cores
 OTHERS_SHARE = 2.0  # after others were held d seconds by a solo turn, they sample for at least OTHERS_SHARE x d
 SOLO_POLL_S = 0.05
+PAUSE_LEASE_S = 600.0  # a sampler resumes by itself after this if the front end never says so (it died)
+
+
+class SamplerPause(Protocol):
+    """What freezes the samplers' requests in flight for a solo turn (grpo_server/workers/pool.py WorkerPool)."""
+
+    async def pause_samplers(self, lease_s: float) -> bool: ...
+
+    async def resume_samplers(self) -> None: ...
 
 
 class ComputeTurns:
@@ -36,18 +45,25 @@ class ComputeTurns:
     beside a step share the 2 cores with it, and a step then took 7x its time alone (SmolLM2: 19 s, not 2.7 s;
     its push 12 s): beside a neighbour sampling back to back, a flooded experiment's 6 rated groups waited over
     30 s for a step (tests/test_fairness_learning.py). So, by experiment, a train step is a solo turn: other
-    experiments' calls in flight end first (their new ones held meanwhile, at most SOLO_CLAIM_S, else the step
-    shares the cores after all), and their calls that arrive until the step and its push end wait for it. A
+    experiments' calls in flight are frozen in the samplers (`pauser`; vLLM's pause) or, where they cannot pause,
+    end first (their new ones held meanwhile, at most SOLO_CLAIM_S, else the step shares the cores after all), and
+    their calls that arrive until the step and its push end wait for it. A
     neighbour waits out at most one step at a time, and for at most 1 / (1 + OTHERS_SHARE) of the time: once it
     was held d seconds, the next step that would hold it waits until it has sampled OTHERS_SHARE x d (a step that
     began while it did not sample lets it run beside instead), so its median latency stays within 2x while the
     flooded tenant keeps learning."""
 
     def __init__(self, alternate: bool, by_experiment: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, pauser: SamplerPause | None = None):
         self.alternate = alternate
         self.by_experiment = by_experiment
         self.clock = clock
+        # With one, a solo turn does not wait for the others' calls in flight to end: they are frozen in the
+        # samplers until the step and its push are done (vLLM's pause, sampler/vllm_engine.py). Waiting got the
+        # step nowhere beside a tenant whose requests run for minutes: it waited SOLO_CLAIM_S, then shared the
+        # cores (2 s and a step 1.5x longer, every step of the neighbour in the hostile-tenant benchmark).
+        self.pauser = pauser
+        self._paused_for: list[str | None] = []  # the experiment whose solo turn paused the samplers (one at most)
         self._gates: dict[str | None, Gate] = {}
         self._sampling = 0  # sampler calls running
         self._running: Counter[str | None] = Counter()  # the same, by experiment
@@ -123,6 +139,9 @@ class ComputeTurns:
                 self._training.pop(experiment, None)
                 if self._solo == experiment:
                     self._end_solo()
+                if experiment in self._paused_for:
+                    self._paused_for.clear()
+                    await self.pauser.resume_samplers()
 
     def _others_sampling(self, experiment: str | None) -> bool:
         recent = self.clock() - RECENT_SAMPLING_S
@@ -136,14 +155,24 @@ class ComputeTurns:
             await asyncio.sleep(SOLO_POLL_S)
 
     async def _claim(self, experiment: str | None) -> bool:
-        """With others' calls in flight, hold their new ones and let these end: whether the step may hold others
-        (False: their calls outlasted SOLO_CLAIM_S, and it shares the cores). None in flight: it holds the
-        first call that comes (`_held_back`)."""
+        """With others' calls in flight, hold their new ones and freeze these (`pauser`), or else let them end:
+        whether the step may hold others (False: they could not be paused and outlasted SOLO_CLAIM_S, and it shares
+        the cores). None in flight: it holds the first call that comes (`_held_back`)."""
         if not self._sampling:
             return True
         if self.clock() < self._solo_free_at:  # nobody sampled lately (`_solo_chance`), yet a call runs now
             return False
         self._begin_solo(experiment)
+        if self.pauser is not None:
+            try:
+                paused = await self.pauser.pause_samplers(PAUSE_LEASE_S)
+            except BaseException:
+                self._end_solo()
+                raise
+            if paused:  # the others' calls are frozen where they are: the step has the cores now
+                self._paused_for[:] = [experiment]
+                self.solo_turns += 1
+                return True
         try:
             # Only others' calls run: this experiment's gate is held. Waiting on an Event cancels cleanly.
             with contextlib.suppress(asyncio.TimeoutError):

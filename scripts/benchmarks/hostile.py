@@ -362,13 +362,16 @@ def _flood(url: str, model_dir: str, stop: threading.Event, answers: Counter, lo
     return [service, *threads]
 
 
-FLOOD_PROCESS = ("the hostile key's threads run in a process of their own (spawned): in the victim client's process "
-                 "their GIL held its event loop back, and that was counted in the victim's latency")
+FLOOD_PROCESS = ("the hostile key's threads run in a process and session of their own (spawned): in the victim "
+                 "client's process their GIL held its event loop back, and that was counted in the victim's latency")
 FLOOD_START_S = 600.0  # the flood's process primes the hostile model first (a few SFT steps and a push)
 
 
 def _flood_process(url: str, model_dir: str, only: set[str] | None, stop, guard, ready, results) -> None:
-    """The flood (`_flood`) in a process of its own, until `stop`: its answers and figures go back on `results`."""
+    """The flood (`_flood`) in a process of its own, until `stop`: its answers and figures go back on `results`. In a
+    session of its own, as another client's would be: with the kernel's autogroups, processes of one session share
+    one session's CPU, and the victim's client would share its share with the flood's 40-odd threads."""
+    os.setsid()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     answers, lock, info = Counter(), threading.Lock(), {}
     started = _flood(url, model_dir, stop, answers, lock, info, only, guard)
