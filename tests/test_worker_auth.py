@@ -125,9 +125,13 @@ async def test_every_worker_route_needs_the_secret(workers: Workers, worker: str
         assert answer["error"]["code"] == "unauthorized" and answer["error"]["message"].startswith(f"{who} worker")
     assert await _state(workers) == before  # nothing moved
     # With the secret the route answers: a GET in full, a POST verb (sent {}, which changes nothing) with its
-    # own validation error, an unknown path with a 404.
+    # own validation error, an unknown path with a 404; /resume takes no fields, and resumes an engine that was
+    # not paused: nothing.
     status, answer = await workers.call(worker, method, path, {} if method == "POST" else None, workers.auth)
     expected = {"GET": 200, "POST": 400}[method] if route != "unknown" else 404
+    if path == "/resume":
+        expected, answer = 200, (answer, await _state(workers) == before)
+        assert answer == ({"paused": False}, True)
     assert status == expected, (path, status, answer)
 
 
