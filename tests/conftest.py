@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,21 @@ def server(tiny_model_dir, tmp_path_factory):
 
     handle = start_server(tmp_path_factory.mktemp("server-run"), tiny_model_dir)
     yield handle
-    workers = handle.worker_pids()
+    workers, helpers = handle.worker_pids(), handle.helper_pids()
+    assert helpers, "the body decoder's process (api/body_pool.py) was not running"
     assert stop_server(handle) == 0, handle.log_tail()
+
+    def alive(pids: list[int]) -> list[int]:
+        return [pid for pid in pids if os.path.exists(f"/proc/{pid}")
+                and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+
     # SIGINT (Ctrl-C) stops the workers too: no orphans.
-    alive = [pid for pid in workers
-             if os.path.exists(f"/proc/{pid}") and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
-    assert not alive, f"workers still running after the server stopped: {alive}"
+    assert not alive(workers), f"workers still running after the server stopped: {alive(workers)}"
+    # The front end's helpers end once it has (multiprocessing's forkserver and resource tracker read its exit).
+    deadline = time.monotonic() + 10
+    while alive(helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(helpers), f"the front end's helpers still running after it stopped: {alive(helpers)}"
 
 
 @pytest.fixture

@@ -47,7 +47,25 @@ class ServerHandle:
         return auth_headers((self.run_dir / "worker_secret").read_text().strip())
 
     def worker_pids(self) -> list[int]:
-        """Pids of the front end's worker processes (children of the server process)."""
+        """Pids of the front end's worker processes (children of the server process), not its own helpers."""
+        helpers = set(self.helper_pids())
+        return [pid for pid in self._children() if pid not in helpers]
+
+    def helper_pids(self) -> list[int]:
+        """The front end's own helper processes: multiprocessing's (the body decoder, api/body_pool.py: a
+        forkserver, its fork that decodes, and the resource tracker). They exit with the front end."""
+        helpers = []
+        for pid in self._children():
+            try:
+                if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    helpers.append(pid)
+                    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+                    helpers += [int(p) for p in out.split()]
+            except OSError:
+                continue
+        return helpers
+
+    def _children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 

@@ -62,3 +62,5 @@ def test_the_servers_workers_and_their_children_run_on_what_was_found(server):
     expected = given or (os.environ.get(ALLOCATOR_ENV) != "system" and find_tcmalloc() is not None)
     assert {pid: _mapped(pid) for pid in everyone} == {pid: expected for pid in everyone}
     assert _mapped(server.process.pid) == given  # the front end itself keeps the allocator it was started with
+    helpers = server.helper_pids()  # and so do its own helpers (the body decoder's processes)
+    assert helpers and {pid: _mapped(pid) for pid in helpers} == {pid: given for pid in helpers}

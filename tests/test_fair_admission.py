@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from sampler.fair_admission import FairAdmission
-from tests.sampler_helpers import (MAX_MODEL_LEN, PROMPT, REQUEST_TIMEOUT_S, SCORE_TOL, Sampler, _close, _start,
-                                   _stop)
+from tests.sampler_helpers import MAX_MODEL_LEN, PROMPT, REQUEST_TIMEOUT_S, SCORE_TOL, Sampler, _close
 
 
 async def _seated(admission: FairAdmission, tenant: str, count: int, seated: list, release: asyncio.Event) -> None:
@@ -113,24 +112,16 @@ async def test_a_request_larger_than_the_shared_seats_runs_once_the_engine_is_em
 
 # --- on a real sampler ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def lora_sampler(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A vllm sampler that serves every adapter through LoRA: merged serving would serve a lone `heavy` merged, and
-    `light` would then wait for a weight switch (sampler/weight_turns.py), not for a seat."""
-    sampler = _start("vllm", tiny_model_dir, tmp_path_factory.mktemp("sampler-fair"), merge_lone_adapter=False)
-    yield sampler
-    _stop(sampler.proc)
-
-
-def test_a_light_experiment_is_served_while_another_fills_the_batch(lora_sampler: Sampler,
+def test_a_light_experiment_is_served_while_another_fills_the_batch(sampler_vllm: Sampler,
                                                                       adapters: dict[str, Path]) -> None:
-    """`heavy` sends two requests of max_num_seqs (16) long sequences each; `light` then asks for a group of 2 and for
-    its prompt logprobs (T = 1, which need the engine alone when it is idle). Both answers come while heavy's first
-    request still runs. Before: light's group waited in vLLM's queue behind heavy's (no preemption for a full batch),
-    and its score waited for every generation to end."""
-    sampler = lora_sampler
-    heavy, light = {"name": "heavy", "version": 0}, {"name": "light", "version": 0}
-    sampler.load("heavy", 0, adapters["random"])
+    """The base model's requests (a tenant of their own, "") send two requests of max_num_seqs (16) long sequences
+    each; `light` then asks for a group of 2 through its adapter and for its prompt logprobs (T = 1, which need the
+    engine alone when it is idle). Both answers come while the first heavy request still runs. Before: light's group
+    waited in vLLM's queue behind heavy's (no preemption for a full batch), and its score waited for every
+    generation to end. (Heavy on the base weights: light, through LoRA, needs the same weights, so no merged-serving
+    weight switch, sampler/weight_turns.py, is waited for here.)"""
+    sampler = sampler_vllm
+    heavy, light = None, {"name": "light", "version": 0}
     sampler.load("light", 0, adapters["random2"])
     try:
         group = sampler.generate(n=2, max_tokens=6, seed=3, adapter=light)["completions"]
@@ -156,5 +147,4 @@ def test_a_light_experiment_is_served_while_another_fills_the_batch(lora_sampler
         assert all(_close(got, want, SCORE_TOL["vllm"]) for got, want in zip(scored, alone)), (scored, alone)
         assert sampler.health()["status"] == "ok"
     finally:
-        sampler.unload("heavy", 0)
         sampler.unload("light", 0)

@@ -76,7 +76,7 @@ def create_app(config: ServerConfig, admin_key: str) -> web.Application:
 
     async def close_pools(app: web.Application) -> None:
         downloads.close()
-        bodies.close()
+        await asyncio.to_thread(bodies.close)
     app.on_cleanup.append(close_pools)
 
     async def workers_and_orchestrator(app: web.Application) -> AsyncIterator[None]:

@@ -128,6 +128,7 @@ class BodyPool:
                               code="decoder_restarted") from exc
 
     def close(self) -> None:
+        """Blocking (call it on a thread): the decoder's process is waited for, so none outlives the server."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._process_pool is not None:
-            self._process_pool.shutdown(wait=False, cancel_futures=True)
+            self._process_pool.shutdown(wait=True, cancel_futures=True)
