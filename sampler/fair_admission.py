@@ -49,7 +49,6 @@ class FairAdmission:
         # (one per experiment waiting), not a sort of every request waiting.
         self._queues: dict[str, deque[_Waiter]] = {}
         self._arrivals = itertools.count()
-        self.waited = 0  # requests that did not find a seat at once (tests, the sampler's health)
 
     @property
     def capacity(self) -> int:
@@ -66,7 +65,6 @@ class FairAdmission:
         self._queues.setdefault(tenant, deque()).append(waiter)
         self._admit()
         if not waiter.admitted.done():
-            self.waited += 1
             try:
                 await waiter.admitted
             except BaseException:

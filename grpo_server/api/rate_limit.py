@@ -37,33 +37,48 @@ MAX_HELD_PER_KEY = 128
 MAX_HELD = 1024
 
 
+class TokenBuckets:
+    """A token bucket per key, refilled at `rate` a second up to `burst`; at most `max_keys` buckets (the one idle
+    longest goes first). The request limit and the refusal pacing below each count with one."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int = MAX_KEYS):
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at); idlest first
+
+    def take(self, key: str, now: float) -> float:
+        """A token of `key`'s bucket at `now`: 0 when it had one, else the seconds until its next (none is taken)."""
+        tokens, at = self._buckets.pop(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+        wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate if self.rate > 0 else math.inf
+        while len(self._buckets) >= self.max_keys:
+            self._buckets.popitem(last=False)
+        self._buckets[key] = (tokens - 1.0 if not wait else tokens, now)
+        return wait
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
 class KeyRateLimiter:
     def __init__(self, rate: float, burst: int, *, max_keys: int = MAX_KEYS,
                  clock: Callable[[], float] = time.monotonic):
         """`rate` 0: no limit."""
         self.rate = rate
         self.burst = burst
-        self.max_keys = max_keys
         self.clock = clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at); idlest first
+        self._buckets = TokenBuckets(rate, burst, max_keys)
 
     def take(self, who: Principal) -> None:
         """One request of `who`: a token from its bucket, or 429 `rate_limited` when it has none."""
         if self.rate <= 0 or who.is_admin:
             return
-        key = who.owner
-        now = self.clock()
-        tokens, at = self._buckets.pop(key, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            wait = (1.0 - tokens) / self.rate
+        wait = self._buckets.take(who.owner, self.clock())
+        if wait:
             raise TooManyRequests(f"this key sent more than {self.rate:g} requests a second (burst {self.burst}): "
                                   f"retry after {math.ceil(wait)} s", retry_after=max(1, math.ceil(wait)),
                                   code="rate_limited")
-        while len(self._buckets) >= self.max_keys:
-            self._buckets.popitem(last=False)
-        self._buckets[key] = (tokens - 1.0, now)
 
     def tracked(self) -> int:
         return len(self._buckets)
@@ -75,31 +90,17 @@ class RefusalPacer:
                  clock: Callable[[], float] = time.monotonic):
         """`hold_s` 0: refusals are never held."""
         self.hold_s = hold_s
-        self.free_rate = free_rate
-        self.free_burst = free_burst
         self.max_held_per_key = max_held_per_key
         self.max_held = max_held
-        self.max_keys = max_keys
         self.clock = clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (free refusals, at)
+        self._free = TokenBuckets(free_rate, free_burst, max_keys)  # a key's refusals answered at once
         self._held: dict[str, int] = {}
         self.held_total = 0
         self.paced = 0  # refusals held so far (tests, the log)
 
-    def _free(self, key: str) -> bool:
-        """Whether this refusal of `key` is within its free ones (and takes one)."""
-        now = self.clock()
-        tokens, at = self._buckets.pop(key, (float(self.free_burst), now))
-        tokens = min(float(self.free_burst), tokens + (now - at) * self.free_rate)
-        free = tokens >= 1.0
-        while len(self._buckets) >= self.max_keys:
-            self._buckets.popitem(last=False)
-        self._buckets[key] = (tokens - 1.0 if free else tokens, now)
-        return free
-
     async def pace(self, who: Principal, retry_after: float | None) -> None:
         """Before `who`'s refusal is answered: at once while its refusals are few, else after a pause."""
-        if self.hold_s <= 0 or who.is_admin or self._free(who.owner):
+        if self.hold_s <= 0 or who.is_admin or not self._free.take(who.owner, self.clock()):
             return
         key = who.owner
         if self._held.get(key, 0) >= self.max_held_per_key or self.held_total >= self.max_held:
