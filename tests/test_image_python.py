@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,8 +69,11 @@ def test_checkpoints_cross_between_the_images_python_and_this_one(tmp_path):
     written = checkpoint.CheckpointState(step=7, version=3, journal_seq=9, groups_trained=6, lora={}, algorithm={})
     checkpoint.write(tmp_path / "host", "exp", written, {"w": torch.ones(2)},
                      [checkpoint.RankShard(host_state, torch.get_rng_state())])
-    run = subprocess.run(["docker", "run", "--rm", "--network", "none", "-v", f"{tmp_path}:/data", IMAGE,
-                          "python", "-c", IN_THE_IMAGE], capture_output=True, text=True, timeout=300)
+    # As this test's own user: the image's (uid 10001, non-root) cannot write the folder the test made, and the
+    # files it writes there are read back here.
+    run = subprocess.run(["docker", "run", "--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}",
+                          "-v", f"{tmp_path}:/data", IMAGE, "python", "-c", IN_THE_IMAGE],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     image_python = run.stdout.split()[-1]
     assert image_python.startswith(f"{sys.version_info[0]}.{sys.version_info[1]}.")
