@@ -180,9 +180,12 @@ class SamplerOptions(StrictModel):
         "docs/benchmarks/findings.md \"Several experiments\"); turns = each in its turn with its newest version "
         "merged (sampler/weight_turns.py); auto = turns where the sampler computes in bf16, else lora_batch "
         "(sampler/merged_serving.py)."))
-    lone_after_s: float = Field(5.0, ge=0, le=3600, description=(
+    lone_after_s: float = Field(60.0, ge=0, le=3600, description=(
         "lora_batch: an experiment counts as sampling alone (merged) once no other experiment has had a "
-        "request here for this long; shorter, a client's pause between groups would trade the weights."))
+        "request here for this long. A request of another experiment that comes back during a merged turn "
+        "waits until every running request of that turn ends: behind n = 64 streams of 256 tokens that was "
+        "up to 114 s in the hostile-tenant benchmark at 5 s, where a neighbour's pause between its groups "
+        "(its own train step and push, under load) outlasted the window; at 60 s its longest wait was 5.6 s."))
     cpu_lora_ops: Literal["grouped", "vllm"] = Field("grouped", description=(
         "vLLM on CPU, requests through LoRA: grouped = one matmul per adapter in the batch, or one for all of "
         "them in a decode-sized batch, and one shrink for all of a layer's slices (sampler/lora_cpu_ops.py); "

@@ -142,9 +142,9 @@ def front_end_args(mode) -> SimpleNamespace:
                            concurrency=mode.fe_concurrency, max_num_seqs=MAX_NUM_SEQS)
 
 
-async def settled_serving(client, server_side, settle_s: float = 15.0) -> str:
+async def settled_serving(client, server_side, settle_s: float = 75.0) -> str:
     """How the server serves bench1 once that has settled. A lone experiment is served merged only when no
-    other has sampled for the sampler's `lone_after_s` (5 s by default), and the figure before this one sampled
+    other has sampled for the sampler's `lone_after_s` (60 s by default), and the figure before this one sampled
     an experiment of its own: read at once, the server said "lora" and went merged by the second round (a
     2026-12-05 run's rounds: 0.99, then 1.35-1.44). So it is asked again, a request at a time, for up to
     `settle_s`, until it says "merged" (a sampler that cannot merge keeps "lora", which the direct side follows)."""
