@@ -15,7 +15,14 @@ So the engine gets `max_num_seqs + reserved_seqs` slots, and this admission hand
   the rest;
 - waiting requests are seated fewest-seats-held first, then by arrival (max-min fair: the experiment using least
   goes next), and the first of that order that does not fit holds the shared seats for itself, so a large request
-  is not passed forever by small ones.
+  is not passed forever by small ones;
+- while another experiment samples (`contended`: a request of another waiting or running, or done lately), an
+  experiment holds at most `beside_others` seats (one request of more, only when it holds none). Seats alone do
+  not make a neighbour fast: on CPU an engine step's time grows with its batch (SmolLM2, one engine thread: 68 ms
+  a step for 1 sequence, 306 ms for 64, merged; 88 and 365 ms through LoRA), and each of the neighbour's tokens
+  waits for a whole step. So the heavy experiment's batch shrinks while someone else samples, and a neighbour's
+  8-token group no longer takes 5x its time alone. vllm_engine.py sends a larger n as requests of at most
+  `beside_others`, so that a large group is not one unsplittable block.
 
 Every sequence of a request takes a seat (vLLM fans `n` out into n requests). A request larger than the shared
 seats takes them all once the engine is empty. The front end's per-experiment priority (GenerateRequest.priority)
@@ -27,7 +34,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 
@@ -40,9 +47,12 @@ class _Waiter:
 
 
 class FairAdmission:
-    def __init__(self, shared: int, reserved: int) -> None:
+    def __init__(self, shared: int, reserved: int, beside_others: int | None = None,
+                 contended: Callable[[str], bool] = lambda tenant: False) -> None:
         self.shared = shared  # seats any request may take (the config's max_num_seqs)
         self.reserved = reserved  # seats beyond those, for experiments that hold few
+        self.beside_others = beside_others or shared  # seats one experiment may hold while another samples
+        self._contended = contended  # whether another experiment than this one samples now
         self.held: Counter[str] = Counter()  # seats taken, by experiment ("" for the base model)
         self.taken = 0
         # Waiting requests by experiment, each queue in arrival order: choosing the next is a look at the heads
@@ -95,6 +105,11 @@ class FairAdmission:
             del self.held[waiter.tenant]
         self._admit()
 
+    def _capped(self, waiter: _Waiter) -> bool:
+        """Over its share beside another experiment that samples (re-checked at each of its own releases)."""
+        held = self.held[waiter.tenant]
+        return held > 0 and held + waiter.seats > self.beside_others and self._contended(waiter.tenant)
+
     def _fits(self, waiter: _Waiter, shared_open: bool) -> bool:
         after = self.taken + waiter.seats
         if shared_open and (after <= self.shared or self.taken == 0):
@@ -113,6 +128,9 @@ class FairAdmission:
             waiter = min(heads, key=lambda w: (self.held[w.tenant], w.arrival))
             if waiter.admitted.done():  # cancelled while it waited; `seats` has not run its cleanup yet
                 self._dequeue(waiter)
+                continue
+            if self._capped(waiter):  # waits for its own seats to end, not for free ones: holds nothing back
+                passed.add(waiter.tenant)
                 continue
             if not self._fits(waiter, shared_open):
                 shared_open = False

@@ -98,7 +98,9 @@ class VllmEngine(MergedServing, Engine):
         self.merged: str | None = None  # the AdapterRef key folded into the weights now
         self.merge_unsupported: str | None = "not started"
         self.prefix_cache = PrefixCacheCounts()
-        self._admission = FairAdmission(config.max_num_seqs, config.reserved_seqs)
+        self._admission = FairAdmission(
+            config.max_num_seqs, config.reserved_seqs, config.max_seqs_beside_others,
+            contended=lambda tenant: self._sampling_now.others_than(tenant, config.lone_after_s))
         self.paused = False  # `pause`: requests frozen for a train step
         self._lease: asyncio.TimerHandle | None = None
         self._lease_resume: asyncio.Future | None = None
@@ -199,13 +201,36 @@ class VllmEngine(MergedServing, Engine):
             structured_outputs=tools.structured_outputs if tools is not None else None,
         )
         async with self._serving(req.adapter) as served_as:  # merged or LoRA: the same params either way
-            out = await self._run(req.prompt_token_ids, params, req.adapter, served_as, req.priority)
-        self.prefix_cache.queries += len(req.prompt_token_ids)
-        self.prefix_cache.hits += out.num_cached_tokens or 0
-        completions = [self._completion(c, tools) for c in out.outputs]
+            outs = await self._run_split(req.prompt_token_ids, params, req.adapter, served_as, req.priority)
+        for out in outs:
+            self.prefix_cache.queries += len(req.prompt_token_ids)
+            self.prefix_cache.hits += out.num_cached_tokens or 0
+        completions = [self._completion(c, tools) for out in outs for c in out.outputs]
         if greedy:
             completions = [completions[0].model_copy(deep=True) for _ in range(req.n)]
         return GenerateResponse(prompt_token_ids=req.prompt_token_ids, completions=completions, served_as=served_as)
+
+    async def _run_split(self, prompt_ids: list[int], params: Any, adapter: AdapterRef | None,
+                         served_as: ServedAs, priority: int) -> list[Any]:
+        """`params.n` sequences as requests of at most `max_seqs_beside_others`, each seated on its own
+        (fair_admission.py: beside another experiment, one experiment holds no more). vLLM seeds its child
+        sequence i with seed + i, so the part that starts at i gets seed + i: the same samples as one request."""
+        size = self.config.max_seqs_beside_others
+        if params.n <= size:
+            return [await self._run(prompt_ids, params, adapter, served_as, priority)]
+        parts = []
+        for start in range(0, params.n, size):
+            part = params.clone()
+            part.n = min(size, params.n - start)
+            part.seed = None if params.seed is None else params.seed + start
+            parts.append(part)
+        try:
+            async with asyncio.TaskGroup() as group:  # one part failing cancels the rest (aborted inside vLLM)
+                tasks = [group.create_task(self._run(prompt_ids, part, adapter, served_as, priority))
+                         for part in parts]
+        except* Exception as failed:  # the first part's error, as one request would have raised it
+            raise failed.exceptions[0] from None
+        return [task.result() for task in tasks]
 
     def _completion(self, c: Any, tools: ToolRequest | None) -> Completion:
         if c.finish_reason not in ("stop", "length"):

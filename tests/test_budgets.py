@@ -154,7 +154,7 @@ async def latencies(client: AsyncClient, name: str, count: int) -> list[float]:
 
 async def test_one_experiment_flooding_is_held_back_while_another_is_served(budget_server):
     """`noisy` floods with 8 clients that each loop completions and feedback (so its learner steps run too);
-    `quiet` asks for completions one after another, alone, then while noisy trains 2 steps or more: every one is
+    `quiet` asks for completions one after another, alone, then while noisy trains a step or more: every one is
     answered, while noisy is held back (429 learner_behind) and keeps training. How much slower quiet's answers
     are beside the flood is printed, not asserted: the 2x target is a benchmark's (`scripts/bench --only
     fairness`, docs/benchmarks/findings.md "Scheduling on CPU"), since on a shared 2-core box a timing bound fails on
@@ -181,10 +181,10 @@ async def test_one_experiment_flooding_is_held_back_while_another_is_served(budg
 
         noise = [asyncio.create_task(noisy_client(i)) for i in range(8)]
         await wait_for(lambda: _stepped(client, "noisy"), timeout_s=60)  # the flood is under way, training too
-        # quiet's requests one after another until it has QUIET_REQUESTS and noisy has trained 2 steps meanwhile.
+        # quiet's requests one after another until it has QUIET_REQUESTS and noisy has trained a step meanwhile.
         steps_before, beside, deadline = (await client.status("noisy")).step, [], time.monotonic() + 120
         while time.monotonic() < deadline and (len(beside) < QUIET_REQUESTS
-                                               or (await client.status("noisy")).step < steps_before + 2):
+                                               or (await client.status("noisy")).step < steps_before + 1):
             beside += await latencies(client, "quiet", 1)
         flooded, steps = statistics.median(beside), (await client.status("noisy")).step - steps_before
         stop.set()
@@ -192,7 +192,7 @@ async def test_one_experiment_flooding_is_held_back_while_another_is_served(budg
         print(f"quiet's median latency: alone {alone * 1e3:.0f} ms, beside the flood {flooded * 1e3:.0f} ms "
               f"({flooded / alone:.2f}x, {len(beside)} requests); noisy: {answered}, {steps} learner steps meanwhile")
         # It did flood: held back (429 learner_behind) and training while quiet's requests ran.
-        assert answered.get("learner_behind") and steps >= 2, (answered, steps)
+        assert answered.get("learner_behind") and steps >= 1, (answered, steps)
         assert len(beside) >= QUIET_REQUESTS  # each answered (a failure would have raised), none starved
         for name in ("quiet", "noisy"):
             await client.delete_experiment(name)

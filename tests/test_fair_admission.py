@@ -110,6 +110,46 @@ async def test_a_request_larger_than_the_shared_seats_runs_once_the_engine_is_em
     await task
 
 
+async def test_beside_another_experiment_one_holds_at_most_its_share_and_alone_the_whole_batch():
+    """heavy's parts of 4 fill the batch while nobody else samples; once light samples, heavy's waiting parts are
+    seated only while it holds at most `beside_others` (8), and its capped part does not hold the seats back from
+    light's next request. When light stops sampling, heavy's parts fill the batch again."""
+    others: set[str] = set()
+    admission = FairAdmission(shared=16, reserved=4, beside_others=8,
+                              contended=lambda tenant: bool(others - {tenant}))
+    seated: list[tuple[str, int]] = []
+    gates: list[asyncio.Event] = []
+
+    def start(tenant: str, count: int) -> asyncio.Task:
+        gates.append(asyncio.Event())
+        return asyncio.create_task(_seated(admission, tenant, count, seated, gates[-1]))
+
+    tasks = [start("heavy", 4) for _ in range(4)]
+    await _settle()
+    assert admission.held["heavy"] == 16  # alone: the whole batch
+    others.add("light")  # light samples from now on
+    tasks += [start("heavy", 4) for _ in range(3)]
+    tasks.append(start("light", 4))
+    await _settle()
+    assert admission.held == {"heavy": 16, "light": 4}  # light took the reserve; heavy's new parts wait
+    for gate in gates[:3]:  # three of heavy's parts end: it holds 4, and another part brings it to 8, no more
+        gate.set()
+    await _settle()
+    assert admission.held == {"heavy": 8, "light": 4} and admission.waiting() == 2, admission.held
+    tasks.append(start("light", 4))  # heavy's capped parts hold nothing back: light's second request is seated
+    await _settle()
+    assert admission.held == {"heavy": 8, "light": 8}, admission.held
+    others.clear()  # light is done sampling and its requests end: heavy's waiting parts are seated again
+    for gate in gates[7:]:
+        gate.set()
+    await _settle()
+    assert admission.held == {"heavy": 16} and admission.waiting() == 0, admission.held
+    for gate in gates:
+        gate.set()
+    await asyncio.gather(*tasks)
+    assert admission.taken == 0 and not admission.held
+
+
 # --- on a real sampler ---------------------------------------------------------------------------------------------
 
 def test_a_light_experiment_is_served_while_another_fills_the_batch(sampler_vllm: Sampler,
@@ -148,3 +188,15 @@ def test_a_light_experiment_is_served_while_another_fills_the_batch(sampler_vllm
         assert sampler.health()["status"] == "ok"
     finally:
         sampler.unload("light", 0)
+
+
+def test_a_group_larger_than_the_share_is_sent_in_parts_with_the_same_samples(sampler_vllm: Sampler) -> None:
+    """n = 20 over `max_seqs_beside_others` (16 here) goes as parts of 16 and 4 (vllm_engine.py `_run_split`). vLLM
+    seeds a request's sequence i with seed + i, and each part starts at its own offset: sequences 2 and 17 are those
+    of single requests seeded 7 + 2 and 7 + 17, as they are in one request of 20."""
+    group = sampler_vllm.generate(n=20, max_tokens=6, seed=7)["completions"]
+    assert len(group) == 20
+    for i in (2, 17):
+        alone = sampler_vllm.generate(n=1, max_tokens=6, seed=7 + i)["completions"][0]
+        assert group[i]["token_ids"] == alone["token_ids"], i
+    assert len({tuple(c["token_ids"]) for c in group}) > 1  # distinct seeds, not one sample copied

@@ -167,6 +167,12 @@ class SamplerOptions(StrictModel):
         "vLLM: sequences the engine runs beyond max_num_seqs, only for an experiment that holds at most this many "
         "with its request, so a light tenant's group starts at once however full a heavy tenant keeps the batch "
         "(vLLM does not preempt a running sequence for a waiting one; sampler/fair_admission.py)."))
+    max_seqs_beside_others: int = Field(16, ge=1, le=65536, description=(
+        "vLLM: most sequences one experiment runs while another samples here (a request of it waiting or running, "
+        "or done within lone_after_s); alone, an experiment gets max_num_seqs. A larger n is sent as requests of at "
+        "most this many (the same samples for a seed). On CPU an engine step's time grows with its batch (SmolLM2, "
+        "one thread: 68 ms for 1 sequence, 306 ms for 64), and every experiment's tokens wait for it: beside "
+        "another's 64 sequences a neighbour's completion took over 5x its time alone (sampler/fair_admission.py)."))
     tool_parser: str = Field("hermes", description=(
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
