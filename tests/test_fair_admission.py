@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sampler.fair_admission import FairAdmission
-from tests.sampler_helpers import MAX_MODEL_LEN, PROMPT, REQUEST_TIMEOUT_S, SCORE_TOL, Sampler, _close
+from tests.sampler_helpers import MAX_MODEL_LEN, REQUEST_TIMEOUT_S, SCORE_TOL, Sampler, _close
 
 
 async def _seated(admission: FairAdmission, tenant: str, count: int, seated: list, release: asyncio.Event) -> None:
@@ -168,7 +168,7 @@ def test_a_light_experiment_is_served_while_another_fills_the_batch(sampler_vllm
         ids = [c["token_ids"] for c in group]
         alone = sampler.score(ids, adapter=light)  # the engine idle: prompt logprobs, alone
         with ThreadPoolExecutor(4) as pool:
-            long = dict(n=16, max_tokens=MAX_MODEL_LEN - len(PROMPT) - 8, ignore_eos=True, adapter=heavy)
+            long = dict(n=16, max_tokens=MAX_MODEL_LEN // 2, ignore_eos=True, adapter=heavy)
             floods = [pool.submit(sampler.generate, seed=i, **long) for i in range(2)]
             time.sleep(1.0)  # heavy's first request is in the engine
             began = time.monotonic()
