@@ -116,8 +116,8 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", compile_s
         "trackers": {"default": []},
         **overrides,
     }
-    # lone_after_s 5 (default 60): the tests run one experiment after another, each alone once the one before is
-    # done, and through LoRA for a minute after it the tiny model sampled slower (the suite ~40 s longer in all).
+    # lone_after_s 5 (default 60): the tests run one experiment after another, each meant alone (merged) once the
+    # one before is done, not through LoRA for a minute after it.
     config["sampler"] = {"compile": compile_sampler, "lone_after_s": 5.0, **config["sampler"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "server.yaml"
