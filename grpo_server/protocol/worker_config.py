@@ -170,9 +170,9 @@ class SamplerOptions(StrictModel):
     max_seqs_beside_others: int = Field(16, ge=1, le=65536, description=(
         "vLLM: most sequences one experiment runs while another samples here (a request of it waiting or running, "
         "or done within lone_after_s); alone, an experiment gets max_num_seqs. A larger n is sent as requests of at "
-        "most this many (the same samples for a seed). On CPU an engine step's time grows with its batch (SmolLM2, "
-        "one thread: 68 ms for 1 sequence, 306 ms for 64), and every experiment's tokens wait for it: beside "
-        "another's 64 sequences a neighbour's completion took over 5x its time alone (sampler/fair_admission.py)."))
+        "most this many (the same samples for a seed). On CPU an engine step's time grows with its batch, and every "
+        "experiment's tokens wait for it: smaller makes a light neighbour faster and a heavy experiment slower "
+        "beside it (sampler/fair_admission.py)."))
     tool_parser: str = Field("hermes", description=(
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
@@ -189,9 +189,8 @@ class SamplerOptions(StrictModel):
     lone_after_s: float = Field(60.0, ge=0, le=3600, description=(
         "lora_batch: an experiment counts as sampling alone (merged) once no other experiment has had a "
         "request here for this long. A request of another experiment that comes back during a merged turn "
-        "waits until every running request of that turn ends: behind n = 64 streams of 256 tokens that was "
-        "up to 114 s in the hostile-tenant benchmark at 5 s, where a neighbour's pause between its groups "
-        "(its own train step and push, under load) outlasted the window; at 60 s its longest wait was 5.6 s."))
+        "waits until every running request of that turn ends, so this outlasts a tenant's pause between its "
+        "groups (its own train step and push, under load)."))
     cpu_lora_ops: Literal["grouped", "vllm"] = Field("grouped", description=(
         "vLLM on CPU, requests through LoRA: grouped = one matmul per adapter in the batch, or one for all of "
         "them in a decode-sized batch, and one shrink for all of a layer's slices (sampler/lora_cpu_ops.py); "
