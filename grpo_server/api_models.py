@@ -328,6 +328,10 @@ class ExperimentStatus(ApiModel):
         "How the sampler ran the latest completions: 'merged' = the adapter folded into the base weights "
         "(vLLM on CPU while this is the only experiment; faster, same function), 'lora' = through the "
         "LoRA adapter; None before any"))
+    learner_memory: Literal["resident", "paged_out"] | None = Field(None, description=(
+        "Where the learner holds its adapter and optimizer: 'resident' = in memory; 'paged_out' = on disk, in its "
+        "checkpoint, since other experiments trained more recently (learner.resident_experiments), brought back "
+        "exactly at its next step; None while the learner has not said (read every few seconds)"))
     suggested_groups_in_flight: int | None = Field(None, description=(
         "How many groups a client of this experiment had best keep in flight (completions asked for and not yet "
         "rated): batch_groups while it is the only experiment sampling, up to max_queued_batches x batch_groups "

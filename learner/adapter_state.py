@@ -31,3 +31,7 @@ class AdapterUnderTraining:
     # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
     weights_version: int | None = None
     pending_backwards: int = 0  # Tinker's forward_backward calls summed into the gradients since its optim_step
+    # Counts what moved its weights or optimizer state (a step, a reset, a loaded state): a page-out
+    # (learner/paging.py) writes a checkpoint only if the newest one does not hold this count.
+    changes: int = 0
+    checkpointed_changes: int = -1

@@ -103,7 +103,8 @@ class Checkpointing:
     """A mixin of MultiAdapterTrainer: its checkpoints, started in a verb and written by `_checkpoints`."""
 
     # What it uses of its host, MultiAdapterTrainer.
-    experiments: dict[str, AdapterUnderTraining]
+    experiments: dict[str, AdapterUnderTraining]  # in memory
+    _paged: dict[str, Any]  # paged out (learner/paging.py): their newest checkpoint is their state already
     _lora_configs: dict[str, LoraConfig]
     _checkpoints: CheckpointWriter
     _cpu_group: Any  # torch.distributed's gloo group, with several ranks
@@ -114,6 +115,9 @@ class Checkpointing:
 
     def checkpoint(self, name: str) -> None:
         """Write the experiment's durable state (see learner/checkpoint.py); on disk when this returns."""
+        if name in self._paged:
+            return
+        self._get(name)  # NotFound if unknown
         self._start_checkpoint(name)
         self._checkpoints.wait()
 
@@ -145,10 +149,11 @@ class Checkpointing:
         return bool(flag.item())
 
     def _start_checkpoint(self, name: str) -> None:
-        """Every rank sends its shard to rank 0, which copies them and hands them to the writer."""
+        """Every rank sends its shard to rank 0, which copies them and hands them to the writer (`name` is in
+        memory: its verb or its page-out holds it)."""
         from peft import get_peft_model_state_dict
 
-        exp = self._get(name)
+        exp = self.experiments[name]
         shards = self._gather_shards(checkpoint.RankShard(exp.engine.optimizer.state_dict(), torch.get_rng_state()))
         if self.rank == 0:
             weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
@@ -158,6 +163,7 @@ class Checkpointing:
                 ranks=self.world_size)
             self._checkpoints.submit(name, state, weights, shards)
         exp.checkpointed_step = exp.step
+        exp.checkpointed_changes = exp.changes
         exp.checkpoint_started_s = time.monotonic()
 
     def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:

@@ -104,6 +104,7 @@ class TinkerSteps:
             _restore_adam(engine, kept)
         exp.pending_backwards = 0
         exp.step += 1
+        exp.changes += 1
         exp.weights_version = None
         # As durable as a native step: checkpointed by the same policy (learner/checkpoint_writer.py), so a
         # restart resumes its AdamW state and step from there, not from the last pushed version.

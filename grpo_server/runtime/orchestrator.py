@@ -43,6 +43,8 @@ from grpo_server.workers.pool import WorkerPool
 log = logging.getLogger(__name__)
 
 EXPIRY_INTERVAL_S = 5.0
+RESIDENCY_INTERVAL_S = 5.0  # how often the status pages' learner residency is read (a snapshot the learner answers
+# without its lock: learner/app.py)
 # How `create` treats files an earlier experiment of the name left: "restart" (a server start) resumes them
 # as they are; "fresh" (the API) archives them first; "resume" (the API, admin's choice) brings the newest
 # archive back, or resumes files never archived.
@@ -73,6 +75,9 @@ class Orchestrator:
         # it (the Tinker models, sessions and samplers: api/tinker/service.py), so a new life of the name, maybe
         # another tenant's, inherits none of it.
         self.on_delete: list[Callable[[str], Awaitable[None]]] = []
+        # Which experiments the learner holds in memory (True) or has paged out (False: learner/paging.py), as it
+        # said at its latest status read (`watch_residency_forever`); empty until then or while it does not answer.
+        self.learner_residency: dict[str, bool] = {}
         self.learner_restarts = 0  # re-syncs after a learner restart: its in-memory state (gradients) is gone
         self.registry = ExperimentRegistry(config.run_dir)
         self._lock = asyncio.Lock()  # serialises experiment create/delete and worker re-syncs
@@ -124,7 +129,8 @@ class Orchestrator:
         return [unrestored_status(self.unrestored[name].config, self.unrestored[name].reason)
                 if name in self.unrestored and name not in self.experiments else
                 experiment_status(self.get(name), self.groups.pending_count(name), self.episodes.pending_count(name),
-                                  experiments_sampling=len(sampling - {name}) + 1)
+                                  experiments_sampling=len(sampling - {name}) + 1,
+                                  learner_resident=self.learner_residency.get(name))
                 for name in names]
 
     async def start_saved(self, configs: list[ExperimentConfig]) -> None:
@@ -425,9 +431,22 @@ class Orchestrator:
             for exp in list(self.experiments.values()):
                 exp.log_sampling()
 
+    async def watch_residency_forever(self, interval_s: float = RESIDENCY_INTERVAL_S) -> None:
+        """Every interval, which experiments the learner holds in memory, for their status pages."""
+        while True:
+            await asyncio.sleep(interval_s)
+            learner = self.workers.learner
+            try:
+                answer = await learner.status() if learner is not None else None
+            except Exception:  # restarting, or not answering: the pages say nothing rather than something stale
+                answer = None
+            self.learner_residency = {} if answer is None else {
+                name: bool(held["resident"]) for name, held in answer.experiments.items() if "resident" in held}
+
     def start_upkeep(self) -> None:
-        """Group expiry and the sampling lines of the metrics logs, until `close`."""
+        """Group expiry, the sampling lines of the metrics logs and the learner's residency, until `close`."""
         self.upkeep.spawn(self.expire_groups_forever(), "expire-groups")
+        self.upkeep.spawn(self.watch_residency_forever(), "learner-residency")
         self.upkeep.spawn(self.log_sampling_forever(), "log-sampling")
         self.upkeep.spawn(self.loop_lag.watch_forever(), "loop-lag")
 

@@ -18,7 +18,7 @@ SAMPLING_WINDOW_S = 30.0  # an experiment whose latest sampler request is this r
 
 
 def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: int,
-                      experiments_sampling: int = 1) -> ExperimentStatus:
+                      experiments_sampling: int = 1, learner_resident: bool | None = None) -> ExperimentStatus:
     verification_failed = exp.last_verification is not None and exp.last_verification.ok is False  # None: inconclusive
     training_stopped = exp.training_task is not None and exp.training_task.done() and not exp.training_task.cancelled()
     return ExperimentStatus(
@@ -38,6 +38,7 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         last_push_seconds=exp.last_push_seconds,
         last_verification=exp.last_verification,
         served_as=exp.last_served_as,
+        learner_memory=None if learner_resident is None else "resident" if learner_resident else "paged_out",
         suggested_groups_in_flight=suggested_groups_in_flight(exp, experiments_sampling),
         # Descriptive (an exception's type and text may be there: runtime/tasks.py), but an experiment key is a
         # tenant's: no server path, worker URL or traceback (the log has the full text).

@@ -1,0 +1,185 @@
+"""Idle experiments paged out of the learner's memory, and back in on their next verb.
+
+Each experiment the learner holds costs its LoRA weights inside the shared peft model, a DeepSpeed engine with
+ZeRO's fp32 copy and gradient buffers, AdamW's two moments, and two saved versions' weights for the push check
+(learner/previous_version.py): about 53 MiB for SmolLM2-135M at r=16, measured at 40 experiments. A tenant that
+has not trained for a week cost as much as a busy one. So at most `learner.resident_experiments` are held; past
+that, the least recently used one is paged out:
+
+  * its state is written as a checkpoint at its current step (learner/checkpoint.py: the weights, AdamW's moments
+    and ZeRO's fp32 partition, exactly), the same files a restart resumes from, and waited for;
+  * its engine, its peft adapter and its saved versions' copies are dropped; a small record stays (step, version,
+    journal position, which versions the push check held).
+
+Its next verb pages it back in: a new adapter and engine, the checkpoint's weights and optimizer state loaded into
+them (bit-exact: tests/test_learner_paging.py compares the weights and the AdamW moments with a learner that
+never paged), and the push check's versions read back from their version folders. Measured on the 2-core box
+with SmolLM2 at r=16: BENCHMARKS.md's tenants table (`page_in_s`).
+
+There is no middle tier in CPU memory: on a CPU host the learner's memory is CPU memory, and on a GPU host the
+checkpoint's write is the same one a restart needs anyway.
+
+Never paged: an experiment holding Tinker `forward_backward` gradients (they live in ZeRO's buffers, which a
+checkpoint does not hold); while every resident one holds some, the learner holds one more than the setting
+until one steps. With several ranks nothing is paged: paging is a collective (the checkpoint's optimizer shards),
+and the read-only verbs (logprobs, forward) run on rank 0 alone (learner/lockstep.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from grpo_server.protocol.errors import ApiError, NotFound
+from grpo_server.protocol.worker_config import LearnerConfig, LoraConfig
+from learner import adapter_io, checkpoint, resume
+from learner.adapter_state import AdapterUnderTraining
+from learner.checkpoint_writer import CheckpointWriter
+from learner.engine import make_engine, release_engine
+from learner.previous_version import SavedWeights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PagedOut:
+    """What stays in memory of a paged-out experiment: its record without engine and weights, and which versions
+    the push check held (read back from their folders at page-in)."""
+
+    exp: AdapterUnderTraining
+    saved_version: int | None
+    previous_version: int | None
+    paged_at_s: float
+
+
+class Paging:
+    """A mixin of MultiAdapterTrainer: `_resident(name)` is its `_get`, paging in and out as needed."""
+
+    # What it uses of its host, MultiAdapterTrainer (and its other mixins).
+    config: LearnerConfig
+    model: Any  # the PeftModel
+    dtype: torch.dtype
+    rank: int
+    world_size: int
+    experiments: dict[str, AdapterUnderTraining]  # resident, least recently used first
+    _paged: dict[str, PagedOut]
+    _lora_configs: dict[str, LoraConfig]
+    _saved: dict[str, SavedWeights]
+    _checkpoints: CheckpointWriter
+    _start_checkpoint: Callable[[str], None]
+    _peft_config: Callable[[LoraConfig], Any]
+    _add_peft_adapter: Callable[[str, Any], None]
+    _activate: Callable[[str], None]
+
+    page_ins = 0
+    page_outs = 0
+    last_page_in_s: float | None = None
+    last_page_out_s: float | None = None
+
+    @property
+    def resident_limit(self) -> int | None:
+        """How many experiments are held in memory at most; None: all (several ranks)."""
+        return self.config.resident_experiments if self.world_size == 1 else None
+
+    def _resident(self, name: str) -> AdapterUnderTraining:
+        """The experiment, in memory (paged in if it was out), marked most recently used. NotFound if unknown."""
+        exp = self.experiments.pop(name, None)
+        if exp is None:
+            if name not in self._paged:
+                raise NotFound(f"experiment {name!r} is not loaded in the learner")
+            exp = self._page_in(name)
+        self.experiments[name] = exp  # to the end: most recently used
+        self._page_out_beyond_limit(keep=name)
+        return exp
+
+    def _page_out_beyond_limit(self, keep: str | None = None) -> None:
+        """Page out the least recently used experiments while more than the limit are held (not `keep`, nor one
+        holding Tinker gradients)."""
+        limit = self.resident_limit
+        if limit is None:
+            return
+        for name in list(self.experiments):
+            if len(self.experiments) <= limit:
+                return
+            exp = self.experiments[name]
+            if name != keep and exp.pending_backwards == 0:
+                self._page_out(name)
+
+    def _page_out(self, name: str) -> None:
+        started = time.perf_counter()
+        exp = self.experiments[name]
+        if exp.checkpointed_changes != exp.changes or exp.checkpointed_step != exp.step:
+            self._start_checkpoint(name)  # at its current step, with its optimizer: what the page-in reads
+        self._checkpoints.wait()
+        saved = self._saved.pop(name, None)
+        release_engine(exp.engine)
+        with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(exp.adapter)
+        del self.experiments[name]
+        exp.engine, exp.params = None, []
+        self._paged[name] = PagedOut(exp, None if saved is None else saved.version,
+                                     None if saved is None else saved.previous_version, time.monotonic())
+        self.page_outs += 1
+        self.last_page_out_s = time.perf_counter() - started
+        log.info("%s: paged out at step %d (%.2f s; %d resident, %d paged out)", name, exp.step,
+                 self.last_page_out_s, len(self.experiments), len(self._paged))
+
+    def _page_in(self, name: str) -> AdapterUnderTraining:
+        started = time.perf_counter()
+        paged = self._paged[name]
+        exp = paged.exp
+        self._checkpoints.wait()
+        found = checkpoint.read_latest(self.config.run_dir, name, self.rank, self.world_size)
+        if found is None or found.state.step != exp.step or found.optimizer is None:
+            raise ApiError(f"experiment {name!r} was paged out at step {exp.step}, but its checkpoint there is gone "
+                           f"(newest: {None if found is None else found.state.step}); delete and restore it",
+                           code="page_in_failed", status=500)
+        self._add_peft_adapter(exp.adapter, self._peft_config(self._lora_configs[name]))
+        try:
+            params = [p for n, p in self.model.named_parameters() if f".{exp.adapter}." in n]
+            self._activate(exp.adapter)
+            saved = self._read_saved(name, exp.adapter, params, paged)
+            resume.load_weights(self.model, exp.adapter, found.weights, name, found.state.version)
+            engine = make_engine(self.model, params, exp.algorithm, self.config.zero_stage, self.dtype)
+            checkpoint.load_optimizer_state(engine.optimizer, found.optimizer, self.world_size)
+        except BaseException:
+            self.model.delete_adapter(exp.adapter)
+            raise
+        exp.params, exp.engine = params, engine
+        if saved is not None:
+            self._saved[name] = saved
+        del self._paged[name]
+        self.page_ins += 1
+        self.last_page_in_s = time.perf_counter() - started
+        log.info("%s: paged in at step %d after %.0f s out (%.2f s)", name, exp.step,
+                 time.monotonic() - paged.paged_at_s, self.last_page_in_s)
+        return exp
+
+    def _read_saved(self, name: str, adapter: str, params: list[torch.nn.Parameter],
+                    paged: PagedOut) -> SavedWeights | None:
+        """The push check's copies of the versions it held, read from their folders through the adapter (whose
+        weights the checkpoint's then replace). A version pruned meanwhile is left out."""
+        copies: dict[int, list[torch.Tensor]] = {}
+        for version in (paged.previous_version, paged.saved_version):
+            folder = adapter_io.version_dir(self.config.run_dir, name, version) if version is not None else None
+            if folder is None or not (folder / adapter_io.WEIGHTS_FILE).is_file():
+                continue
+            resume.load_weights(self.model, adapter, adapter_io.read_version(folder).tensors, name, version)
+            copies[version] = [p.detach().clone() for p in params]
+        if paged.saved_version not in copies:
+            return None
+        previous = paged.previous_version if paged.previous_version in copies else None
+        return SavedWeights(paged.saved_version, copies[paged.saved_version], previous,
+                            None if previous is None else copies[previous])
+
+    def residency(self) -> dict[str, Any]:
+        """The learner's side of the status page: how many are held, and the paging counters."""
+        return {"resident": len(self.experiments), "paged_out": len(self._paged), "limit": self.resident_limit,
+                "page_ins": self.page_ins, "page_outs": self.page_outs,
+                "last_page_in_s": self.last_page_in_s, "last_page_out_s": self.last_page_out_s}
