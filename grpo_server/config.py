@@ -393,6 +393,15 @@ class ServerConfig(BaseSettings):
         return bool(self.sampler.urls)
 
     @model_validator(mode="after")
+    def _experiments_fit_the_samplers(self) -> "ServerConfig":
+        # Each would be refused at its create, after the workers had started, and held as failed.
+        for experiment in self.experiments:
+            if experiment.lora.r > self.sampler.max_lora_rank:
+                raise ValueError(f"experiment {experiment.name!r} has lora.r {experiment.lora.r}, over "
+                                 f"sampler.max_lora_rank {self.sampler.max_lora_rank}: raise that or lower lora.r")
+        return self
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> "ServerConfig":
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("give both tls_certfile and tls_keyfile, or neither")

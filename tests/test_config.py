@@ -59,6 +59,17 @@ def test_auth_limit_settings():
         ServerConfig(auth_limit_exempt=["not-an-address"])
 
 
+def test_combinations_that_cannot_work_are_refused_at_load():
+    """Each used to pass the config and fail later: vLLM refused the rank at the sampler's start (after the model had
+    loaded), and an inline experiment over the rank was refused at its create and held as failed."""
+    with pytest.raises(ValidationError, match="max_lora_rank 12 is not one vLLM takes"):
+        ServerConfig(sampler={"max_lora_rank": 12})
+    assert ServerConfig(sampler={"engine": "transformers", "max_lora_rank": 12}).sampler.max_lora_rank == 12
+    with pytest.raises(ValidationError, match="'big' has lora.r 32, over sampler.max_lora_rank 16"):
+        ServerConfig(experiments=[{"name": "big", "lora": {"r": 32}}])
+    assert ServerConfig(sampler={"max_lora_rank": 32}, experiments=[{"name": "big", "lora": {"r": 32}}])
+
+
 def test_shipped_configs_validate():
     for path in CONFIGS.glob("*.yaml"):
         if path.name == "server.yaml":

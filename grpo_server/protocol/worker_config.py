@@ -131,6 +131,7 @@ def resolve_rollout_correction(algorithm: AlgorithmConfig, numerics_differ: bool
 
 
 EngineName = Literal["vllm", "transformers", "auto"]
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -215,6 +216,16 @@ class SamplerOptions(StrictModel):
         "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: "
         "docs/benchmarks/findings.md \"A sampler's start\"); spawn = a fresh interpreter, as vLLM itself does on CPU."))
 
+
+    @model_validator(mode="after")
+    def _vllm_lora_rank(self) -> "SamplerOptions":
+        # vLLM takes only these (vllm/config/lora.py MaxLoRARanks); another value failed at the sampler's start, after
+        # the model had loaded, with pydantic's error from inside vLLM.
+        if self.engine != "transformers" and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"sampler.max_lora_rank {self.max_lora_rank} is not one vLLM takes "
+                             f"({', '.join(map(str, VLLM_LORA_RANKS))}); pick the smallest at least your experiments' "
+                             "lora.r")
+        return self
 
 class LearnerOptions(StrictModel):
     """Learner options."""
