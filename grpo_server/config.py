@@ -247,7 +247,7 @@ class ServerConfig(BaseSettings):
                                    file_secret_settings: PydanticBaseSettingsSource,
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The earlier source wins: the file comes after the environment, so a deployment's environment (docker
-        # compose, a secret manager) overrides the file it ships with, as README "Configuration" says.
+        # compose, a secret manager) overrides the file it ships with, as docs/guides/configuration.md says.
         path = _CONFIG_FILE.get()
         file = (_ConfigFile(settings_cls, yaml_file=path),) if path is not None else ()
         return init_settings, env_settings, dotenv_settings, file_secret_settings, *file

@@ -307,13 +307,16 @@ README_POINTER = re.compile(r"""README(?:[,:)]| ["']|'s )""")
 
 
 def test_user_facing_pointers_name_pages_that_exist():
-    """The generated reference (the config and route descriptions), configs/*.yaml, the examples and the vLLM-fields
-    error point at docs pages, not at README sections, and every docs/...md they name exists."""
+    """The generated reference (the config and route descriptions), configs/*.yaml, the compose files, the examples
+    and the code of the three processes (its errors and docstrings) point at docs pages, not at README sections, and
+    every docs/...md they name exists."""
     from scripts.docs_reference import PAGES
 
     texts = {f"generated {path}": render() for path, render in PAGES.items()}
-    for path in [*sorted(REPO.glob("configs/*.yaml")), *sorted(REPO.glob("examples/*.py")),
-                 REPO / "grpo_server/api/openai/vllm_fields.py"]:
+    for path in [*sorted(REPO.glob("configs/*.yaml")), *sorted(REPO.glob("docker-compose*.yml")),
+                 *sorted(REPO.glob("examples/*.py")),
+                 *(path for package in ("grpo_server", "sampler", "learner")
+                   for path in sorted(REPO.glob(f"{package}/**/*.py")))]:
         texts[str(path.relative_to(REPO))] = path.read_text()
     readme = [f"{where}: ...{text[max(0, m.start() - 60):m.end() + 20]!r}"
               for where, text in texts.items() for m in README_POINTER.finditer(text)]

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 from grpo_server.protocol.errors import TooManyRequests
 
-BYTES_PER_TOKEN = 73  # measured (above); what the README's memory figures use
+BYTES_PER_TOKEN = 73  # measured (above); what docs/operations/durability.md's memory figures use
 RETRY_AFTER_S = 5.0  # held tokens leave with feedback, training and expiry: seconds, not milliseconds
 
 

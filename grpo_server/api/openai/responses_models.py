@@ -101,7 +101,7 @@ def check_fields(body: ResponsesRequest) -> None:
     if body.model_extra:
         names = ", ".join(sorted(body.model_extra))
         raise BadRequest(f"unknown parameter(s): {names} (POST /v1/responses takes the Responses API's fields, "
-                         "README: OpenAI-compatible endpoints)", code="unknown_parameter")
+                         "docs/guides/responses.md)", code="unknown_parameter")
     for name, what in UNSUPPORTED.items():
         if getattr(body, name):
             raise BadRequest(f"{name} is not supported: this server has no {what}", code="unsupported_parameter")
