@@ -1,13 +1,19 @@
-"""The client installs light (pyproject.toml: the base install is the client and CLI; the server, plots, examples
-and trackers are extras). `pip install grpo-server` into a fresh virtual environment, pinned by constraints.txt
-as CI pins it, brings no ML or server package, and that client alone runs a group's round trip against the real
-test server; a command that needs an extra says which instead of a traceback."""
+"""The package as a release would ship it, and the client installed light from it.
+
+`python -m build` makes the sdist and the wheel, and `twine check --strict` passes them (what PyPI would refuse,
+it refuses). The wheel, installed into a fresh virtual environment and pinned by constraints.txt as CI pins it
+(pyproject.toml: the base install is the client and CLI; the server, plots, examples and trackers are extras),
+brings no ML or server package; `grpo-server --help` runs; that client alone runs a group's round trip against the
+real test server; and a command that needs an extra says which instead of a traceback. The version is
+pyproject.toml's in the wheel's name, the installed metadata and the CHANGELOG."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tomllib
 import uuid
 
 from tests.pins import ROOT, pinned_versions
@@ -33,13 +39,31 @@ with Client(url, key) as client:
 """
 
 
-def test_the_client_alone_installs_light_and_runs_against_the_server(server, tmp_path):
+def test_the_package_builds_and_its_wheel_installs_the_client_light(server, tmp_path):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    dist = tmp_path / "dist"
+    # --no-isolation: the build backend of .venv (setuptools, pinned), not one downloaded into a fresh environment.
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    wheel, sdist = dist / f"grpo_server-{version}-py3-none-any.whl", dist / f"grpo_server-{version}.tar.gz"
+    assert sorted(dist.iterdir()) == sorted([wheel, sdist])
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
+    assert re.search(rf"version {re.escape(version)}\b", (ROOT / "CHANGELOG.md").read_text())
+
     venv = tmp_path / "client-venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     install = subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                              "-c", str(ROOT / "constraints.txt"), str(ROOT)], capture_output=True, text=True)
+                              "-c", str(ROOT / "constraints.txt"), str(wheel)], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
+    shown = subprocess.run([python, "-c", "from importlib.metadata import metadata; m = metadata('grpo-server'); "
+                            "print(m['Version'], m['License-Expression'])"], check=True, capture_output=True, text=True)
+    assert shown.stdout.split() == [version, "Apache-2.0"], shown.stdout
+    helped = subprocess.run([str(venv / "bin" / "grpo-server"), "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "serve" in helped.stdout, helped.stdout + helped.stderr
     listed = json.loads(subprocess.run([python, "-m", "pip", "list", "--format", "json"], check=True,
                                        capture_output=True, text=True).stdout)
     installed = {p["name"].lower().replace("_", "-") for p in listed}
