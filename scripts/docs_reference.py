@@ -8,6 +8,7 @@ build, and nothing generated is committed.
 - reference/http-api.md: every operation of the server's own OpenAPI document (grpo_server/api/openapi.py,
   from the route table `ENDPOINTS` of grpo_server/api/app.py; no worker is started), and the request bodies'
   fields;
+- reference/cli.md: `grpo-server --help` and every subcommand's (grpo_server/cli.py);
 - reference/losses.md: the learner's loss table (grpo_server/protocol/loss_table.py);
 - reference/metrics.md: every family of `GET /metrics` (grpo_server/api/prometheus.py) and the fields of a train
   step's record (grpo_server/protocol/wire.py TrainMetrics);
@@ -430,6 +431,30 @@ def _relinked(text: str) -> str:
     return re.sub(r"\]\(docs/", "](", text)
 
 
+def cli_md() -> str:
+    """`grpo-server --help` and every subcommand's, as argparse prints them (grpo_server/cli.py build_parser)."""
+    import argparse
+    import os
+    from unittest import mock
+
+    from grpo_server.cli import build_parser
+
+    def commands(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = [(path, parser)]
+        for action in parser._actions:  # argparse keeps its subcommands only there
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += commands(sub, f"{path} {name}")
+        return found
+
+    lines = ["# Command line", "", "Generated from `grpo_server/cli.py` (`build_parser`): each command's `--help`, as "
+             "it prints it.", ""]
+    with mock.patch.dict(os.environ, {"COLUMNS": "110"}):  # argparse wraps at the terminal's width
+        for path, parser in commands(build_parser(), "grpo-server"):
+            lines += [f"## `{path}`", "", "```text", parser.format_help().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
 def contributing_md() -> str:
     return _relinked((REPO / "CONTRIBUTING.md").read_text())
 
@@ -463,6 +488,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/http-api.md": http_api_md,
     "reference/losses.md": losses_md,
     "reference/metrics.md": metrics_md,
+    "reference/cli.md": cli_md,
     "benchmarks/summary.md": benchmarks_summary_md,
     "contributing.md": contributing_md,
     "changelog.md": changelog_md,
@@ -486,10 +512,25 @@ def on_files(files: Any, config: Any) -> Any:
     return files
 
 
+def write_pages(docs_dir: Path) -> list[Path]:
+    """Every generated page into `docs_dir`, for a site generator without MkDocs' hooks."""
+    written = []
+    for path, render in PAGES.items():
+        target = docs_dir / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(render())
+        written.append(target)
+    return written
+
+
 def main(argv: list[str]) -> int:
     names = {Path(path).stem: render for path, render in PAGES.items()}
+    if len(argv) == 2 and argv[0] == "--write":
+        for path in write_pages(Path(argv[1])):
+            print(path)
+        return 0
     if len(argv) != 1 or argv[0] not in names:
-        print(f"usage: python -m scripts.docs_reference {{{','.join(names)}}}", file=sys.stderr)
+        print(f"usage: python -m scripts.docs_reference {{{','.join(names)}}} | --write DOCS_DIR", file=sys.stderr)
         return 2
     sys.stdout.write(names[argv[0]]())
     return 0

@@ -65,7 +65,8 @@ def site(tmp_path_factory) -> Path:
 def test_the_site_builds_strict_with_every_page(site):
     assert (site / "index.html").is_file()
     for page in ("reference/configuration", "reference/http-api", "reference/losses", "reference/metrics",
-                 "benchmarks/summary", "contributing", "changelog", "architecture/follow-a-request"):
+                 "reference/cli", "reference/python-client", "benchmarks/summary", "contributing", "changelog",
+                 "architecture/follow-a-request"):
         assert (site / page / "index.html").is_file(), page
 
 
@@ -101,6 +102,28 @@ def test_the_reference_has_every_loss_and_metric(site):
     names = [name for name, _, _, _ in metric_families()]
     assert "grpo_mismatch_kl_fresh" in names and "grpo_offpolicy_kl_stale" in names
     assert not [name for name in names if f"<code>{name}</code>" not in metrics]
+
+
+def test_the_reference_has_every_command_and_client_method(site, tmp_path):
+    import inspect
+
+    from grpo_server.client import AsyncClient, Client
+    from scripts.docs_reference import write_pages
+
+    cli = (site / "reference/cli/index.html").read_text()
+    for command in ("grpo-server", "grpo-server serve", "grpo-server plot", "grpo-server export",
+                    "grpo-server model", "grpo-server model prepare"):
+        assert f"><code>{command}</code><a class=\"headerlink\"" in cli, command
+    assert "--run-dir" in cli and "--merged" in cli
+    client = (site / "reference/python-client/index.html").read_text()
+    for cls in (Client, AsyncClient):
+        methods = [name for name, _ in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")]
+        assert len(methods) >= 15
+        missing = [name for name in methods if f'id="grpo_server.client.{cls.__name__}.{name}"' not in client]
+        assert not missing, f"{cls.__name__} methods missing from the client reference: {missing}"
+    # Without MkDocs: the same pages written by the module the hook calls.
+    written = {path.relative_to(tmp_path).as_posix() for path in write_pages(tmp_path)}
+    assert {"reference/cli.md", "reference/configuration.md", "reference/http-api.md"} <= written
 
 
 def test_the_generated_pages_are_not_committed():
