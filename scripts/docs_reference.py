@@ -92,6 +92,8 @@ def _bounds(info: FieldInfo) -> str:
             lengths.append(f"at least {item.min_length} long")
         elif isinstance(item, annotated_types.MaxLen):
             lengths.append(f"at most {item.max_length} long")
+        elif isinstance(item, annotated_types.MultipleOf):
+            lengths.append(f"a multiple of {_number(item.multiple_of)}")
         elif hasattr(item, "pattern") and item.pattern:
             lengths.append(f"matches `{item.pattern}`")
     text = ""

@@ -81,6 +81,8 @@ def test_the_reference_has_every_config_field(site):
         missing = [dotted for dotted, _, _ in fields if f"<code>{dotted}</code>" not in page]
         assert not missing, f"{model.__name__} fields missing from the configuration reference: {missing}"
     assert "<code>algorithm.clip_low</code>" in page and "<code>sampler.cpu_lora_ops</code>" in page
+    assert re.search(r"<code>sampler.block_size</code></td>\s*<td>[^<]*</td>\s*<td>[^<]*</td>\s*"
+                     r"<td>\[16, 256\]; a multiple of 16</td>", page)
 
 
 def test_the_reference_has_every_route(site):
