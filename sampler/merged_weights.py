@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 from sampler import lora_cpu_ops
+from sampler.bf16_rounding import RoundingNoise, stochastic_round_bf16
 
 log = logging.getLogger(__name__)
 
@@ -145,41 +145,6 @@ class MergeWorkerExtension:
             log.info("merged serving: %d linear layers, base copy %.0f MiB", len(cached),
                      sum(layer.base.numel() * 4 for layer in cached) / 2**20)
         return cached
-
-
-class RoundingNoise:
-    """Uniform integers in [0, 2**16), `size` of them drawn once (seeded: the same in every sampler); `take` gives
-    a window of them at an offset drawn from the caller's generator. Within a window every weight has its own
-    draw, and the windows of two versions are independent wherever their offsets differ, which is what unbiased
-    rounding asks of its noise: it must not depend on the weights, and each version rounds afresh."""
-
-    def __init__(self, size: int, seed: int = 0):
-        import torch
-
-        self.table = torch.randint(0, 1 << 16, (size,), dtype=torch.int32,
-                                   generator=torch.Generator().manual_seed(seed))
-
-    def take(self, shape: Any, generator: Any) -> Any:
-        import torch
-
-        count = math.prod(shape)
-        if count > self.table.numel():
-            raise ValueError(f"{count} weights, a rounding-noise table of {self.table.numel()}")
-        offset = int(torch.randint(0, self.table.numel() - count + 1, (1,), generator=generator))
-        return self.table[offset:offset + count].view(shape)
-
-
-def stochastic_round_bf16(weight: Any, noise: Any) -> Any:
-    """float32 -> bfloat16, rounded up with probability equal to the distance to the lower neighbour (in grid
-    steps): unbiased per weight, where round to nearest is biased toward a grid point the weight sits next to. A
-    float32 keeps bf16's 8 exponent and top 7 mantissa bits and adds 16 lower ones: add a uniform 16-bit integer
-    (`noise`, an int32 tensor of the weight's shape: `RoundingNoise.take`) to the bits and truncate them (the carry
-    is the rounding up; for a negative weight it raises the magnitude, as sign-magnitude wants). A weight already
-    on the grid has no lower bits and stays exactly itself."""
-    import torch
-
-    bits = weight.contiguous().view(torch.int32) + noise
-    return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # exact: the lower bits are 0
 
 
 def _find_layers(model: Any, model_dir: Path) -> list[_MergeableLayer]:

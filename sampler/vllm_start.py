@@ -109,7 +109,8 @@ def engine_core_environment(cfg: SamplerConfig) -> dict[str, str]:
     """What the engine-core process must find in its environment (and the config its parent builds reads)."""
     from vllm.platforms import current_platform
 
-    env = {lora_cpu_ops.ENV: cfg.cpu_lora_ops}  # read by the worker extension, in the process that runs the worker
+    # Read by the worker extension, in the process that runs the worker.
+    env = {lora_cpu_ops.ENV: cfg.cpu_lora_ops, lora_cpu_ops.ROUNDING_ENV: cfg.lora_rounding}
     if cfg.compile and "VLLM_USE_AOT_COMPILE" not in os.environ and current_platform.is_cpu():
         # vLLM's AOT-compile cache (its default from torch 2.10) saves the compiled model on CPU but cannot load
         # it back ("'function' object has no attribute 'finalize_loading'"), so every start compiled again.

@@ -197,3 +197,26 @@ def test_a_steps_slot_bounds_are_never_another_tensors() -> None:
     assert lora_cpu_ops._slot_bounds(slots) == (0, 1)
     slots[:2] = -1  # vLLM rewrites its buffer in place before a step: the version moves, the bounds follow
     assert lora_cpu_ops._slot_bounds(slots) == (-1, 1)
+
+
+def test_a_small_bf16_update_is_added_in_expectation() -> None:
+    """A bf16 output on the grid (1.0, whose grid step is 2**-7) plus an update under half a step: round to nearest
+    gives the output back unchanged, as a first version's LoRA update was lost; the stochastic add moves the
+    outputs by the update on average, and leaves rows without one exactly as they were."""
+    update = torch.full((256, 1024), 1e-3, dtype=torch.bfloat16)
+    update[:16] = 0  # tokens without an adapter
+    nearest = torch.ones(256, 1024, dtype=torch.bfloat16)
+    nearest += update
+    assert torch.equal(nearest, torch.ones_like(nearest))
+    out = torch.ones(256, 1024, dtype=torch.bfloat16)
+    lora_cpu_ops._add_update(out, update)
+    assert torch.equal(out[:16], torch.ones(16, 1024, dtype=torch.bfloat16))
+    moved = out[16:].float() - 1
+    assert set(moved.unique().tolist()) == {0.0, 2**-7}  # each output rounds to one of its two neighbours
+    assert abs(moved.mean().item() - update[16:].float().mean().item()) < 5e-5
+    wide = torch.ones(300, 1024, dtype=torch.bfloat16)  # more values than the noise table: drawn afresh
+    lora_cpu_ops._add_update(wide, torch.full_like(wide, 1e-3))
+    assert abs((wide.float() - 1).mean().item() - 1e-3) < 5e-5
+    exact = torch.ones(4, 8)  # float32: a plain add
+    lora_cpu_ops._add_update(exact, torch.full((4, 8), 1e-3))
+    assert torch.equal(exact, torch.full((4, 8), 1 + 1e-3))

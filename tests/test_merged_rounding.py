@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sampler.merged_weights import RoundingNoise, stochastic_round_bf16
+from sampler.bf16_rounding import RoundingNoise, stochastic_round_bf16
 
 
 def _rounded(weight: torch.Tensor, seed: int, noise: RoundingNoise | None = None) -> torch.Tensor:

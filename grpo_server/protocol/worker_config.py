@@ -174,6 +174,11 @@ class SamplerOptions(StrictModel):
         "most this many (the same samples for a seed). On CPU an engine step's time grows with its batch, and every "
         "experiment's tokens wait for it: smaller makes a light neighbour faster and a heavy experiment slower "
         "beside it (sampler/fair_admission.py)."))
+    lora_rounding: Literal["stochastic", "nearest"] = Field("stochastic", description=(
+        "vLLM on CPU, bf16, cpu_lora_ops grouped: how a LoRA update is added to a layer's bf16 output. stochastic = "
+        "rounded up or down in proportion, the exact sum in expectation; nearest = round to nearest, which drops "
+        "an update under half a bf16 step (most of a first version's), so the sampler serves nearly the previous "
+        "version and the push check fails it. nearest is ~1.25x the tok/s through LoRA (sampler/lora_cpu_ops.py)."))
     tool_parser: str = Field("hermes", description=(
         "vLLM's tool parser for the model's tool calls (as vLLM's --tool-call-parser): hermes reads "
         "<tool_call>{json}</tool_call>, the format the front end renders for templates without tools."))
