@@ -261,3 +261,84 @@ def test_the_hostile_row_judges_every_target():
     old = {k: v for k, v in ho.items() if k not in ("front_end_rss", "loop_lag", "checks")}
     old["hostile"] = {"threads_per_kind": 4, "answers": {"train ok": 8}}
     assert row({**old, "ratio_feedback_median": 2.5}).endswith("| **missed**: feedback 2.50x |")
+
+
+def _tenants_level(registered: int, active: int, tok_s: float, p95: float, worst: float, cold: dict | None,
+                   rss: dict, errors: int = 0) -> dict:
+    return {"registered": registered, "active": active, "created": registered, "newly_active": active,
+            "creation_s": {"median": 1.5, "max": 2.0, "total": 1.5 * registered}, "tok_s": tok_s,
+            "p50_s_median_tenant": p95 / 2, "p95_s_median_tenant": p95, "p95_s_worst_tenant": worst,
+            "p95_spread": worst / p95, "answers_429": 3, "cold": cold, "push_s_median": 0.4, "pushes": active,
+            "step_s_median": 0.9, "learner_steps": 2 * active, "page_ins": 5, "page_in_median_s": 0.3,
+            "page_outs": 7, "page_out_median_s": 0.2, "rss_mib": rss, "disk_mib": {"median": 60.0, "max": 180.5},
+            "learner_memory": {"resident": min(registered, 32), "paged_out": max(0, registered - 32)},
+            "errors": {"non_2xx": errors, "failed_verifications": 0, "too_many_adapters": 0, "not_active": 0},
+            "error_count": errors}
+
+
+def test_the_tenants_block_has_a_row_per_level_and_vllm_serve():
+    """The tenants block: one row per level of registered experiments, `vllm serve`'s row, the verdict naming each
+    target missed, and the run line saying how the figure's server differed from configs/server.yaml."""
+    table = _load("table")
+    rss = {"front_end": 580.0, "sampler": 4600.0, "learner": 3100.0}
+    cold = {"cold_median_s": 1.2, "warm_median_s": 0.5, "extra_s": 0.7}
+    levels = [_tenants_level(1, 1, 90.0, 0.8, 0.8, None, rss), _tenants_level(16, 16, 200.0, 2.0, 3.0, None, rss),
+              _tenants_level(64, 32, 210.0, 4.0, 6.0, cold, rss),
+              _tenants_level(256, 32, 205.0, 4.2, 7.0, cold, {**rss, "learner": 3200.0})]
+    anchor = {"adapters": 32, "active": 32, "tok_s": 80.0, "p50_s_median_tenant": 5.0, "p95_s_median_tenant": 9.0,
+              "p95_s_worst_tenant": 11.0, "failures": 0, "errors": {}, "rss_mib": 4000.0, "max_loras": 4,
+              "max_cpu_loras": 16}
+    checks = {"tok_s": True, "p95_spread": True, "cold": True, "memory": True, "vs_vllm": True, "errors": True}
+    values = {"tok_s_ratio": 1.025, "p95_spread_max": 1.667, "cold_extra_s_max": 0.7, "learner_rss_ratio": 1.032,
+              "sampler_rss_ratio": 1.0, "rss_same_active": True, "vs_vllm": 2.563, "errors": 0}
+    tn = {"met": True, "checks": checks, "values": values, "levels": levels, "anchor": anchor,
+          "targets": {"tok_s_ratio": 0.9, "baseline_active": 16, "p95_spread": 2.0, "cold_extra_s": 1.0,
+                      "rss_ratio": 1.15, "vs_vllm": 2.0},
+          "window_s": 120.0, "n": 4, "max_tokens": 16, "batch_groups": 1, "cold_probes": 4,
+          "server": {"config": "configs/server.yaml", "max_experiments": 256,
+                     "changed": {"max_experiments": {"from": 64, "to": 256}, "trackers": "none"},
+                     "sampler": {"max_loras": 4, "max_cpu_loras": 16}, "learner": {"resident_experiments": 32}}}
+    block = table.render_extra(_results(tenants=tn), "tenants")
+    rows = [line for line in block.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 4 + 1  # the header, a row per level, vllm serve
+    assert "max_experiments raised from 64 to 256 for this figure" in block.splitlines()[0]
+    assert rows[1].startswith("| 1 | 1 | 90.0 | 0.40 / 0.80 | 0.80 | - |")
+    assert rows[4].startswith("| 256 | 32 | 205.0 | 2.10 / 4.20 | 7.00 | 1.20 / 0.50 (+0.70) | 0.40 | 0.90 | 5, 0.30 |")
+    assert "| 580 / 4600 / 3200 | 60.0 / 180.5 | 32 / 224 | 0 |" in rows[4]
+    assert rows[5].startswith("| `vllm serve` (32 adapters) | 32 | 80.0 | 5.00 / 9.00 | 11.00 |") and rows[5].endswith(
+        "| 0 |")
+    assert "tok/s at R=256 (A=32) over R=16 (A=16): **1.02**" in block and "over `vllm serve`: **2.56x**" in block
+    assert "Verdict: met." in block and "RSS at R=256 over R=64: learner **1.03x**" in block
+    # A target missed is named; errors are broken down in their row; vllm serve that could not start is said so.
+    bad = {**tn, "checks": {**checks, "vs_vllm": False, "errors": False}, "values": {**values, "vs_vllm": 1.4,
+                                                                                    "errors": 2},
+           "levels": levels[:3] + [_tenants_level(256, 32, 205.0, 4.2, 7.0, cold, rss, errors=2)],
+           "anchor": {"error": "RuntimeError: vllm serve (tenants) exited with 1", "active": 32}}
+    block = table.render_extra(_results(tenants=bad), "tenants")
+    assert "Verdict: **missed**: vs vllm serve 1.40x; errors 2." in block
+    assert "| **2** (non-2xx 2) |" in block and "| `vllm serve` | 32 | failed: RuntimeError: vllm serve" in block
+    unmeasured = {**tn, "checks": {**checks, "tok_s": None}}
+    assert "Verdict: not decided (not measured: tok_s)." in table.render_extra(_results(tenants=unmeasured), "tenants")
+    assert "failed: boom" in table.render_extra(_results(tenants={"error": "boom"}), "tenants")
+    start, end = table.markers("tenants")
+    doc = table.replace_block("# Benchmarks\n\nMachine: a box.\n", table.render(_results(front_end={"error": "x"})))
+    once = table.replace_block(doc, block, "tenants")
+    assert once.count(start) == 1 and once.split(start)[0] == doc.rstrip("\n") + "\n\n"
+
+
+def test_the_tenants_active_set_rotates_to_idle_experiments():
+    """At each level half the active set comes from experiments active before but not at the last level, the rest
+    from experiments never active: at 256 registered, 16 that trained at 16 and have been idle since, and 16 new."""
+    tenants = _load("tenants")
+    registered: list = []
+    last: set[str] = set()
+    chosen = []
+    for index, (count, active) in enumerate(((1, 1), (16, 16), (64, 32), (256, 32))):
+        registered += [tenants.Tenant(i, f"tenant-{i:03d}", "key", 0.0) for i in range(len(registered), count)]
+        picked = tenants.pick_active(registered, active, last)
+        for t in picked:
+            t.last_active_level = index
+        last = {t.name for t in picked}
+        chosen.append([t.index for t in picked])
+    assert chosen[0] == [0] and chosen[1] == list(range(16)) and chosen[2] == list(range(16, 48))
+    assert chosen[3] == list(range(16)) + list(range(48, 64))

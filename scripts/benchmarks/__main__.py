@@ -45,9 +45,15 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
    without targets, the same eager, and with the experiment's adapter), 16, 64, 256
    episodes in flight (`--rollout-levels`): episodes/s, p50 / p95 turn latency, non-2xx answers, the front end's
    RSS and event-loop lag, later turns' prefix-cache hits (rollouts.py).
+8. tenants (only when asked: `--only tenants`; a server of its own on configs/server.yaml, then one `vllm serve`):
+   1, 16, 64, 256 experiments registered (`--tenant-levels`; quick: 1, 16, 64), of which up to 32 (quick: 16) loop
+   completion + feedback (batch_groups 1) for 120 s (quick: 45 s) a level, the active set rotated to idle ones:
+   completion tok/s, each tenant's p50 / p95, cold vs warm first completion of long idle experiments, push and step
+   seconds, the learner's page-ins, RSS of each process, disk per experiment, errors; then `vllm serve
+   --enable-lora` with the last level's adapters under the same load (tenants.py).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
-`<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it); each extra figure (6, 7, fairness) into a
+`<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it); each extra figure (6, 7, 8, fairness) into a
 block of its own (`<!-- bench:NAME:start -->`), so that running one leaves the others' tables as they were.
 `--tables-from FILE` writes the tables of an earlier run's JSON and runs nothing. A figure that fails is reported
 as failed in both; the others still run. SIGINT or SIGTERM stops the server a figure runs on.
@@ -84,6 +90,10 @@ from .rollouts import LEVELS as ROLLOUT_LEVELS, ROUNDS as ROLLOUT_ROUNDS
 from .rollouts import own_server_figure as rollouts_server_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import EXTRA, render, render_extra, replace_block
+from .tenants import ACTIVE as TENANT_ACTIVE, LEVELS as TENANT_LEVELS, QUICK_ACTIVE as TENANT_QUICK_ACTIVE
+from .tenants import QUICK_LEVELS as TENANT_QUICK_LEVELS, QUICK_WINDOW_S as TENANT_QUICK_WINDOW_S
+from .tenants import WINDOW_S as TENANT_WINDOW_S
+from .tenants import own_server_figure as tenants_server_figure
 
 FIGURES = ("front_end", "overlap", "experiments", "memory", "push", "episodes", "learner", "adapter", "end_to_end")
 EXTRA_FIGURES = EXTRA  # run only when named in --only, each into a block of its own (table.py)
@@ -132,6 +142,10 @@ class Mode:
     # rollouts: episodes in flight per level, timed rounds per side and level
     ro_levels: tuple[int, ...] = ROLLOUT_LEVELS
     ro_rounds: int = ROLLOUT_ROUNDS
+    # tenants: registered experiments per level, active ones at most, seconds of load per level (and the anchor's)
+    tn_levels: tuple[int, ...] = TENANT_LEVELS
+    tn_active: int = TENANT_ACTIVE
+    tn_window_s: float = TENANT_WINDOW_S
 
 
 # Every ratio with a verdict comes from at least 5 alternating rounds (issue 28, item 4): one round's ratio on this
@@ -139,7 +153,8 @@ class Mode:
 QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4),
              exp_requests=1, exp_concurrency=1, exp_n=4, exp_max_tokens=16, push_rounds=5, server_push_rounds=5,
              learner_sequences=16, learner_max_completion=32, learner_steps=5, adapter_dtypes=("default",),
-             adapter_requests=2, adapter_n=8, adapter_max_tokens=32, adapter_passes=5, ep_episodes=16, ep_rounds=5)
+             adapter_requests=2, adapter_n=8, adapter_max_tokens=32, adapter_passes=5, ep_episodes=16, ep_rounds=5,
+             tn_levels=TENANT_QUICK_LEVELS, tn_active=TENANT_QUICK_ACTIVE, tn_window_s=TENANT_QUICK_WINDOW_S)
 FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4, 8),
             exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=5,
             learner_sequences=32, learner_max_completion=128, learner_steps=5,
@@ -189,6 +204,11 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
         meta = results["meta"]
         await figure(results, "rollouts", rollouts_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
                                                                  levels=mode.ro_levels, rounds=mode.ro_rounds))
+    if "tenants" in only:
+        meta = results["meta"]
+        await figure(results, "tenants", tenants_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
+                                                               levels=mode.tn_levels, active=mode.tn_active,
+                                                               window_s=mode.tn_window_s))
     if "end_to_end" in only:
         if mode.end_to_end:
             await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))
@@ -242,6 +262,9 @@ def main() -> int:
     parser.add_argument("--rollout-levels", default=None,
                         help="rollouts: episodes in flight, comma-separated (default "
                              f"{','.join(map(str, ROLLOUT_LEVELS))})")
+    parser.add_argument("--tenant-levels", default=None,
+                        help="tenants: registered experiments per level, comma-separated (default "
+                             f"{','.join(map(str, TENANT_LEVELS))}; quick {','.join(map(str, TENANT_QUICK_LEVELS))})")
     parser.add_argument("--tables-from", type=Path, default=None, metavar="JSON",
                         help="run nothing: write the tables of an earlier run's results into --markdown")
     args = parser.parse_args()
@@ -263,6 +286,8 @@ def main() -> int:
         mode = replace(mode, levels=tuple(int(k) for k in args.levels.split(",")))
     if args.rollout_levels:
         mode = replace(mode, ro_levels=tuple(int(k) for k in args.rollout_levels.split(",")))
+    if args.tenant_levels:
+        mode = replace(mode, tn_levels=tuple(int(k) for k in args.tenant_levels.split(",")))
     try:  # checked here, before minutes of server start-up, by the server's own settings model
         sampler_settings = with_settings({}, args.sampler)
         SamplerSettings(**sampler_settings)
