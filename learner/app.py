@@ -137,8 +137,9 @@ class LearnerHandler:
 
     async def status(self) -> LearnerStatus:
         # No lock: a snapshot of counters, so it answers during a train step.
+        residency = getattr(self.trainer, "residency", None)  # a lockstep front of N ranks pages nothing
         return LearnerStatus(experiments=self.trainer.status(), dtype=str(self.trainer.dtype).removeprefix("torch."),
-                             autocast=self.trainer.autocast)
+                             autocast=self.trainer.autocast, paging=residency() if residency else None)
 
     async def health(self) -> Healthy:
         return Healthy(status="ok")

@@ -94,6 +94,7 @@ class Paging:
                 raise NotFound(f"experiment {name!r} is not loaded in the learner")
             exp = self._page_in(name)
         self.experiments[name] = exp  # to the end: most recently used
+        self._paged.pop(name, None)  # after: `status`, which reads both without the lock, sees it in one or both
         self._page_out_beyond_limit(keep=name)
         return exp
 
@@ -121,10 +122,10 @@ class Paging:
         with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             self.model.delete_adapter(exp.adapter)
-        del self.experiments[name]
         exp.engine, exp.params = None, []
         self._paged[name] = PagedOut(exp, None if saved is None else saved.version,
                                      None if saved is None else saved.previous_version, time.monotonic())
+        del self.experiments[name]  # after: `status`, which reads both without the lock, sees it in one or both
         self.page_outs += 1
         self.last_page_out_s = time.perf_counter() - started
         log.info("%s: paged out at step %d (%.2f s; %d resident, %d paged out)", name, exp.step,
@@ -154,7 +155,6 @@ class Paging:
         exp.params, exp.engine = params, engine
         if saved is not None:
             self._saved[name] = saved
-        del self._paged[name]
         self.page_ins += 1
         self.last_page_in_s = time.perf_counter() - started
         log.info("%s: paged in at step %d after %.0f s out (%.2f s)", name, exp.step,
@@ -179,7 +179,7 @@ class Paging:
                             None if previous is None else copies[previous])
 
     def residency(self) -> dict[str, Any]:
-        """The learner's side of the status page: how many are held, and the paging counters."""
+        """How many are held and paged out, and the paging counters (the learner's GET /status, `paging`)."""
         return {"resident": len(self.experiments), "paged_out": len(self._paged), "limit": self.resident_limit,
                 "page_ins": self.page_ins, "page_outs": self.page_outs,
                 "last_page_in_s": self.last_page_in_s, "last_page_out_s": self.last_page_out_s}

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig, resolve_rollout_correction
-from grpo_server.protocol.errors import ApiError, BadRequest, Conflict
+from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
 from learner import adapter_io, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
@@ -240,7 +240,9 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
             self._lora_configs.pop(name, None)
             log.info("experiment %s removed while paged out", name)
             return
-        exp = self._get(name)  # not paged in: it is resident
+        exp = self.experiments.get(name)
+        if exp is None:
+            raise NotFound(f"experiment {name!r} is not loaded in the learner")
         del self.experiments[name]
         self._lora_configs.pop(name, None)
         self._forget_saved(name)

@@ -427,3 +427,4 @@ class LearnerStatus(WireModel):
     experiments: dict[str, dict[str, Any]]  # name -> {step, version}
     dtype: str | None = None  # the base weights' dtype, which its logprobs for a push's check are computed in
     autocast: bool = False  # train steps under bf16 autocast: their forward is not the samplers' numerics
+    paging: dict[str, Any] | None = None  # experiments held and paged out, page-ins and -outs (learner/paging.py)
