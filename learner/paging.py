@@ -143,9 +143,10 @@ class Paging:
                            code="page_in_failed", status=500)
         self._add_peft_adapter(exp.adapter, self._peft_config(self._lora_configs[name]))
         try:
-            params = [p for n, p in self.model.named_parameters() if f".{exp.adapter}." in n]
+            named = [(n, p) for n, p in self.model.named_parameters() if f".{exp.adapter}." in n]
+            params = [p for _, p in named]
             self._activate(exp.adapter)
-            saved = self._read_saved(name, exp.adapter, params, paged)
+            saved = self._read_saved(name, [n.replace(f".{exp.adapter}.", ".") for n, _ in named], paged)
             resume.load_weights(self.model, exp.adapter, found.weights, name, found.state.version)
             engine = make_engine(self.model, params, exp.algorithm, self.config.zero_stage, self.dtype)
             checkpoint.load_optimizer_state(engine.optimizer, found.optimizer, self.world_size)
@@ -161,17 +162,18 @@ class Paging:
                  time.monotonic() - paged.paged_at_s, self.last_page_in_s)
         return exp
 
-    def _read_saved(self, name: str, adapter: str, params: list[torch.nn.Parameter],
-                    paged: PagedOut) -> SavedWeights | None:
-        """The push check's copies of the versions it held, read from their folders through the adapter (whose
-        weights the checkpoint's then replace). A version pruned meanwhile is left out."""
+    def _read_saved(self, name: str, keys: list[str], paged: PagedOut) -> SavedWeights | None:
+        """The push check's copies of the versions it held, read from their folders: each parameter's tensor by its
+        peft key (`keys`, in the parameters' order; what `get_peft_model_state_dict` writes). A version pruned
+        meanwhile, or one whose keys do not fit, is left out."""
         copies: dict[int, list[torch.Tensor]] = {}
         for version in (paged.previous_version, paged.saved_version):
             folder = adapter_io.version_dir(self.config.run_dir, name, version) if version is not None else None
             if folder is None or not (folder / adapter_io.WEIGHTS_FILE).is_file():
                 continue
-            resume.load_weights(self.model, adapter, adapter_io.read_version(folder).tensors, name, version)
-            copies[version] = [p.detach().clone() for p in params]
+            tensors = adapter_io.read_version(folder).tensors
+            if all(key in tensors for key in keys):
+                copies[version] = [tensors[key].to(self.dtype) for key in keys]
         if paged.saved_version not in copies:
             return None
         previous = paged.previous_version if paged.previous_version in copies else None
