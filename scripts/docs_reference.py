@@ -466,7 +466,7 @@ def changelog_md() -> str:
 
 
 EXTRA_TITLES = {"rollouts": "Agent rollouts against `vllm serve`", "hostile": "The hostile tenant",
-                "fairness": "Fairness between experiments"}  # the extra figures' blocks (scripts/benchmarks/table.py)
+                "fairness": "Fairness between experiments", "tenants": "Many tenants on one server"}  # the extra figures' blocks (scripts/benchmarks/table.py)
 
 
 def benchmarks_summary_md() -> str:

@@ -70,11 +70,9 @@ import random
 import re
 import secrets
 import shutil
-import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -83,7 +81,9 @@ import yaml
 from grpo_server.client import AsyncClient, GrpoServerError
 
 from . import REPO
-from .rollouts import percentile
+from .tenants_anchor import anchor_figure
+from .tenants_load import (MAX_TOKENS, N, REQUEST_TIMEOUT_S, Record, Tenant, load_summary, log_text,
+                           rounded_median)
 
 LEVELS = (1, 16, 64, 256)  # registered experiments (scripts/bench's quick mode: QUICK_LEVELS)
 QUICK_LEVELS = (1, 16, 64)
@@ -91,12 +91,9 @@ ACTIVE = 32  # active experiments at most (quick: QUICK_ACTIVE): A = min(R, ACTI
 QUICK_ACTIVE = 16
 WINDOW_S = 120.0  # each level's window of load (quick: QUICK_WINDOW_S)
 QUICK_WINDOW_S = 45.0
-N = 4
-MAX_TOKENS = 16
 BATCH_GROUPS = 1
 COLD_PROBES = 4
 DRAIN_S = 120.0  # after the window, the active experiments' queued groups are waited for at most this long
-REQUEST_TIMEOUT_S = 900.0
 SERVER_CONFIG = REPO / "configs" / "server.yaml"
 # What tests/serving.py's start_server sets for the tests, put back to the server's defaults here.
 TEST_SETTINGS = ("group_ttl_s", "worker_timeout_s", "verify_tolerance", "verify_idle_s", "auth_limit_exempt")
@@ -106,70 +103,10 @@ TARGET_P95_SPREAD = 2.0  # the worst tenant's p95 over the median tenant's
 TARGET_COLD_EXTRA_S = 1.0  # median cold first completion - median warm one
 TARGET_RSS_RATIO = 1.15  # learner's and sampler's RSS, the largest level over the one before
 TARGET_VS_VLLM = 2.0  # this server's tok/s over `vllm serve`'s at the last level's A
-TOPICS = ["rivers", "bridges", "owls", "violins", "glaciers", "markets", "comets", "gardens", "lighthouses",
-          "deserts", "trains", "bees", "volcanoes", "libraries", "tides", "kites"]
 PAGED_IN = re.compile(r"(\S+): paged in at step (\d+) after (\d+) s out \(([\d.]+) s\)")
 PAGED_OUT = re.compile(r"(\S+): paged out at step (\d+) \(([\d.]+) s;")
 CHECK_FAILED = re.compile(r": verification failed: (.*?)(?: \[experiment=.*)?$", re.MULTILINE)
 CHECK_INCONCLUSIVE = re.compile(r": verification of v\d+ inconclusive")
-
-
-@dataclass
-class Tenant:
-    index: int
-    name: str
-    key: str
-    created_at: float
-    last_sampled: float | None = None  # monotonic time of its last completion (window or probe)
-    last_active_level: int | None = None  # index of the last level it was active at
-    prompt_ids: list[int] | None = None  # the chat prompt as this server tokenized it (the anchor sends these)
-
-    @property
-    def messages(self) -> list[dict]:
-        return [{"role": "user", "content": f"Tenant {self.index}: write two sentences about "
-                                            f"{TOPICS[self.index % len(TOPICS)]} and the number {self.index}."}]
-
-
-@dataclass
-class Record:
-    """What one tenant's client met in a window."""
-
-    name: str
-    latencies: list[float] = field(default_factory=list)  # each completion, 429 back-off included
-    tokens: int = 0
-    backoffs: int = 0  # 429s waited out
-    backoff_s: float = 0.0
-    feedback: int = 0  # feedback accepted (2xx)
-    errors: Counter = field(default_factory=Counter)  # answers other than 2xx and 429, and calls with no answer
-
-    def summary(self) -> dict:
-        lat = self.latencies
-        return {"name": self.name, "completions": len(lat), "tokens": self.tokens,
-                "p50_s": None if not lat else round(percentile(lat, 0.5), 3),
-                "p95_s": None if not lat else round(percentile(lat, 0.95), 3),
-                "backoffs_429": self.backoffs, "backoff_s": round(self.backoff_s, 2), "feedback": self.feedback,
-                "errors": dict(self.errors)}
-
-
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 3) if values else None
-
-
-def load_summary(records: list[Record], seconds: float) -> dict:
-    """The window's totals and each tenant's latency percentiles (the median tenant's, and the worst)."""
-    tenants = [r.summary() for r in records]
-    p50s = [t["p50_s"] for t in tenants if t["p50_s"] is not None]
-    p95s = [t["p95_s"] for t in tenants if t["p95_s"] is not None]
-    tokens = sum(r.tokens for r in records)
-    spread = round(max(p95s) / statistics.median(p95s), 3) if p95s and statistics.median(p95s) > 0 else None
-    return {"seconds": round(seconds, 1), "completions": sum(len(r.latencies) for r in records),
-            "completion_tokens": tokens, "tok_s": round(tokens / seconds, 1) if seconds > 0 else None,
-            "p50_s_median_tenant": _median(p50s), "p95_s_median_tenant": _median(p95s),
-            "p95_s_worst_tenant": max(p95s, default=None), "p95_spread": spread,
-            "tenants_without_completion": sum(t["completions"] == 0 for t in tenants),
-            "answers_429": sum(r.backoffs for r in records),
-            "errors": dict(sum((r.errors for r in records), Counter())), "tenants": tenants}
 
 
 # --- the server ------------------------------------------------------------------------------------------------
@@ -282,21 +219,12 @@ def du_mib(*folders: Path) -> float:
     return total / 2**20
 
 
-def log_text(path: Path, offset: int = 0) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def paging(text: str) -> dict:
     """The learner log's page-ins and page-outs in `text`."""
     ins = [float(m.group(4)) for m in PAGED_IN.finditer(text)]
     outs = [float(m.group(3)) for m in PAGED_OUT.finditer(text)]
-    return {"page_ins": len(ins), "page_in_median_s": _median(ins), "page_in_max_s": max(ins, default=None),
-            "page_outs": len(outs), "page_out_median_s": _median(outs), "page_out_max_s": max(outs, default=None)}
+    return {"page_ins": len(ins), "page_in_median_s": rounded_median(ins), "page_in_max_s": max(ins, default=None),
+            "page_outs": len(outs), "page_out_median_s": rounded_median(outs), "page_out_max_s": max(outs, default=None)}
 
 
 def too_many_adapters(run_dir: Path) -> int:
@@ -354,7 +282,7 @@ async def cold_probes(clients: dict[str, AsyncClient], candidates: list[Tenant],
                        "never_sampled_before": never,
                        "learner_memory_before": status.learner_memory if status else None,
                        "backoffs_429": record.backoffs, "errors": dict(record.errors)})
-    cold, warm = _median(p["cold_s"] for p in probes), _median(p["warm_s"] for p in probes)
+    cold, warm = rounded_median(p["cold_s"] for p in probes), rounded_median(p["warm_s"] for p in probes)
     return {"probes": probes, "cold_median_s": cold, "warm_median_s": warm,
             "extra_s": None if cold is None or warm is None else round(cold - warm, 3),
             "errors": sum(sum(p["errors"].values()) for p in probes)}
@@ -420,117 +348,21 @@ async def level_figure(handle, admin: AsyncClient, clients: dict[str, AsyncClien
               "status_errors": sum(e not in failed_logged for e in new_errors),
               "too_many_adapters": adapters_errors, "not_active": sum(v for k, v in states.items() if k != "active")}
     return {"registered": registered, "active": count, "active_names": sorted(names), "newly_active": newly,
-            "created": len(creation_s), "creation_s": {"median": _median(creation_s),
+            "created": len(creation_s), "creation_s": {"median": rounded_median(creation_s),
                                                        "max": round(max(creation_s), 2) if creation_s else None,
                                                        "total": round(sum(creation_s), 1)},
             "window_s": window_s, **{k: v for k, v in load.items() if k != "tenants"},
-            "push_s_median": _median(pushes), "step_s_median": _median(steps),
+            "push_s_median": rounded_median(pushes), "step_s_median": rounded_median(steps),
             "pushes": sum(max(0, statuses[n].policy_version - before[n].policy_version) for n in names),
             "learner_steps": sum(max(0, statuses[n].step - before[n].step) for n in names),
             "drain_s": drain_s, "drained": drained, "cold": cold, **paging(log_text(learner_log, log_offset)), **memory,
-            "disk_mib": {"median": _median(disk), "max": round(max(disk), 1), "total": round(sum(disk), 1)},
+            "disk_mib": {"median": rounded_median(disk), "max": round(max(disk), 1), "total": round(sum(disk), 1)},
             "learner_memory": dict(Counter(s.learner_memory or "unknown" for s in statuses.values())),
             "errors": errors, "error_count": sum(errors.values()), "failed_verification_names": failed_checks[:8],
             "failed_verifications_logged": failed_logged[:8],
             "inconclusive_verifications": len(CHECK_INCONCLUSIVE.findall(server_text)),
             "experiment_errors": {n: s.errors[-2:] for n, s in statuses.items() if s.errors},
             "tenants": load["tenants"]}
-
-
-# --- the anchor: vllm serve ------------------------------------------------------------------------------------
-
-async def anchor_load(url: str, tenants: list[Tenant], window_s: float, sampling: dict) -> dict:
-    """A concurrent clients of `vllm serve`'s /v1/completions, each looping on its own adapter for `window_s`."""
-    records = [Record(t.name) for t in tenants]
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        async def one(tenant: Tenant, record: Record | None) -> None:
-            body = {"model": tenant.name, "prompt": tenant.prompt_ids or tenant.messages[0]["content"], "n": N,
-                    "max_tokens": MAX_TOKENS, **sampling}
-            asked = time.perf_counter()
-            try:
-                async with session.post(f"{url}/v1/completions", json=body) as response:
-                    answer = await response.json(content_type=None)
-                    status = response.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                if record is not None:
-                    record.errors[type(exc).__name__] += 1
-                await asyncio.sleep(0.5)
-                return
-            if record is None:
-                return
-            if status != 200:
-                record.errors[str(status)] += 1
-                await asyncio.sleep(0.5)
-                return
-            record.latencies.append(time.perf_counter() - asked)
-            record.tokens += answer["usage"]["completion_tokens"]
-
-        await one(tenants[0], None)  # warm-up, untimed (as the server's first completion)
-        started = time.monotonic()
-
-        async def loop(tenant: Tenant, record: Record) -> None:
-            while time.monotonic() < started + window_s:
-                await one(tenant, record)
-
-        await asyncio.gather(*(loop(t, r) for t, r in zip(tenants, records)))
-        seconds = time.monotonic() - started
-    out = load_summary(records, seconds)
-    out["failures"] = sum(out["errors"].values())
-    return out
-
-
-def anchor_command(model_dir: Path, port: int, cfg, template: Path, adapters: dict[str, Path],
-                   options: dict) -> tuple[list[str], dict]:
-    """vllm_serve.py's command with every adapter as a LoRA module, the sampler's adapter slots and its engine's
-    seats (max_num_seqs + reserved_seqs: sampler/vllm_start.py `engine_args`)."""
-    from .vllm_serve import vllm_serve_command
-
-    (first, folder), *_ = adapters.items()
-    command, env = vllm_serve_command(model_dir, port, cfg, template, cfg.tool_parser, first, folder,
-                                      max_lora_rank=cfg.max_lora_rank)
-    at = command.index("--lora-modules")
-    command[at + 1:at + 2] = [f"{name}={path}" for name, path in adapters.items()]
-    command[command.index("--max-num-seqs") + 1] = str(options["max_num_seqs"] + options["reserved_seqs"])
-    command += ["--max-loras", str(options["max_loras"]),
-                "--max-cpu-loras", str(max(options["max_cpu_loras"], options["max_loras"]))]
-    return command, env
-
-
-async def anchor_figure(model_dir: Path, work: Path, adapters: dict[str, Path], tenants: list[Tenant],
-                        options: dict, sampler_dtype: str, max_model_len: int, window_s: float,
-                        sampling: dict) -> dict:
-    """`vllm serve` with the adapters, the same load (module doc); its error, if it could not start."""
-    from transformers import AutoTokenizer
-
-    from grpo_server.protocol.worker_config import SamplerConfig, SamplerOptions
-    from tests.serving import free_port
-
-    from .memory import tree_rss
-    from .vllm_serve import start_vllm, stop_vllm
-
-    cfg = SamplerConfig(model_path=model_dir, run_dir=work, port=1, max_model_len=max_model_len, dtype=sampler_dtype,
-                        **{k: v for k, v in options.items() if k in SamplerOptions.model_fields})
-    template = work / "chat_template.jinja"  # the model's own (the figure sends token ids to /v1/completions)
-    template.write_text(AutoTokenizer.from_pretrained(str(model_dir)).chat_template)
-    command, env = anchor_command(model_dir, free_port(), cfg, template, adapters, options)
-    log_path = work / "vllm-serve.log"
-    out: dict = {"command": " ".join(command), "adapters": len(adapters), "active": len(tenants),
-                 "max_loras": options["max_loras"], "max_cpu_loras": options["max_cpu_loras"],
-                 "max_num_seqs": options["max_num_seqs"] + options["reserved_seqs"], "dtype": sampler_dtype}
-    started = time.perf_counter()
-    try:
-        server = await start_vllm("tenants", command, env, log_path)
-    except Exception as exc:  # recorded, and the figure goes on
-        tail = "\n".join(log_text(log_path).splitlines()[-30:])
-        return {**out, "error": f"{type(exc).__name__}: {str(exc)[:400]}", "log_tail": tail[-3000:]}
-    out["start_s"] = round(time.perf_counter() - started, 1)
-    try:
-        load = await anchor_load(server.url, tenants, window_s, sampling)
-        load["rss_mib"] = tree_rss(server.process.pid)[1]  # at the end of the window
-    finally:
-        out["exit_code"] = await asyncio.to_thread(stop_vllm, server)
-    return {**out, **load}
 
 
 # --- the figure ------------------------------------------------------------------------------------------------
