@@ -465,8 +465,9 @@ def changelog_md() -> str:
     return _relinked((REPO / "CHANGELOG.md").read_text())
 
 
+# The extra figures' blocks (scripts/benchmarks/table.py).
 EXTRA_TITLES = {"rollouts": "Agent rollouts against `vllm serve`", "hostile": "The hostile tenant",
-                "fairness": "Fairness between experiments", "tenants": "Many tenants on one server"}  # the extra figures' blocks (scripts/benchmarks/table.py)
+                "fairness": "Fairness between experiments", "tenants": "Many tenants on one server"}
 
 
 def benchmarks_summary_md() -> str:

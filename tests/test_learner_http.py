@@ -93,7 +93,8 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         with urllib.request.urlopen(status_request, timeout=10) as response:
             learner_status = unpack(response.read())
         assert learner_status["experiments"]["web"] == {
-            "step": 2, "version": 1, "resident": True, "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
+            "step": 2, "version": 1, "resident": True,
+            "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
         assert learner_status["dtype"] == "float32"  # dtype auto without CUDA: what the front end picks its check by
 
         assert _post(url, "train", {**train, "name": "ghost"}) == (

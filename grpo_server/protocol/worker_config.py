@@ -255,9 +255,10 @@ class LearnerOptions(StrictModel):
         "Adapter versions kept on disk per experiment: the newest this many, plus every version a sampler has "
         "loaded, one awaiting its check and the versions of the kept checkpoints (what a restart resumes from); "
         "older ones are deleted after each push, and downloading one is a 410 version_pruned. 0 = keep all."))
-    # 32: the tenants benchmark's active experiments at once. Each held one costs ~53 MiB of the learner's memory
-    # with SmolLM2-135M at r=16 (its engine, AdamW, ZeRO's fp32 copy, two versions for the push check), ~1.7 GB
-    # for 32; a paged-out one costs its checkpoint on disk only.
+    # 32: the tenants benchmark's active experiments at once. Each held one cost the learner ~120 MiB with
+    # SmolLM2-135M at r=16 (its adapter, engine, AdamW, ZeRO's fp32 copy, two versions for the push check: RSS
+    # 2.0 GiB at 1, 3.9 at 16, in BENCHMARKS.md's tenants table), ~4 GiB for 32; a paged-out one costs its
+    # checkpoint on disk only.
     resident_experiments: int = Field(32, ge=1, le=65536, description=(
         "Experiments the learner holds in memory (adapter, optimizer); past this, the least recently used is "
         "paged out to a checkpoint at its step and paged back in, exactly, at its next verb (learner/paging.py). "

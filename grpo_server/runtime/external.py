@@ -40,7 +40,8 @@ def external_token_ids(prompts: "PromptBuilder", group: Group, external: list[Ex
 
 async def score_external(exp: Scorer, group: Group, token_ids: list[list[int]]) -> tuple[int, list[Completion]]:
     """Score completions the model did not sample under the serving version: those logprobs are
-    their behaviour logprobs, so the first step's importance ratio is 1 (docs/guides/python-client.md "External completions")."""
+    their behaviour logprobs, so the first step's importance ratio is 1 (docs/guides/python-client.md,
+    "External completions")."""
     with exp.sampling_request():
         async with exp.workers.sampler(experiment=exp.name) as sampler:
             with exp.pinned_serving_version() as version:

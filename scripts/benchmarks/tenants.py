@@ -224,7 +224,8 @@ def paging(text: str) -> dict:
     ins = [float(m.group(4)) for m in PAGED_IN.finditer(text)]
     outs = [float(m.group(3)) for m in PAGED_OUT.finditer(text)]
     return {"page_ins": len(ins), "page_in_median_s": rounded_median(ins), "page_in_max_s": max(ins, default=None),
-            "page_outs": len(outs), "page_out_median_s": rounded_median(outs), "page_out_max_s": max(outs, default=None)}
+            "page_outs": len(outs), "page_out_median_s": rounded_median(outs),
+            "page_out_max_s": max(outs, default=None)}
 
 
 def too_many_adapters(run_dir: Path) -> int:
