@@ -102,7 +102,7 @@ class Paging:
         """Page out the least recently used experiments while more than the limit are held (not `keep`, nor one
         holding Tinker gradients)."""
         limit = self.resident_limit
-        if limit is None:
+        if limit is None or len(self.experiments) <= limit:  # every verb asks: the usual answer costs nothing
             return
         for name in list(self.experiments):
             if len(self.experiments) <= limit:
