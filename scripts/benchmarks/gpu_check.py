@@ -5,7 +5,7 @@ time limit, all results in one JSON file. A phase that fails or runs out of time
     scripts/gpu-check --cpu-smoke       # here: the same phases, tiny and short, on the CPU with .venv
     scripts/gpu-check --prepare         # here, with network: fetch the wheels and split the model (gpu_carry.py)
 
-Phases (gpu_phases.py holds their bodies; docs/benchmarks/findings.md "GPU check" has what they showed):
+Phases (gpu_phases.py holds their bodies; docs/development/index.md "The whole stack on a GPU": what they show):
 install (the carried wheels into a target folder: the machine has no network), model (SmolLM2-135M-Instruct
 from the carried GGUF halves, or a tiny random model when a half is missing), learner (DeepSpeed ZeRO-2 in bf16
 on CUDA, in process), sampler (the transformers engine on CUDA, in process), server (the whole server on that
