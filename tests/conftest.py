@@ -157,3 +157,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (left_out if needs_model else kept).append(item)
     items[:] = kept
     config.hook.pytest_deselected(items=left_out)
+
+
+# --- schemathesis's items under pytest 9 ---------------------------------------------------------------------
+# pytest 9 builds an item's node id from `originalname` and its callspec, and schemathesis 4.32 passes the bare
+# test name as `originalname` with no callspec: every operation of tests/test_fuzz.py::test_api got the same id.
+# pytest-xdist (scripts/test runs two workers) keys its schedule by id, so all but one of them were dropped.
+# The operation goes back into the id, as pytest 8 had it: `test_api[POST /v1/experiments]`.
+def pytest_itemcollected(item: pytest.Item) -> None:
+    label = getattr(item, "operation_label", None)
+    if label and item._id.params is None:
+        item._id = item._id.with_params(label)
