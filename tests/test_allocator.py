@@ -49,8 +49,9 @@ def _mapped(pid: int) -> bool:
 
 
 def _settled(pids: list[int], expected: bool) -> dict[int, bool]:
-    """Each long-lived process's answer: one caught while it starts (a fork not yet exec'd, under a loaded box) is
-    asked again for up to 3 s, and one that has exited by then is left out."""
+    """Each long-lived process's answer. A process caught as it starts (exec'd, its preloads not mapped yet) or a
+    short-lived helper a worker runs (a command, maybe with an environment of its own) is asked again for up to
+    3 s; one that has exited by then is left out. On a loaded box (two test workers) one such was seen once."""
     answers = {}
     for pid in pids:
         deadline = time.monotonic() + 3
