@@ -254,19 +254,16 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tests/tiny_model.py's model (else the embedded SmolLM2)")
     parser.add_argument("--requests", type=int, default=REQUESTS, help="quiet's completions per phase")
     parser.add_argument("--n", type=int, default=N)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--noisy-clients", type=int, default=NOISY_CLIENTS)
     parser.add_argument("--window", type=float, default=WINDOW_S, help="least seconds of the flooded phase")
-    parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
-                        help="a sampler setting (YAML value), e.g. several_experiments=turns")
-    parser.add_argument("--keep", action="store_true", help="keep the server's run directory (its logs)")
-    parser.add_argument("--out", type=Path, help="also write the JSON result here")
+    from .server import standalone, standalone_options
+
+    standalone_options(parser)
     args = parser.parse_args()
     from .host import print_result
-    from .server import standalone
 
     model_dir, sampler_settings = standalone(args, "fairness")
     result = asyncio.run(own_server_figure(model_dir, sampler_settings, args.keep, requests=args.requests, n=args.n,

@@ -570,17 +570,16 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tests/tiny_model.py's model (else the embedded SmolLM2)")
     parser.add_argument("--requests", type=int, default=REQUESTS, help="the victim's rounds per phase")
     parser.add_argument("--window", type=float, default=WINDOW_S, help="least seconds of the flooded phase")
-    parser.add_argument("--keep", action="store_true", help="keep the server's run directory (its logs)")
     parser.add_argument("--kinds", default=None, help="only these kinds of flood, comma-separated (default all: "
                         "asample,train,download," + ",".join(THREADS) + ")")
-    parser.add_argument("--out", type=Path, help="also write the JSON result here")
+    from .server import standalone, standalone_options
+
+    standalone_options(parser, sampler=False)
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from .host import print_result
-    from .server import standalone
 
     model_dir, _ = standalone(args, "hostile")
     only = {k.strip() for k in args.kinds.split(",") if k.strip()} if args.kinds else None

@@ -459,19 +459,16 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tests/tiny_model.py's model (else the embedded SmolLM2)")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="episodes in flight, e.g. 16,64,256")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per side and level")
     parser.add_argument("--no-lora-reference", action="store_true", help="no `vllm serve` with the adapter (L)")
     parser.add_argument("--no-eager-reference", action="store_true",
                         help="no `vllm serve` on the base without torch.compile (E)")
-    parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
-                        help="a sampler setting (YAML value), e.g. cpu_threads=0")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory (the server's and vllm's logs)")
-    parser.add_argument("--out", type=Path, help="also write the JSON result here")
+    from .server import standalone, standalone_options
+
+    standalone_options(parser)
     args = parser.parse_args()
     from .host import print_result
-    from .server import standalone
 
     model_dir, sampler_settings = standalone(args, "rollouts")
     levels = tuple(int(k) for k in args.levels.split(",") if k.strip())

@@ -48,6 +48,17 @@ def bench_model(tiny: bool, name: str) -> Path:
     return resolve_model(EMBEDDED_MODEL_NAME)
 
 
+def standalone_options(parser, sampler: bool = True) -> None:
+    """The options every figure run on its own takes, which `standalone` and `host.print_result` read: its model
+    (`--tiny`), sampler settings (`--sampler`, where the figure takes them), `--keep` and `--out`."""
+    parser.add_argument("--tiny", action="store_true", help="tests/tiny_model.py's model (else the embedded SmolLM2)")
+    if sampler:
+        parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
+                            help="a sampler setting (YAML value), e.g. max_cpu_loras=32")
+    parser.add_argument("--keep", action="store_true", help="keep the server's run directory (its logs, adapters)")
+    parser.add_argument("--out", type=Path, help="also write the JSON result here")
+
+
 def standalone(args, name: str) -> tuple[Path, dict]:
     """What a figure run on its own (`python -m scripts.benchmarks.NAME`) sets up first: the hub offline, SIGINT and
     SIGTERM stopping its server, its model (`args.tiny`: a tiny one, in bench-NAME-tiny-llama) and the sampler

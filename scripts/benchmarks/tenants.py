@@ -499,18 +499,15 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tests/tiny_model.py's model (else the embedded SmolLM2)")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="registered experiments, e.g. 1,16,64")
     parser.add_argument("--active", type=int, default=ACTIVE, help="active experiments at most per level")
     parser.add_argument("--window", type=float, default=WINDOW_S, help="seconds of load per level (and the anchor)")
     parser.add_argument("--no-anchor", action="store_true", help="no `vllm serve` after the levels")
-    parser.add_argument("--sampler", action="append", default=[], metavar="KEY=VALUE",
-                        help="a sampler setting (YAML value), e.g. max_cpu_loras=32")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory (the server's logs, adapters)")
-    parser.add_argument("--out", type=Path, help="also write the JSON result here")
+    from .server import standalone, standalone_options
+
+    standalone_options(parser)
     args = parser.parse_args()
     from .host import print_result
-    from .server import standalone
 
     model_dir, sampler_settings = standalone(args, "tenants")
     levels = tuple(int(k) for k in args.levels.split(",") if k.strip())
