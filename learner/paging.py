@@ -3,8 +3,8 @@
 Each experiment the learner holds costs its LoRA weights inside the shared peft model, a DeepSpeed engine with
 ZeRO's fp32 copy and gradient buffers, AdamW's two moments, and two saved versions' weights for the push check
 (learner/previous_version.py): about 120 MiB for SmolLM2-135M at r=16 (the learner's RSS 2.0 GiB at 1, 3.9 at 16:
-BENCHMARKS.md's tenants table). A tenant that has not trained for a week cost as much as a busy one. So at most `learner.resident_experiments` are held; past
-that, the least recently used one is paged out:
+BENCHMARKS.md's tenants table). A tenant that has not trained for a week cost as much as a busy one. So at most
+`learner.resident_experiments` are held; past that, the least recently used one is paged out:
 
   * its state is written as a checkpoint at its current step (learner/checkpoint.py: the weights, AdamW's moments
     and ZeRO's fp32 partition, exactly), the same files a restart resumes from, and waited for;
