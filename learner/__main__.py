@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from pydantic import ValidationError
 from grpo_server.protocol.durable import restrict_umask
 from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
-from grpo_server.protocol.process_exit import exit_now
+from grpo_server.protocol.process_exit import die_with_parent, die_with_supervisor, exit_now
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import LearnerConfig, load_yaml, write_resolved
 
@@ -33,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    die_with_supervisor()  # rank 0 under the front end (grpo_server/protocol/process_exit.py)
     restrict_umask()  # checkpoints and adapter versions 0640, their folders 0750 (under the front end: inherited)
-    from learner.ranks import die_with_parent, ignore_stop_signals, launcher_env
+    from learner.ranks import ignore_stop_signals, launcher_env
 
     # Started by torchrun / the deepspeed launcher (several hosts): the rank is theirs, not our --rank.
     launched = launcher_env(dict(os.environ)) if args.parent_pid is None else None
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     follower = rank > 0
     if follower:
         if launched is None:
-            die_with_parent(args.parent_pid)  # first: no window in which rank 0 could die unnoticed
+            # first: no window in which rank 0 could die unnoticed
+            die_with_parent(args.parent_pid, signal.SIGKILL, "rank 0")
         ignore_stop_signals()
     configure_logging(f"learner-rank{rank}")  # the front end's format, inherited (GRPO_SERVER_LOG_FORMAT)
     try:

@@ -26,7 +26,6 @@ No orphans and no half jobs:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -41,7 +40,6 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 MASTER_ADDR = "127.0.0.1"  # every rank runs on this host
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -130,17 +128,6 @@ def init_process_group(env: RankEnv, store: Any, timeout_s: float) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(seconds=timeout_s))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """In a follower, first thing: SIGKILL when rank 0 dies, and exit now if it already has."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the check below still catches a parent that is already gone
-        pass
-    if os.getppid() != parent_pid:
-        log.error("rank 0 (pid %d) is gone; exiting", parent_pid)
-        os._exit(1)
 
 
 def ignore_stop_signals() -> None:

@@ -20,7 +20,7 @@ from grpo_server.protocol.cpu_features import limit_kernels
 from grpo_server.protocol.durable import restrict_umask
 from grpo_server.protocol.listen import bind_early
 from grpo_server.protocol.log_context import configure_logging
-from grpo_server.protocol.process_exit import exit_now
+from grpo_server.protocol.process_exit import die_with_supervisor, exit_now
 from grpo_server.protocol.worker_auth import MissingSecret, take_secret
 from grpo_server.protocol.worker_config import SamplerConfig, load_yaml, write_resolved
 
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sampler", description="grpo_server sampler replica")
     parser.add_argument("--config", type=Path, required=True, help="SamplerConfig YAML")
     args = parser.parse_args(argv)
+    die_with_supervisor()  # under the front end: ends with it (grpo_server/protocol/process_exit.py)
     restrict_umask()  # adapter copies and resolved configs 0640, folders 0750 (under the front end: inherited)
     configure_logging("sampler")  # the front end's format, inherited (GRPO_SERVER_LOG_FORMAT)
     try:

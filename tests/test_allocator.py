@@ -64,6 +64,16 @@ def _settled(pids: list[int], expected: bool) -> dict[int, bool]:
     return answers
 
 
+def _described(pid: int) -> str:
+    """What a process is, for a failure's message: its command line and state."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return "(gone)"
+    return f"{cmdline[:200]!r} {state}"
+
+
 def _descendants(pid: int) -> list[int]:
     children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(c) for c in children] + [d for c in children for d in _descendants(int(c))]
@@ -78,7 +88,8 @@ def test_the_servers_workers_and_their_children_run_on_what_was_found(server):
     given = "libtcmalloc" in os.environ.get("LD_PRELOAD", "")  # preloaded into this test run by its user
     expected = given or (os.environ.get(ALLOCATOR_ENV) != "system" and find_tcmalloc() is not None)
     answers = _settled(everyone, expected)
-    assert len(answers) > len(workers) and answers == {pid: expected for pid in answers}
+    wrong = {pid: _described(pid) for pid, answer in answers.items() if answer != expected}
+    assert len(answers) > len(workers) and not wrong, f"expected tcmalloc mapped: {expected}; not so in {wrong}"
     assert _mapped(server.process.pid) == given  # the front end itself keeps the allocator it was started with
     helpers = server.helper_pids()  # and so do its own helpers (the body decoder's processes)
     assert helpers and {pid: _mapped(pid) for pid in helpers} == {pid: given for pid in helpers}

@@ -1,14 +1,20 @@
-"""The supervisor with real processes: a crashing worker is restarted with its re-sync, and a crash loop
-ends in a `failed` state that says why, instead of restarting forever."""
+"""The supervisor with real processes: a crashing worker is restarted with its re-sync, a crash loop ends in a
+`failed` state that says why, instead of restarting forever, and a worker ends with its front end."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from grpo_server.protocol.listen import free_port
+from grpo_server.protocol.process_exit import SUPERVISOR_PID_ENV
 from grpo_server.workers import processes as supervisor
 from grpo_server.workers.processes import WorkerProcess
 
@@ -53,3 +59,64 @@ async def test_crash_loop_restarts_with_resync_then_gives_up(tmp_path, monkeypat
     assert resyncs == ["syncing"] * (max_crashes - 1)
     await worker.stop()
     assert worker.state == "stopped"
+
+
+# A worker as the real ones start (sampler/__main__.py, learner/__main__.py): die_with_supervisor() first.
+HEALTHY_WORKER = """
+import sys
+from grpo_server.protocol.process_exit import die_with_supervisor
+die_with_supervisor()
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args): pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+# A front end in miniature: supervises HEALTHY_WORKER, prints its pid, and waits to be killed.
+SUPERVISOR = """
+import asyncio, sys
+from pathlib import Path
+from grpo_server.workers.processes import WorkerProcess
+async def main():
+    worker = WorkerProcess("w", [sys.executable, "-c", sys.argv[1], sys.argv[2]], f"http://127.0.0.1:{sys.argv[2]}",
+                           Path(sys.argv[3]), startup_timeout_s=60)
+    await worker.start()
+    print(worker._proc.pid, flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "zombie" not in status.lower()
+
+
+def test_a_worker_ends_when_its_front_end_is_killed_outright(tmp_path):
+    """SIGKILL to the front end runs none of its code, yet its worker stops (PR_SET_PDEATHSIG, asked for by the
+    worker itself: grpo_server/protocol/process_exit.py)."""
+    front_end = subprocess.Popen([sys.executable, "-c", SUPERVISOR, HEALTHY_WORKER, str(free_port()),
+                                  str(tmp_path / "w.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(front_end.stdout.readline())
+        assert _running(worker)
+        os.kill(front_end.pid, signal.SIGKILL)
+        front_end.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(worker), "the worker outlived its front end"
+    finally:
+        front_end.kill()
+
+
+def test_a_worker_whose_front_end_died_before_it_asked_exits_at_once():
+    """The window before the worker's first line: its parent is already someone else, so it exits."""
+    ended = subprocess.run([sys.executable, "-c", HEALTHY_WORKER, str(free_port())], timeout=30,
+                           env={**os.environ, SUPERVISOR_PID_ENV: "1"}, capture_output=True, text=True)
+    assert ended.returncode == 1 and "the front end (pid 1) is gone" in ended.stderr

@@ -1,15 +1,15 @@
 """Worker processes (sampler replicas, learner): start, wait healthy, watch, restart, stop.
 
 Each worker runs in its own process group, so stopping it also stops what it spawned (vLLM's engine
-core). PR_SET_PDEATHSIG makes a worker die with the front end even when the front end is killed -9,
-so Ctrl-C or a crash leaves no orphans. Its stdout and stderr come through a pipe into its log, which
-rotates by size, and is only ever read from its tail (grpo_server/workers/worker_logs.py says why).
+core). A worker asks for PR_SET_PDEATHSIG itself, first thing (grpo_server/protocol/process_exit.py says why
+not here), so it dies with the front end even when the front end is killed -9: Ctrl-C or a crash leaves no
+orphans. Its stdout and stderr come through a pipe into its log, which rotates by size, and is only ever read
+from its tail (grpo_server/workers/worker_logs.py says why).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -21,6 +21,7 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from grpo_server.protocol.process_exit import SUPERVISOR_PID_ENV
 from grpo_server.workers.worker_logs import LogPump, RotatingLog, tail_lines
 
 log = logging.getLogger(__name__)
@@ -31,15 +32,6 @@ BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_GRACE_S = 15.0
 HEALTH_PROGRESS_S = 15.0  # while a worker starts, how often the front end's log says it is still waiting
 DRAIN_S = 3.0  # after a worker exits, how long its last output may take to reach the log before it is read
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class WorkerProcess:
@@ -79,7 +71,8 @@ class WorkerProcess:
         self._proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Unbuffered: a worker's prints reach its log (and the start-up progress lines) at once.
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}, preexec_fn=_die_with_parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {}), SUPERVISOR_PID_ENV: str(os.getpid())},
+            start_new_session=True,  # its own process group, stopped whole (`_kill_group`)
         )
         # Before the pump starts: the worker's first bytes wait in the pipe, so this line comes first.
         self._log.write(f"--- {self.name}: started pid {self._proc.pid} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
