@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from grpo_server.protocol.worker_config import AlgorithmConfig
+from learner.ledger import PendingLines
 
 
 @dataclass
@@ -35,3 +36,8 @@ class AdapterUnderTraining:
     # (learner/paging.py) writes a checkpoint only if the newest one does not hold this count.
     changes: int = 0
     checkpointed_changes: int = -1
+    # The newest native step's batch position and answer: a retry of that batch (its answer was lost to the front end's
+    # timeout) is answered with it, not trained again (MultiAdapterTrainer.train).
+    last_train: tuple[int, Any] | None = None
+    # What its steps consumed since the newest checkpoint started, for the ledger written with the next one.
+    ledger: PendingLines = field(default_factory=PendingLines)

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import FILES, ROUTE, VersionPruned
+from grpo_server.protocol.deadline import check_deadline
 from grpo_server.protocol.dispatch import worker_app
 from grpo_server.protocol.errors import BadRequest, Conflict, NotFound
 from grpo_server.protocol import wire
@@ -49,6 +50,7 @@ class LearnerHandler:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         async with self.lock:
+            check_deadline(fn.__name__)  # its turn came after its caller gave up (a pause): not run
             return await asyncio.to_thread(fn, *args)
 
     async def add_experiment(self, req: AddExperimentRequest) -> AdapterVersion:

@@ -22,7 +22,9 @@ there. A crash while a write is in flight leaves the checkpoint before it, and t
 
 Whatever reads or moves an experiment's checkpoint folder waits for the write in flight first (`wait`): resume
 in add_experiment, remove_experiment, the checkpoint verb and the shutdown's checkpoint_all, prune_versions.
-A failed write (a full disk) is raised by the next wait, as the write in the verb raised it from train.
+A failed write (a full disk) is raised by the next wait: by the checkpoint verb, a page-out, the shutdown's
+checkpoint_all. After a step it is logged instead (`_checkpoint_after_step`): the step stands, and a verb that failed
+after moving the weights would be sent again onto weights that hold it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_server.protocol.worker_config import LoraConfig
-from learner import checkpoint, rank_transfer
+from learner import checkpoint, ledger, rank_transfer
 from learner.adapter_state import AdapterUnderTraining
 
 
@@ -64,17 +66,23 @@ class CheckpointWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._in_flight: Future | None = None
         self._durable: dict[str, int] = {}  # experiment -> journal position of its newest written checkpoint
+        self._unwritten_lines: dict[str, list[dict[str, Any]]] = {}  # ledger lines of a write that failed
         self.last_submit_s = 0.0  # what the newest submit cost its caller: the wait for the write before, the copy
 
     def submit(self, name: str, state: checkpoint.CheckpointState, weights: dict[str, torch.Tensor],
-               shards: list[checkpoint.RankShard]) -> None:
+               shards: list[checkpoint.RankShard], ledger_lines: list[dict[str, Any]] | None = None) -> None:
         """Copy the live `weights` and rank 0's shard (`shards[0]`; the others arrived as bytes and are
-        copies already) and write them on the writer's thread."""
+        copies already) and write them on the writer's thread, after the steps' `ledger_lines` (learner/ledger.py)."""
         started = time.perf_counter()
-        self.wait()
+        ledger_lines = self._unwritten_lines.pop(name, []) + (ledger_lines or [])  # with those a failed write left
+        try:
+            self.wait()
+        except BaseException:  # the write before failed: this one is not started, and its lines wait for the next
+            self._unwritten_lines[name] = ledger_lines
+            raise
         own = checkpoint.RankShard(copied(shards[0].optimizer), shards[0].rng.clone())
         weights = copied(weights)
-        self._in_flight = self._pool.submit(self._write, name, state, weights, [own, *shards[1:]])
+        self._in_flight = self._pool.submit(self._write, name, state, weights, [own, *shards[1:]], ledger_lines)
         self.last_submit_s = time.perf_counter() - started
 
     def wait(self) -> None:
@@ -88,9 +96,14 @@ class CheckpointWriter:
         return self._durable.pop(name, None)
 
     def _write(self, name: str, state: checkpoint.CheckpointState, weights: dict[str, torch.Tensor],
-               shards: list[checkpoint.RankShard]) -> None:
+               shards: list[checkpoint.RankShard], ledger_lines: list[dict[str, Any]]) -> None:
         started = time.perf_counter()
         try:
+            try:  # first: once the checkpoint is on disk, its steps are durable, and their lines must be too
+                ledger.append(checkpoint.checkpoint_root(self.run_dir, name), ledger_lines)
+            except BaseException:
+                self._unwritten_lines[name] = ledger_lines
+                raise
             checkpoint.write(self.run_dir, name, state, weights, shards)
         except BaseException:
             log.exception("%s: the checkpoint at step %d was not written", name, state.step)
@@ -155,16 +168,30 @@ class Checkpointing:
 
         exp = self.experiments[name]
         shards = self._gather_shards(checkpoint.RankShard(exp.engine.optimizer.state_dict(), torch.get_rng_state()))
+        lines = exp.ledger.take()  # on every rank: rank 0's go to disk (kept by the writer if it fails), the others'
         if self.rank == 0:
             weights = get_peft_model_state_dict(self.model, adapter_name=exp.adapter, save_embedding_layers=False)
             state = checkpoint.CheckpointState(
                 step=exp.step, version=exp.version, journal_seq=exp.journal_seq, groups_trained=exp.groups_trained,
                 lora=self._lora_configs[name].model_dump(mode="json"), algorithm=exp.algorithm.model_dump(mode="json"),
                 ranks=self.world_size)
-            self._checkpoints.submit(name, state, weights, shards)
+            self._checkpoints.submit(name, state, weights, shards, lines)
         exp.checkpointed_step = exp.step
         exp.checkpointed_changes = exp.changes
         exp.checkpoint_started_s = time.monotonic()
+
+    def _checkpoint_after_step(self, exp: AdapterUnderTraining) -> None:
+        """After a step has moved the weights, a checkpoint if one is due. Its failure (a full disk, raised here by
+        the write before it) must not fail the step's verb: the caller would take the step as not taken and send it
+        again, onto weights that hold it. The step stands; it becomes durable with the next checkpoint that is
+        written (the front end's journal keeps its groups until then), and the failure is logged."""
+        if not self._checkpoint_due(exp):
+            return
+        try:
+            self._start_checkpoint(exp.name)  # written beside what follows
+        except Exception:
+            log.exception("%s: no checkpoint at step %d (the step stands; the next checkpoint will hold it)",
+                          exp.name, exp.step)
 
     def _gather_shards(self, own: checkpoint.RankShard) -> list[checkpoint.RankShard]:
         """Every rank's shard on rank 0 (in rank order; an empty list elsewhere). They cross as bytes, read

@@ -66,8 +66,7 @@ class TinkerSteps:
     _get: Callable[[str], AdapterUnderTraining]
     _activate: Callable[[str], None]
     _reset_engine: Callable[[AdapterUnderTraining], None]
-    _checkpoint_due: Callable[[AdapterUnderTraining], bool]
-    _start_checkpoint: Callable[[str], None]
+    _checkpoint_after_step: Callable[[AdapterUnderTraining], None]
 
     # --- verbs -------------------------------------------------------------------------------------
 
@@ -106,10 +105,10 @@ class TinkerSteps:
         exp.step += 1
         exp.changes += 1
         exp.weights_version = None
+        exp.ledger.record(exp.step, "optim_step")
         # As durable as a native step: checkpointed by the same policy (learner/checkpoint_writer.py), so a
         # restart resumes its AdamW state and step from there, not from the last pushed version.
-        if self._checkpoint_due(exp):
-            self._start_checkpoint(exp.name)
+        self._checkpoint_after_step(exp)
         log.info("%s: optim_step %d, grad norm %.4f (clip %g), lr %g", exp.name, exp.step, grad_norm,
                  adam.grad_clip_norm, adam.learning_rate)
         return OptimStepResponse(step=exp.step, metrics={"grad_norm:mean": grad_norm,

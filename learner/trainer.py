@@ -160,6 +160,14 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
     def train(self, request: TrainRequest) -> TrainMetrics:
         started = time.perf_counter()
         exp = self._get(request.name)
+        if request.journal_seq and request.journal_seq <= exp.journal_seq:  # in the weights already
+            if exp.last_train is not None and exp.last_train[0] == request.journal_seq:
+                log.warning("%s: the batch up to journal entry %d was trained at step %d, and its answer lost (the "
+                            "front end timed out): answered again, not trained again", exp.name, request.journal_seq,
+                            exp.last_train[1].step)
+                return exp.last_train[1]
+            raise Conflict(f"experiment {exp.name!r}: journal entries up to {exp.journal_seq} are in its weights "
+                           f"already, and this batch ends at {request.journal_seq}", code="batch_already_trained")
         if exp.pending_backwards:  # a batch of its own: it must not step on a Tinker client's summed gradients
             raise Conflict(f"experiment {exp.name!r} holds forward_backward gradients: optim_step first",
                            code="gradients_pending")
@@ -197,11 +205,12 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         exp.weights_version = None
         exp.groups_trained += request.num_groups
         exp.journal_seq = max(exp.journal_seq, request.journal_seq)
-        if self._checkpoint_due(exp):
-            self._start_checkpoint(exp.name)  # written beside what follows (learner/checkpoint_writer.py)
+        exp.ledger.record(exp.step, "train", request.journal_seq, request.group_ids, request.passed_over)
+        self._checkpoint_after_step(exp)  # written beside what follows (learner/checkpoint_writer.py)
         metrics = stats.metrics(exp.step, [s.reward for s in request.samples], norm_before_clip,
                                 time.perf_counter() - started, checked_version=checked, kl_computed=algo.beta > 0)
         metrics.checkpointed_journal_seq = self._checkpoints.newly_durable(exp.name)
+        exp.last_train = (request.journal_seq, metrics)
         log.info("%s: step %d, %d sequences in %d micro-batches (+%d padding) on rank %d of %d, loss %.4f, grad "
                  "norm %.4f, %.2f s", exp.name, exp.step, len(seqs), len(share.micro_batches), share.padding_passes,
                  self.rank, self.world_size, metrics.loss, metrics.grad_norm, metrics.seconds)

@@ -17,6 +17,7 @@ front end given another secret than its workers finds out at its first poll.
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -24,8 +25,11 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.deadline import deadline_middleware
 from grpo_server.protocol.log_context import bound, from_headers
-from grpo_server.protocol.errors import ApiError, BadRequest, PayloadTooLarge, Unauthorized, describe_validation_error
+from grpo_server.protocol.errors import (
+    ApiError, BadRequest, PayloadTooLarge, Unauthorized, Unavailable, describe_validation_error,
+)
 from grpo_server.protocol.verbs import Verb
 from grpo_server.protocol.worker_auth import HEADER, SECRET_ENV, check_secret, presented
 
@@ -64,8 +68,28 @@ async def error_middleware(request: web.Request,
         return error_reply(ApiError(exc.text or exc.reason, code=exc.reason.lower().replace(" ", "_"),
                                     status=exc.status))
     except Exception as exc:
+        if disk_full(exc):  # not this request's fault, nor a bug: space may come back (pruning, an operator)
+            log.error("%s %s failed, the disk is full: %s", request.method, request.path, exc)
+            return error_reply(Unavailable(f"the run directory's disk is full: {exc}", code="disk_full",
+                                           retry_after=DISK_FULL_RETRY_S))
         log.exception("%s %s failed", request.method, request.path)
         return error_reply(ApiError(f"{type(exc).__name__}: {exc}", code="internal", status=500))
+
+
+DISK_FULL_RETRY_S = 30.0
+
+
+def disk_full(exc: BaseException) -> bool:
+    """`exc` (or what caused it) is a write refused for want of space (ENOSPC, EDQUOT). torch's writers report it
+    as a RuntimeError that only names it in its text."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "file write failed" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 OPEN_PATH = "/health"
@@ -127,7 +151,8 @@ def worker_app(verbs: Iterable[Verb], handler: object, max_body_bytes: int, *, s
     """An app whose route /<verb> awaits `handler.<verb>(request model)` (no argument for a GET verb), for
     callers that send `secret` only (routes added later too)."""
     # error_middleware outside auth: the 401 gets the usual error body.
-    app = web.Application(middlewares=[context_middleware, error_middleware, auth_middleware(secret)],
+    app = web.Application(middlewares=[context_middleware, error_middleware, auth_middleware(secret),
+                                       deadline_middleware],
                           client_max_size=max_body_bytes)
     app.add_routes([_route(verb, getattr(handler, verb.name)) for verb in verbs])
     return app

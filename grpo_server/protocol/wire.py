@@ -238,6 +238,10 @@ class TrainRequest(WireModel):
     max_tokens: int = Field(256, ge=1)  # the generation budget: dr_grpo's constant normaliser
     num_groups: int = 1
     journal_seq: int = 0  # the newest feedback-journal entry in (or dropped before) this batch
+    # For the learner's ledger (learner/ledger.py): the ids of the groups in this batch, and of those the front end
+    # passed over since its step before, with why (stale, failed, nothing_to_train).
+    group_ids: list[str] = Field(default_factory=list)
+    passed_over: dict[str, str] = Field(default_factory=dict)
 
 
 class TrainMetrics(WireModel):

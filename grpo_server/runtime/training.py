@@ -131,6 +131,7 @@ class TrainingLoop:
         request = TrainRequest(
             name=exp.name, samples=samples, max_tokens=exp.config.sampling.max_tokens, num_groups=len(groups),
             journal_seq=max(g.journal_seq for g in groups),
+            group_ids=[g.group_id for g in groups], passed_over=dict(exp.passed_over),
         )
         await self.workers.wait_learner_ready(self.train_timeout_s)
         # A free slot for the version this step will push, waited for before the turn: inside it no
@@ -163,7 +164,7 @@ class TrainingLoop:
                 metrics = None
             if metrics is not None:
                 self._failing = ((), 0)
-                self._trained(groups, metrics, left_out)
+                self._trained(groups, metrics, left_out, request.passed_over)
                 pushed = await self.push(slot) if pushing else None
         if metrics is None:  # outside the turn, so that what made the step fail can finish meanwhile
             await asyncio.sleep(FAILED_STEP_PAUSE_S)
@@ -197,9 +198,10 @@ class TrainingLoop:
                   exp.name, MAX_BATCH_FAILURES, len(groups), min(g.journal_seq for g in groups),
                   max(g.journal_seq for g in groups), exc.message)
 
-    def _trained(self, groups: list[Group], metrics: TrainMetrics, left_out: int = 0) -> None:
+    def _trained(self, groups: list[Group], metrics: TrainMetrics, left_out: int = 0,
+                 passed_over: dict[str, str] | None = None) -> None:
         exp = self.exp
-        exp.trained(groups, metrics, left_out)  # left_out: truncated completions mask_truncated kept out
+        exp.trained(groups, metrics, left_out, passed_over)  # left_out: truncated completions mask_truncated kept out
         self.metrics_log.train(metrics, policy_version=exp.serving_version, groups=len(groups))
         self.checks.trained(metrics)
         kl = "off" if metrics.kl is None else f"{metrics.kl:.4f}"  # None: beta = 0, no reference forward

@@ -46,6 +46,7 @@ from pydantic import BaseModel
 
 from grpo_server.api_models import ReplicaHealth
 from grpo_server.protocol.codec import MSGPACK, pack, unpack
+from grpo_server.protocol.deadline import deadline_headers
 from grpo_server.protocol.log_context import context_headers
 from grpo_server.protocol.errors import ApiError, Unavailable, WorkerFailed, public_message
 from grpo_server.protocol.verbs import LearnerClient, SamplerClient, Verb
@@ -106,7 +107,8 @@ class WorkerConnection:
             async with self.session.request(
                 verb.method, f"{self.process.url}/{verb.name}", data=None if body is None else pack(body),
                 # The log context (request id, experiment, version) goes along: the worker's lines carry it too.
-                headers={"Content-Type": MSGPACK, **context_headers()}, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                headers={"Content-Type": MSGPACK, **context_headers(), **deadline_headers(timeout_s)},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 payload = unpack(await response.read())
                 status = response.status
@@ -120,6 +122,9 @@ class WorkerConnection:
         if status >= 400:
             error = payload.get("error", {}) if isinstance(payload, dict) else {}
             code, text = error.get("code", "bad_request"), str(error.get("message", payload))
+            if status == 503:  # unavailable for now (its disk full, a deadline passed): the client may retry
+                log.warning("%s could not run %s: %s: %s", self.name, verb.name, code, text)
+                raise Unavailable(f"{self.name}: {public_message(text)}", code=code)
             if status >= 500 or status == 401:
                 incident = new_incident()
                 log.error("%s failed on %s [incident %s]: %d %s: %s", self.name, verb.name, incident, status, code,

@@ -51,9 +51,12 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
    completion tok/s, each tenant's p50 / p95, cold vs warm first completion of long idle experiments, push and step
    seconds, the learner's page-ins, RSS of each process, disk per experiment, errors; then `vllm serve
    --enable-lora` with the last level's adapters under the same load (tenants.py).
+9. chaos (only when asked: `--only chaos`; a server of its own, 30 minutes, quick 5): the chaos soak, faults of every
+   kind under load from every API family, and its invariant checker's counts (chaos.py; `scripts/chaos` runs it
+   alone, with a seed of your choice).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
-`<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it); each extra figure (6, 7, 8, fairness) into a
+`<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it); each extra figure (6-9, fairness) into a
 block of its own (`<!-- bench:NAME:start -->`), so that running one leaves the others' tables as they were.
 `--tables-from FILE` writes the tables of an earlier run's JSON and runs nothing. A figure that fails is reported
 as failed in both; the others still run. SIGINT or SIGTERM stops the server a figure runs on.
@@ -88,6 +91,7 @@ from .host import default_sampler_dtype, figure, loadavg
 from .learner_vs_peft import learner_figure
 from .rollouts import LEVELS as ROLLOUT_LEVELS, ROUNDS as ROLLOUT_ROUNDS
 from .rollouts import own_server_figure as rollouts_server_figure
+from .chaos import GAP_S as CHAOS_GAP_S, SEED as CHAOS_SEED, figure as chaos_figure
 from .server import SERVER_FIGURES, server_figures, stop_on_signals
 from .table import EXTRA, render, render_extra, replace_block
 from .tenants import ACTIVE as TENANT_ACTIVE, LEVELS as TENANT_LEVELS, QUICK_ACTIVE as TENANT_QUICK_ACTIVE
@@ -146,6 +150,8 @@ class Mode:
     tn_levels: tuple[int, ...] = TENANT_LEVELS
     tn_active: int = TENANT_ACTIVE
     tn_window_s: float = TENANT_WINDOW_S
+    # chaos (issue 60): the soak's minutes of load under faults (full: the long soak of the done-when, 50+ faults)
+    chaos_minutes: float = 30.0
 
 
 # Every ratio with a verdict comes from at least 5 alternating rounds (issue 28, item 4): one round's ratio on this
@@ -154,7 +160,8 @@ QUICK = Mode("quick", fe_requests=4, fe_n=4, fe_max_tokens=16, fe_concurrency=4,
              exp_requests=1, exp_concurrency=1, exp_n=4, exp_max_tokens=16, push_rounds=5, server_push_rounds=5,
              learner_sequences=16, learner_max_completion=32, learner_steps=5, adapter_dtypes=("default",),
              adapter_requests=2, adapter_n=8, adapter_max_tokens=32, adapter_passes=5, ep_episodes=16, ep_rounds=5,
-             tn_levels=TENANT_QUICK_LEVELS, tn_active=TENANT_QUICK_ACTIVE, tn_window_s=TENANT_QUICK_WINDOW_S)
+             tn_levels=TENANT_QUICK_LEVELS, tn_active=TENANT_QUICK_ACTIVE, tn_window_s=TENANT_QUICK_WINDOW_S,
+             chaos_minutes=5.0)
 FULL = Mode("full", fe_requests=8, fe_n=4, fe_max_tokens=48, fe_concurrency=4, fe_rounds=5, levels=(1, 2, 4, 8),
             exp_requests=2, exp_concurrency=2, exp_n=4, exp_max_tokens=32, push_rounds=5, server_push_rounds=5,
             learner_sequences=32, learner_max_completion=128, learner_steps=5,
@@ -209,6 +216,9 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
         await figure(results, "tenants", tenants_server_figure(model_dir, meta["sampler_settings"], meta["keep"],
                                                                levels=mode.tn_levels, active=mode.tn_active,
                                                                window_s=mode.tn_window_s))
+    if "chaos" in only:
+        await figure(results, "chaos", chaos_figure(model_dir, CHAOS_SEED, mode.chaos_minutes, CHAOS_GAP_S,
+                                                    results["meta"]["keep"]))
     if "end_to_end" in only:
         if mode.end_to_end:
             await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))

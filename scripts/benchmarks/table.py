@@ -1,7 +1,8 @@
 """The summary table of scripts/bench: one row per figure, rendered from its JSON results, in BENCHMARKS.md.
 
 Written into BENCHMARKS.md between marker comments (a rerun replaces the block; nothing else in the file
-changes). The figures run only when named (`EXTRA`: fairness, hostile, rollouts, tenants) each have a block of their own
+changes). The figures run only when named (`EXTRA`: fairness, hostile, rollouts, tenants, chaos) each have a block of
+their own
 (`<!-- bench:NAME:start -->`, `render_extra`), so a run of one of them leaves the summary's block as it was, and
 the summary of a run never drops them. No ML imports."""
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 import re
 
 from .table_cells import _error, _f, _run_line, _spread, _verdict
+from .table_chaos import chaos_block
 from .table_tenants import _tenants_row, _tenants_run_line, _tenants_table
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
-EXTRA = ("fairness", "hostile", "rollouts", "tenants")  # figures with a block of their own (run only when named)
+# Figures with a block of their own (run only when named).
+EXTRA = ("fairness", "hostile", "rollouts", "tenants", "chaos")
 
 
 def markers(name: str | None = None) -> tuple[str, str]:
@@ -453,6 +456,8 @@ def render_extra(results: dict, name: str) -> str:
         return "\n".join([*_run_line(meta), "", *_rollouts_table(fig)]) + "\n"
     if name == "tenants" and not _error(fig):
         return "\n".join([*_tenants_run_line(meta, fig), "", *_tenants_table(fig)]) + "\n"
+    if name == "chaos":
+        return "\n".join(chaos_block(meta, fig)) + "\n"
     row = {"fairness": _fairness_row, "hostile": _hostile_row, "rollouts": _rollouts_row,
            "tenants": _tenants_row}[name](fig)
     return "\n".join([*_run_line(meta), "", "| figure | what is compared | measured | target | verdict |",

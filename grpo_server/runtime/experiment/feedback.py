@@ -113,6 +113,7 @@ class FeedbackVerbs:
         self.version_steps[state.version] = state.step
         self.counters.groups_trained = state.groups_trained
         self.queue[:] = self.journal.pending(after_seq=state.journal_seq)
+        self.passed_over.clear()  # whatever was passed over since that position is in the queue again
         self.queue_generation += 1
         self.gradients_pending = False  # a learner that restarted holds none
         self.queue_changed.set()
@@ -135,6 +136,8 @@ class FeedbackVerbs:
         limit = self.config.algorithm.max_staleness
         fresh = [g for g in self.queue if self.step - g.sampled_step <= limit]
         self.counters.groups_dropped_stale += len(self.queue) - len(fresh)
+        if len(fresh) < len(self.queue):
+            self.pass_over((g for g in self.queue if self.step - g.sampled_step > limit), "stale")
         self.queue[:] = fresh
         return len(fresh)
 
@@ -157,12 +160,23 @@ class FeedbackVerbs:
         """A batch the learner kept failing on, dropped (runtime/training.py MAX_BATCH_FAILURES): counted, and
         `reason` shown in its errors. Not put back: the next step's journal position passes it."""
         self.counters.groups_dropped_failed += len(groups)
+        self.pass_over(groups, "failed")
         self.record_error(reason)
 
-    def trained(self, groups: list[Group], metrics: TrainMetrics | None, truncated: int = 0) -> None:
+    def pass_over(self, groups, reason: str) -> None:
+        """Groups leaving the queue untrained, for the next step's ledger line (TrainRequest.passed_over)."""
+        self.passed_over.update((g.group_id, reason) for g in groups)
+
+    def trained(self, groups: list[Group], metrics: TrainMetrics | None, truncated: int = 0,
+                passed_over: dict[str, str] | None = None) -> None:
+        """A step's answer (`metrics`), or None for a batch with nothing to train. `passed_over`: what the step's
+        request carried of `self.passed_over`, in its ledger line now."""
         self.counters.completions_masked_truncated += truncated  # left out by mask_truncated; metrics None: no step
         if metrics is None:
+            self.pass_over(groups, "nothing_to_train")
             return
+        for group_id in passed_over or {}:
+            self.passed_over.pop(group_id, None)
         self.staleness.update(self.step - g.sampled_step for g in groups)  # behind the weights this step started from
         self.step = metrics.step
         self.counters.groups_trained += len(groups)

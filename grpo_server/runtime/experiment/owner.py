@@ -84,6 +84,9 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
     # that is in the new queue again and must not be sent as well.
     queue_generation: int = 0
     queue_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Groups taken out of the queue untrained since the last step the learner took (id -> why: stale, failed,
+    # nothing_to_train): sent with the next batch, for the learner's ledger (learner/ledger.py).
+    passed_over: dict[str, str] = field(default_factory=dict)
     # The learner holds gradients a Tinker forward_backward summed for this experiment, which only its optim_step
     # applies: no batch is taken meanwhile (training.py), as a native step would meet them (409).
     gradients_pending: bool = False

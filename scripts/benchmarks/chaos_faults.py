@@ -1,0 +1,228 @@
+"""The chaos soak's server and its faults (scripts/benchmarks/chaos.py): a real server it can kill and start again
+on the same run directory and port, as compose or Kubernetes would restart its container, and the faults one seed
+schedules.
+
+Faults (`KINDS`), each followed by a wait until the server says every worker is ready again (its recovery time):
+- `kill_sampler`, `kill_learner`: SIGKILL to the worker's process group; the front end restarts it and re-syncs;
+- `kill_front_end`: SIGKILL to the front end and every worker at once (a container killed); the harness starts
+  the server again on the same run directory;
+- `pause_sampler`, `pause_learner`: SIGSTOP for longer than `worker_timeout_s`, then SIGCONT;
+- `disk_full`: the run directory's filesystem filled to the last byte for a while, then emptied again. Only where
+  the run directory is a small filesystem of the harness's own (`DiskFiller`: a tmpfs, mounted as root); elsewhere
+  the kind is left out and the result says so. Filling a shared disk would take other processes down with it.
+
+Not here, said in the result: a slow disk (fsync delayed: it needs a FUSE or preloaded shim this box lacks) and a
+partition between hosts (the two-host topology and network namespaces).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+KILLS = ("kill_sampler", "kill_learner", "kill_front_end")
+PAUSES = ("pause_sampler", "pause_learner")
+KINDS = KILLS + PAUSES + ("disk_full",)
+NOT_INJECTED = {"slow_disk": "a delayed fsync needs a FUSE filesystem or a preloaded shim, which this harness lacks",
+                "partition": "the two-host topology in network namespaces is not part of this harness yet"}
+RECOVERY_TIMEOUT_S = 600.0
+
+
+class ChaosServer:
+    """The real server (tests/serving.py `start_server`), started again after a kill on the same config."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, **overrides) -> None:
+        from tests.serving import start_server
+
+        self.handle = start_server(run_dir, model_dir, **overrides)
+        self.run_dir = run_dir
+        self.url = self.handle.url
+        self.config_path = run_dir / "server.yaml"
+        self.starts = 1
+
+    def worker_pid(self, role: str) -> int | None:
+        """The pid of the worker whose command is `python -m <role>` (sampler or learner), if it runs now."""
+        for pid in self.handle.worker_pids():
+            try:
+                if role.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    return pid
+            except OSError:
+                continue
+        return None
+
+    def kill_everything(self) -> None:
+        for pid in self.handle.worker_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.handle.process.kill()
+        self.handle.process.wait()
+
+    def start_again(self) -> None:
+        """`grpo-server serve` on the same config (run directory, port), until its port answers."""
+        from tests.serving import STARTUP_TIMEOUT_S
+
+        log = open(self.handle.log_path, "ab")
+        self.handle.process = subprocess.Popen(
+            [sys.executable, "-m", "grpo_server.cli", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.starts += 1
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.handle.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.handle.process.returncode} on its restart:\n"
+                                   f"{self.handle.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the server did not come back in {STARTUP_TIMEOUT_S} s:\n{self.handle.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            answer = requests.get(self.url + "/v1/health", timeout=5)
+        except requests.RequestException:
+            return False
+        return answer.status_code == 200 and answer.json().get("status") == "ok"
+
+    def wait_healthy(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.healthy():
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not healthy again after {timeout_s:.0f} s:\n{self.handle.log_tail()}")
+
+    def stop(self) -> int:
+        from tests.serving import stop_server
+
+        return stop_server(self.handle)
+
+    def front_end_rss_mib(self) -> float | None:
+        try:
+            for line in Path(f"/proc/{self.handle.process.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+
+class DiskFiller:
+    """The run directory on a tmpfs of `size_mib`, mounted here (as root), so that filling it hurts nothing else."""
+
+    def __init__(self, mount: Path, size_mib: int) -> None:
+        self.mount = mount
+        self.ballast = mount / ".chaos-ballast"
+        mount.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount)], check=True,
+                       capture_output=True)
+
+    @staticmethod
+    def available() -> str | None:
+        """None where a tmpfs can be mounted here; else why not."""
+        if os.geteuid() != 0:
+            return "not root: no filesystem of the harness's own can be mounted for the run directory"
+        probe = Path(f"/tmp/chaos-mount-probe-{os.getpid()}")
+        probe.mkdir(exist_ok=True)
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True)
+            if done.returncode != 0:
+                return f"mount refused: {done.stderr.decode(errors='replace').strip()[:200]}"
+            subprocess.run(["umount", str(probe)], check=False)
+            return None
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+
+    def fill(self) -> None:
+        with open(self.ballast, "wb") as f:
+            chunk = b"\0" * 2**20
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError:  # ENOSPC: full
+                pass
+            try:
+                f.flush()
+            except OSError:
+                pass
+
+    def empty(self) -> None:
+        self.ballast.unlink(missing_ok=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], check=False, capture_output=True)
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_s: float  # seconds since the soak began, when it was injected
+    held_s: float = 0.0  # how long a pause or a full disk lasted
+    recovered_s: float | None = None  # from the fault's end until every worker was ready again
+    error: str | None = None
+
+
+class Injector:
+    """One seed's schedule of faults: a fault every `gap_s` (uniform in the range), kinds in a shuffled cycle so
+    that every kind comes up as often as the others."""
+
+    def __init__(self, server: ChaosServer, seed: int, kinds: tuple[str, ...], gap_s: tuple[float, float],
+                 pause_s: float, disk: DiskFiller | None, full_s: float) -> None:
+        self.server, self.kinds, self.gap_s = server, kinds, gap_s
+        self.pause_s, self.disk, self.full_s = pause_s, disk, full_s
+        self.rng = random.Random(seed)
+        self._cycle: list[str] = []
+
+    def next_gap(self) -> float:
+        return self.rng.uniform(*self.gap_s)
+
+    def next_kind(self) -> str:
+        if not self._cycle:
+            self._cycle = list(self.kinds)
+            self.rng.shuffle(self._cycle)
+        return self._cycle.pop()
+
+    def inject(self, kind: str, at_s: float) -> Fault:
+        """The fault, then the wait for recovery (blocking: call it on a thread)."""
+        fault = Fault(kind, at_s)
+        server = self.server
+        try:
+            if kind == "kill_front_end":
+                server.kill_everything()
+                started = time.monotonic()
+                server.start_again()
+                fault.recovered_s = time.monotonic() - started
+                return fault
+            if kind in ("kill_sampler", "kill_learner", "pause_sampler", "pause_learner"):
+                role = kind.split("_")[1]
+                pid = server.worker_pid(role)
+                if pid is None:
+                    fault.error = f"no {role} running"
+                    return fault
+                if kind.startswith("kill"):
+                    os.killpg(pid, signal.SIGKILL)
+                    time.sleep(1.0)  # the front end sees it gone before the health check below can pass
+                else:
+                    os.killpg(pid, signal.SIGSTOP)
+                    time.sleep(self.pause_s)
+                    os.killpg(pid, signal.SIGCONT)
+                    fault.held_s = self.pause_s
+            elif kind == "disk_full":
+                self.disk.fill()
+                time.sleep(self.full_s)
+                self.disk.empty()
+                fault.held_s = self.full_s
+            fault.recovered_s = server.wait_healthy()
+        except Exception as exc:  # noqa: BLE001 - said in the result; the soak's checks judge what followed
+            fault.error = f"{type(exc).__name__}: {exc}"[:500]
+        return fault
