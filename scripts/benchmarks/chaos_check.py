@@ -16,6 +16,9 @@ Invariants, each a count of breaks (0 to pass) with the first few examples:
 - `versions_fell`: an experiment whose serving version, polled through the soak, went down.
 - `unverified`: a pushed version whose check against the learner failed (metrics log `push` lines, `verified`
   false).
+- `unbounded_versions`: an experiment with more adapter versions on disk at the end than pruning keeps
+  (`learner.keep_versions`, plus those loaded on the samplers, the checkpoints' and the Tinker client's named ones);
+- `front_end_grew`: the front end's RSS rose more than `RSS_GROWTH_MIB` after the soak's first quarter (warm-up).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from learner import ledger
 
 GRACE_S = 15.0  # after a fault's recovery: answers still in flight from before it, clients catching up
 EXAMPLES = 5
+RSS_GROWTH_MIB = 200.0
+CHECKPOINTS_KEPT = 2  # learner/checkpoint.py KEEP: each may name a version of its own
+NAMED_BY_CLIENT = 3  # the soak's Tinker client names its sampler weights s0, s1, s2 (chaos_load.py)
 
 
 def _breaks(examples: list[Any]) -> dict[str, Any]:
@@ -46,7 +52,7 @@ def ledgers(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def check(records: list[dict[str, Any]], run_dir: Path, faults: list[dict[str, Any]],
-          versions: dict[str, list[tuple[float, int]]]) -> dict[str, Any]:
+          versions: dict[str, list[tuple[float, int]]], rss_mib: list[float]) -> dict[str, Any]:
     timelines = ledgers(run_dir)
     deleted = {r["experiment"] for r in records if r.get("op") == "delete"}
     return {
@@ -57,7 +63,30 @@ def check(records: list[dict[str, Any]], run_dir: Path, faults: list[dict[str, A
                                   for name, seen in versions.items()
                                   for (_, a), (t, b) in zip(seen, seen[1:]) if b < a]),
         "unverified": _breaks(_unverified(run_dir)),
+        "unbounded_versions": _breaks(_unbounded_versions(run_dir)),
+        "front_end_grew": _breaks(_grew(rss_mib)),
     }
+
+
+def _unbounded_versions(run_dir: Path) -> list[dict[str, Any]]:
+    from grpo_server.config import ServerConfig
+    from grpo_server.protocol.worker_config import LearnerOptions
+
+    bound = (LearnerOptions.model_fields["keep_versions"].default
+             + ServerConfig.model_fields["max_loaded_versions"].default + CHECKPOINTS_KEPT + NAMED_BY_CLIENT)
+    out = []
+    for folder in sorted(Path(run_dir).glob("adapters/*")):
+        held = sum(1 for v in folder.glob("v*") if v.is_dir())
+        if held > bound:
+            out.append({"experiment": folder.name, "versions": held, "bound": bound})
+    return out
+
+
+def _grew(rss_mib: list[float]) -> list[dict[str, Any]]:
+    warm = rss_mib[len(rss_mib) // 4:]
+    if warm and max(warm) - warm[0] > RSS_GROWTH_MIB:
+        return [{"after_warm_up_mib": round(warm[0], 1), "peak_mib": round(max(warm), 1)}]
+    return []
 
 
 def _feedback(records, timelines, deleted) -> dict[str, Any]:

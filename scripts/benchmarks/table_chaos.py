@@ -13,6 +13,8 @@ INVARIANTS = {
     "unexplained_5xx": "5xx other than 503 with Retry-After during a fault",
     "versions_fell": "serving versions that went down",
     "unverified": "pushed versions whose check against the learner failed",
+    "unbounded_versions": "experiments with more adapter versions on disk than pruning keeps",
+    "front_end_grew": "the front end's RSS rising over 200 MiB after warm-up",
 }
 
 
@@ -31,7 +33,8 @@ def chaos_block(meta: dict, ch: dict) -> list[str]:
              + f"; Tinker models: {inv['tinker_steps']['models']}; experiments created and deleted: "
              f"{ch['experiments_churned']}.", "",
              "| invariant | breaks |", "|---|---|"]
-    lines += [f"| {what} (`{name}`) | {inv[name]['count']} |" for name, what in INVARIANTS.items()]
+    lines += [f"| {what} (`{name}`) | {inv[name]['count'] if name in inv else 'not checked'} |"
+              for name, what in INVARIANTS.items()]
     lines += ["", "| fault | injected | recovery p50 / p95 (s) | errors |", "|---|---|---|---|"]
     for kind, f in faults["by_kind"].items():
         lines.append(f"| {kind} | {f['count']} | {_f(f['recovery_p50_s'], 1)} / {_f(f['recovery_p95_s'], 1)} | "
