@@ -5,7 +5,8 @@ load it, then an invariant checker over what the clients were answered and what 
     scripts/chaos --seed 7                           # the long soak (30 minutes) on the embedded SmolLM2
     scripts/bench --only chaos                       # the long soak as a benchmark figure (its table)
 
-Phases: the server starts (on a tmpfs of its own where `disk_full` can be injected: chaos_faults.py); the
+Phases: the server starts (on a tmpfs of its own where `disk_full` can be injected, with the fsync shim preloaded
+where `slow_disk` can: chaos_faults.py); the
 experiments are created; the load (chaos_load.py) runs for `--minutes` while the injector (chaos_faults.py) injects
 a fault every `--gap` seconds and waits for recovery. Then the load stops, the server must be healthy, every
 experiment must still train one more step (its last groups trained or passed over), and the server is stopped
@@ -37,7 +38,7 @@ from pathlib import Path
 from grpo_server.client import AsyncClient, GrpoServerError
 
 from .chaos_check import answers_by_family, breaking_history, check
-from .chaos_faults import KINDS, NOT_INJECTED, ChaosServer, DiskFiller, Injector
+from .chaos_faults import KINDS, NOT_INJECTED, PARTITIONS, ChaosServer, DiskFiller, Injector, Partition, SlowDisk
 from .chaos_load import MAX_TOKENS, N, History, Load
 
 SEED = 1  # the benchmark's soak (scripts/bench --only chaos)
@@ -46,7 +47,11 @@ EXPERIMENTS = ("soak-a", "soak-b")
 WORKER_TIMEOUT_S = 20.0  # a paused worker is held past this (PAUSE_S): its calls time out, as on a hung host
 PAUSE_S = 25.0
 FULL_S = 10.0
-DISK_MIB = 768
+# The run directory's filesystem, where one is mounted (disk_full): room for what the soak keeps on the embedded
+# SmolLM2 (each experiment's versions and 2 checkpoints, ~200 MiB; every deleted experiment's archive, ~15 MiB: a
+# 4-minute soak's run directory held 620 MiB, and filled 768 MiB) with space to spare; a tmpfs is memory.
+DISK_MIB = 3072
+TINY_DISK_MIB = 768
 SETTLE_S = 120.0  # after the load stops: the last queued groups trained
 
 
@@ -128,19 +133,28 @@ async def _one_more_step(server: ChaosServer, admin_key: str, history: History) 
 
 async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, float], work_dir: Path,
                tinker: bool = True, kinds: tuple[str, ...] = KINDS, keep: bool = False,
-               worker_timeout_s: float = WORKER_TIMEOUT_S, pause_s: float = PAUSE_S) -> dict:
+               worker_timeout_s: float = WORKER_TIMEOUT_S, pause_s: float = PAUSE_S, disk_mib: int = DISK_MIB) -> dict:
     """The whole soak in `work_dir` (its run directory there, on a tmpfs where one can be mounted; with `keep`,
     copied to `work_dir/run-kept` before the tmpfs goes)."""
     from tests.serving import ADMIN_KEY
 
     run_dir = work_dir / "run"
-    why_no_disk = DiskFiller.available() if "disk_full" in kinds else "not asked for"
-    disk = DiskFiller(run_dir, DISK_MIB) if why_no_disk is None else None
-    kinds = tuple(k for k in kinds if k != "disk_full" or disk is not None)
+    # What this machine lets the harness do (as root: a filesystem of its own, iptables; a C compiler): the kinds it
+    # cannot inject are left out, and the result says why.
+    why_not = {kind: why for kind, why in (("disk_full", DiskFiller.available()), ("slow_disk", SlowDisk.available()),
+                                           *((kind, Partition.available()) for kind in PARTITIONS))
+               if kind in kinds and why is not None}
+    kinds = tuple(k for k in kinds if k not in why_not)
+    disk = DiskFiller(run_dir, disk_mib) if "disk_full" in kinds else None
+    slow_disk = SlowDisk(work_dir) if "slow_disk" in kinds else None
+    partition = Partition() if set(PARTITIONS) & set(kinds) else None
     history = History(work_dir / "history.jsonl")
     server = None
     started = time.monotonic()
+    environ = dict(os.environ)
     try:
+        if slow_disk is not None:  # the server's processes inherit the shim (and nothing else of this one's)
+            os.environ.update(slow_disk.env())
         server = ChaosServer(run_dir, model_dir, worker_timeout_s=worker_timeout_s, max_pending_groups=256,
                              group_ttl_s=120)
         await _create(server, ADMIN_KEY)
@@ -150,7 +164,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         history.started = samples[0]["t0"]
         load = Load(server.url, ADMIN_KEY, list(EXPERIMENTS), history, seed, str(model_dir) if tinker else None,
                     stop)
-        injector = Injector(server, seed, kinds, gap_s, pause_s, disk, FULL_S)
+        injector = Injector(server, seed, kinds, gap_s, pause_s, disk, FULL_S, slow_disk, partition)
         faults = []
         watcher = asyncio.create_task(_watch(server, watching, versions, samples, run_dir, ADMIN_KEY))
         loading = asyncio.create_task(load.run())
@@ -160,6 +174,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
             if time.monotonic() >= end:
                 break
             kind = injector.next_kind()
+            print(f"[chaos] {time.monotonic() - samples[0]['t0']:.0f} s: {kind}", flush=True)
             fault = await asyncio.to_thread(injector.inject, kind, round(time.monotonic() - samples[0]["t0"], 1))
             faults.append(fault)
             print(f"[chaos] {fault}", flush=True)
@@ -175,22 +190,28 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         invariants = check(history.records, run_dir, fault_dicts, versions,
                            [s["rss_mib"] for s in samples[1:] if s["rss_mib"] is not None])
         result = _result(seed, minutes, history, fault_dicts, invariants, samples[1:], final_steps, exit_code,
-                         recovered, why_no_disk, kinds, time.monotonic() - started, load.churned)
+                         recovered, why_not, kinds, time.monotonic() - started, load.churned)
         if not result["met"]:
             result["failing_seed"] = seed
             result["breaking_history"] = breaking_history(invariants, history.records)
         return result
     finally:
         history.close()
+        os.environ.clear()
+        os.environ.update(environ)
+        if partition is not None:
+            partition.heal()
         if server is not None and server.handle.process.poll() is None:
             await asyncio.to_thread(server.stop)
         if disk is not None:
+            for log in [run_dir / "server.log", *run_dir.glob("logs/*.log")]:  # what happened, after the tmpfs goes
+                shutil.copy(log, work_dir / log.name)
             if keep:
                 shutil.copytree(run_dir, work_dir / "run-kept", ignore=shutil.ignore_patterns(".chaos-ballast"))
             disk.unmount()
 
 
-def _result(seed, minutes, history, faults, invariants, samples, final_steps, exit_code, recovered, why_no_disk,
+def _result(seed, minutes, history, faults, invariants, samples, final_steps, exit_code, recovered, why_not,
             kinds, took_s, churned) -> dict:
     by_kind: dict[str, list] = defaultdict(list)
     for f in faults:
@@ -216,7 +237,7 @@ def _result(seed, minutes, history, faults, invariants, samples, final_steps, ex
                                       "recovery_p95_s": _percentile([f["recovered_s"] for f in fs
                                                                      if f["recovered_s"] is not None], 0.95)}
                                for kind, fs in sorted(by_kind.items())},
-                   "not_injected": {**NOT_INJECTED, **({"disk_full": why_no_disk} if why_no_disk else {})},
+                   "not_injected": {**NOT_INJECTED, **why_not},
                    "schedule": faults},
         "requests": answers_by_family(history.records),
         "invariants": invariants,
@@ -234,13 +255,12 @@ def _result(seed, minutes, history, faults, invariants, samples, final_steps, ex
 
 
 async def figure(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, float], keep: bool = False,
-                 tinker: bool = True) -> dict:
+                 tinker: bool = True, disk_mib: int = DISK_MIB) -> dict:
     work_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
-    try:
-        result = await soak(model_dir, seed, minutes, gap_s, work_dir, tinker, keep=keep)
-    finally:
-        if not keep:
-            shutil.rmtree(work_dir, ignore_errors=True)
+    result = await soak(model_dir, seed, minutes, gap_s, work_dir, tinker, keep=keep, disk_mib=disk_mib)
+    keep = keep or not result["met"]  # a failing run's history and logs stay, for its seed's replay
+    if not keep:
+        shutil.rmtree(work_dir, ignore_errors=True)
     return {**result, "work_dir": str(work_dir) if keep else None}
 
 
@@ -259,7 +279,8 @@ def main() -> None:
     from .host import print_result
 
     model_dir, _ = standalone(args, "chaos")
-    result = asyncio.run(figure(model_dir, args.seed, args.minutes, tuple(args.gap), args.keep, not args.no_tinker))
+    result = asyncio.run(figure(model_dir, args.seed, args.minutes, tuple(args.gap), args.keep, not args.no_tinker,
+                                TINY_DISK_MIB if args.tiny else DISK_MIB))
     print_result({"model": str(model_dir), **result}, args.out)
     raise SystemExit(0 if result["met"] else 1)
 

@@ -16,6 +16,7 @@ Invariants, each a count of breaks (0 to pass) with the first few examples:
 - `versions_fell`: an experiment whose serving version, polled through the soak, went down.
 - `unverified`: a pushed version whose check against the learner failed (metrics log `push` lines, `verified`
   false).
+- `unanswered`: a client call that never returned, past every timeout (a Tinker future that never ended);
 - `unbounded_versions`: an experiment with more adapter versions on disk at the end than pruning keeps
   (`learner.keep_versions`, plus those loaded on the samplers, the checkpoints' and the Tinker client's named ones);
 - `front_end_grew`: the front end's RSS rose more than `RSS_GROWTH_MIB` after the soak's first quarter (warm-up).
@@ -63,6 +64,8 @@ def check(records: list[dict[str, Any]], run_dir: Path, faults: list[dict[str, A
                                   for name, seen in versions.items()
                                   for (_, a), (t, b) in zip(seen, seen[1:]) if b < a]),
         "unverified": _breaks(_unverified(run_dir)),
+        "unanswered": _breaks([{k: r.get(k) for k in ("t", "family", "op", "message")} for r in records
+                               if r.get("code") == "no_answer"]),
         "unbounded_versions": _breaks(_unbounded_versions(run_dir)),
         "front_end_grew": _breaks(_grew(rss_mib)),
     }

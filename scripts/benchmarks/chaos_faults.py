@@ -9,10 +9,12 @@ Faults (`KINDS`), each followed by a wait until the server says every worker is 
 - `pause_sampler`, `pause_learner`: SIGSTOP for longer than `worker_timeout_s`, then SIGCONT;
 - `disk_full`: the run directory's filesystem filled to the last byte for a while, then emptied again. Only where
   the run directory is a small filesystem of the harness's own (`DiskFiller`: a tmpfs, mounted as root); elsewhere
-  the kind is left out and the result says so. Filling a shared disk would take other processes down with it.
-
-Not here, said in the result: a slow disk (fsync delayed: it needs a FUSE or preloaded shim this box lacks) and a
-partition between hosts (the two-host topology and network namespaces).
+  the kind is left out and the result says so. Filling a shared disk would take other processes down with it;
+- `slow_disk`: every fsync of the server's processes delayed by `SLOW_FSYNC_MS` for a while (`SlowDisk`: a shim
+  preloaded into them, chaos_slow_fsync.c, built here with the C compiler; without one, left out);
+- `partition_learner`, `partition_sampler`: the front end cut off from a worker for longer than `worker_timeout_s`,
+  every packet to and from the worker's port dropped (`Partition`: iptables rules on loopback, as root; elsewhere
+  left out). One host: the two-host topology in network namespaces is not part of this harness.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import requests
 
 KILLS = ("kill_sampler", "kill_learner", "kill_front_end")
 PAUSES = ("pause_sampler", "pause_learner")
-KINDS = KILLS + PAUSES + ("disk_full",)
-NOT_INJECTED = {"slow_disk": "a delayed fsync needs a FUSE filesystem or a preloaded shim, which this harness lacks",
-                "partition": "the two-host topology in network namespaces is not part of this harness yet"}
+PARTITIONS = ("partition_sampler", "partition_learner")
+KINDS = KILLS + PAUSES + ("disk_full", "slow_disk") + PARTITIONS
+NOT_INJECTED = {"partition_between_hosts": "the two-host topology in network namespaces is not part of this harness: "
+                                           "its partitions cut a worker's port on one host"}
 RECOVERY_TIMEOUT_S = 600.0
+SLOW_FSYNC_MS = 2000
+SHIM = Path(__file__).with_name("chaos_slow_fsync.c")
 
 
 class ChaosServer:
@@ -163,6 +168,69 @@ class DiskFiller:
         subprocess.run(["umount", "-l", str(self.mount)], check=False, capture_output=True)
 
 
+class SlowDisk:
+    """Every fsync of the server's processes made slow on demand: the shim (chaos_slow_fsync.c) built into
+    `work_dir` and preloaded into the server through `env` (its workers inherit it); `slow` and `fast` write the
+    delay it reads."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.library = work_dir / "slow_fsync.so"
+        self.delay_file = work_dir / "fsync_delay_ms"
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(self.library), str(SHIM), "-ldl"], check=True,
+                       capture_output=True)
+        self.fast()
+
+    @staticmethod
+    def available() -> str | None:
+        return None if shutil.which("cc") else "no C compiler here to build the fsync shim (chaos_slow_fsync.c)"
+
+    def env(self) -> dict[str, str]:
+        preload = " ".join(p for p in (str(self.library), os.environ.get("LD_PRELOAD", "")) if p)
+        return {"LD_PRELOAD": preload, "CHAOS_FSYNC_DELAY_FILE": str(self.delay_file)}
+
+    def slow(self, ms: int = SLOW_FSYNC_MS) -> None:
+        self.delay_file.write_text(str(ms))
+
+    def fast(self) -> None:
+        self.delay_file.write_text("0")
+
+
+class Partition:
+    """The front end cut off from a worker: iptables rules on loopback dropping every packet to and from its port."""
+
+    def __init__(self) -> None:
+        self._rules: list[list[str]] = []
+
+    @staticmethod
+    def available() -> str | None:
+        if os.geteuid() != 0 or shutil.which("iptables") is None:
+            return "not root, or no iptables: a worker's port cannot be cut off here"
+        probe = subprocess.run(["iptables", "-L", "INPUT", "-n"], capture_output=True)
+        return None if probe.returncode == 0 else f"iptables refused: {probe.stderr.decode(errors='replace')[:200]}"
+
+    def cut(self, port: int) -> None:
+        self._rules = [["INPUT", "-i", "lo", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
+                       ["INPUT", "-i", "lo", "-p", "tcp", "--sport", str(port), "-j", "DROP"]]
+        for rule in self._rules:
+            subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+
+    def heal(self) -> None:
+        for rule in self._rules:
+            subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
+        self._rules = []
+
+
+def worker_port(run_dir: Path, role: str) -> int | None:
+    """The port a worker listens on, from the config it resolved at start (config/<role>.resolved.yaml)."""
+    import yaml
+
+    name = "learner" if role == "learner" else "sampler-0"
+    try:
+        return int(yaml.safe_load((run_dir / "config" / f"{name}.resolved.yaml").read_text())["port"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
 @dataclass
 class Fault:
     kind: str
@@ -177,9 +245,11 @@ class Injector:
     that every kind comes up as often as the others."""
 
     def __init__(self, server: ChaosServer, seed: int, kinds: tuple[str, ...], gap_s: tuple[float, float],
-                 pause_s: float, disk: DiskFiller | None, full_s: float) -> None:
+                 pause_s: float, disk: DiskFiller | None, full_s: float, slow_disk: SlowDisk | None = None,
+                 partition: Partition | None = None) -> None:
         self.server, self.kinds, self.gap_s = server, kinds, gap_s
         self.pause_s, self.disk, self.full_s = pause_s, disk, full_s
+        self.slow_disk, self.partition = slow_disk, partition
         self.rng = random.Random(seed)
         self._cycle: list[str] = []
 
@@ -222,6 +292,22 @@ class Injector:
                 time.sleep(self.full_s)
                 self.disk.empty()
                 fault.held_s = self.full_s
+            elif kind == "slow_disk":
+                self.slow_disk.slow()
+                time.sleep(self.full_s * 2)
+                self.slow_disk.fast()
+                fault.held_s = self.full_s * 2
+            elif kind in PARTITIONS:
+                port = worker_port(server.run_dir, kind.split("_")[1])
+                if port is None:
+                    fault.error = f"no port found for {kind}"
+                    return fault
+                self.partition.cut(port)
+                try:
+                    time.sleep(self.pause_s)
+                finally:
+                    self.partition.heal()
+                fault.held_s = self.pause_s
             fault.recovered_s = server.wait_healthy()
         except Exception as exc:  # noqa: BLE001 - said in the result; the soak's checks judge what followed
             fault.error = f"{type(exc).__name__}: {exc}"[:500]

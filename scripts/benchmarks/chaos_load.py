@@ -99,15 +99,24 @@ class Load:
         self.history, self.stop, self.tinker_base_model = history, stop, tinker_base_model
         self.rng = random.Random(seed)
         self.churned = 0
+        self.tinker_op = None  # the Tinker call in flight (said if it never returns)
 
     async def run(self) -> None:
         tasks = []
         for name in self.experiments:
             tasks += [self.native(name), self.episodes(name, "chat"), self.episodes(name, "responses")]
         tasks.append(self.churn())
-        if self.tinker_base_model is not None:
-            tasks.append(asyncio.to_thread(self.tinker, self.rng.randrange(2**31)))
+        tinker_thread = None
+        if self.tinker_base_model is not None:  # a thread of its own: a call that never returns cannot hold the soak
+            tinker_thread = threading.Thread(target=self.tinker, args=(self.rng.randrange(2**31),), daemon=True,
+                                             name="chaos-tinker")
+            tinker_thread.start()
         await asyncio.gather(*tasks)
+        if tinker_thread is not None:
+            await asyncio.to_thread(tinker_thread.join, REQUEST_TIMEOUT_S + 30)
+            if tinker_thread.is_alive():  # a Tinker call unanswered past every timeout: a future that never ended
+                self.record(client="tinker", family="tinker", op="hung", status="lost", code="no_answer",
+                            message=f"the Tinker client's {self.tinker_op} did not return")
 
     def record(self, **fields: Any) -> dict[str, Any]:
         return self.history.add(**fields)
@@ -269,24 +278,26 @@ class Load:
                     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                         loss_fn_inputs={"target_tokens": tokens[1:],
                                                         "weights": [1.0] * (len(tokens) - 1)})
-                op = "forward_backward"
+                op = self.tinker_op = "forward_backward"
                 training.forward_backward([datum], "cross_entropy").result(timeout=REQUEST_TIMEOUT_S)
-                op = "optim_step"
+                op = self.tinker_op = "optim_step"
                 training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=REQUEST_TIMEOUT_S)
                 steps += 1
                 self.record(client="tinker", family="tinker", op="optim_step", model_id=model_id, status=200,
                             step=steps)
                 if rng.random() < 0.3:
-                    op = "save_weights_for_sampler"
+                    op = self.tinker_op = "save_weights_for_sampler"
                     path = training.save_weights_for_sampler(f"s{steps % 3}").result(timeout=REQUEST_TIMEOUT_S).path
-                    op = "sample"
+                    op = self.tinker_op = "sample"
                     sampler = client.create_sampling_client(model_path=path)
+                    if hasattr(sampler, "result"):  # a future of the client in this SDK
+                        sampler = sampler.result(timeout=REQUEST_TIMEOUT_S)
                     sampler.sample(datum.model_input, 2, types.SamplingParams(max_tokens=3)).result(
                         timeout=REQUEST_TIMEOUT_S)
                     self.record(client="tinker", family="tinker", op="save_and_sample", model_id=model_id,
                                 status=200, step=steps)
                 if rng.random() < 0.1:
-                    op = "save_state"
+                    op = self.tinker_op = "save_state"
                     training.save_state(f"state-{steps}-{rng.randrange(10**6)}").result(timeout=REQUEST_TIMEOUT_S)
                     self.record(client="tinker", family="tinker", op="save_state", model_id=model_id, status=200)
             except Exception as exc:  # noqa: BLE001 - every failure is recorded; the soak goes on

@@ -13,6 +13,7 @@ INVARIANTS = {
     "unexplained_5xx": "5xx other than 503 with Retry-After during a fault",
     "versions_fell": "serving versions that went down",
     "unverified": "pushed versions whose check against the learner failed",
+    "unanswered": "client calls that never returned",
     "unbounded_versions": "experiments with more adapter versions on disk than pruning keeps",
     "front_end_grew": "the front end's RSS rising over 200 MiB after warm-up",
 }
