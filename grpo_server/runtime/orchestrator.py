@@ -51,6 +51,9 @@ RESIDENCY_INTERVAL_S = 5.0  # how often the status pages' learner residency is r
 Start = Literal["restart", "fresh", "resume"]
 
 
+RESTORE_RETRY_S = 30.0  # how often a restore that failed for a passing reason (a 503) is tried again
+
+
 @dataclass
 class Unrestored:
     """A saved experiment that could not be created again at start (`start_saved`): held with the reason until an
@@ -136,15 +139,38 @@ class Orchestrator:
     async def start_saved(self, configs: list[ExperimentConfig]) -> None:
         """The experiments a start brings back (or creates from the server's config), one by one. One that cannot
         be created (an unreadable checkpoint, a learner error) is held as `unrestored`, with its reason in its
-        status and the log, and the others go on: the server starts whatever one experiment's files hold."""
+        status and the log, and the others go on: the server starts whatever one experiment's files hold. One that
+        failed for a reason that passes (a 503: the learner's disk full, a worker timing out) is tried again every
+        `RESTORE_RETRY_S` until it is back, deleted, or fails for another reason (the chaos soak found a full disk
+        at a restart leaving experiments held until an admin came)."""
         for config in configs:
             try:
                 await self.create(config)
             except Exception as exc:
                 self.unrestored[config.name] = Unrestored(config, _reason(exc))
-                log.error("experiment %s could not be restored, held as failed (an admin restores it with POST "
-                          "/v1/experiments/%s/restore, or deletes it): %s", config.name, config.name, exc,
-                          exc_info=not isinstance(exc, ApiError))
+                passing = isinstance(exc, Unavailable)
+                log.error("experiment %s could not be restored, held as failed (%s): %s", config.name,
+                          "tried again every %.0f s" % RESTORE_RETRY_S if passing else
+                          f"an admin restores it with POST /v1/experiments/{config.name}/restore, or deletes it",
+                          exc, exc_info=not isinstance(exc, ApiError))
+                if passing:
+                    self.upkeep.spawn(self._restore_when_possible(config.name), f"restore-{config.name}")
+
+    async def _restore_when_possible(self, name: str) -> None:
+        """`retry` every RESTORE_RETRY_S while the experiment is held for a reason that passes (a 503)."""
+        while True:
+            await asyncio.sleep(RESTORE_RETRY_S)
+            held = self.unrestored.get(name)
+            if held is None:  # restored by an admin, or deleted
+                return
+            try:
+                await self.retry(name)
+            except Unavailable:
+                continue
+            except Exception:  # held again for a reason that does not pass (retry logged it): an admin's now
+                return
+            log.info("experiment %s restored, after its start had failed for a reason that passed", name)
+            return
 
     async def retry(self, name: str) -> ExperimentStatus:
         """An unrestored experiment created again from its saved config (409 if it is not one); held again, with

@@ -3,8 +3,9 @@ the turns that sampling and training take on a CPU host.
 
 **Connections.** A worker that is down or restarting answers 503 at once (no connection attempt, no hang);
 a worker's 4xx passes through with its code and its message (a check of what was sent), less any absolute
-path, URL or traceback (`protocol/errors.py` `public_message`). A worker's 5xx becomes 502 `worker_error`
-with a fixed message naming the worker, the verb and an incident id: its text (an exception's, with the
+path, URL or traceback (`protocol/errors.py` `public_message`), and so does its 503 (it cannot run the verb for
+now: its disk is full, the verb's deadline passed, its engine is restarting), with a Retry-After. Its other 5xx
+become 502 `worker_error` with a fixed message naming the worker, the verb and an incident id: its text (an exception's, with the
 worker's paths) goes to the front end's log at ERROR under that id, never to a client. So does a worker's
 401: it refused the front end's worker secret, a misconfiguration of the server, not the client's key. A
 connection that fails (refused, reset, dropped before the answer) is a `WorkerUnreachable` (503): the
