@@ -31,6 +31,8 @@ from pathlib import Path
 
 import requests
 
+from .host import rss_mib
+
 KILLS = ("kill_sampler", "kill_learner", "kill_front_end")
 PAUSES = ("pause_sampler", "pause_learner")
 PARTITIONS = ("partition_sampler", "partition_learner")
@@ -113,13 +115,7 @@ class ChaosServer:
         return stop_server(self.handle)
 
     def front_end_rss_mib(self) -> float | None:
-        try:
-            for line in Path(f"/proc/{self.handle.process.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        return rss_mib(self.handle.process.pid)
 
 
 class DiskFiller:

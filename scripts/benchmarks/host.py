@@ -24,6 +24,17 @@ def default_sampler_dtype() -> str:
     return sampler_dtype(ServerConfig(), read_cpu_features())
 
 
+def rss_mib(pid: int) -> float | None:
+    """A process's resident memory now (VmRSS), in MiB; None once it has ended."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 

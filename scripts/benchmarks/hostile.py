@@ -59,6 +59,7 @@ import requests as http
 from grpo_server.client import AsyncClient, GrpoServerError
 
 from .fairness import latency_stats
+from .host import rss_mib
 
 REQUESTS = 20
 N = 4
@@ -416,16 +417,6 @@ class Flood:
 
 
 # --- the front end's memory and loop -----------------------------------------------------------------------------
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
 
 async def watch_rss(pid: int, samples: list, stop: asyncio.Event, guard) -> None:
     """(monotonic time, VmRSS MiB) every RSS_EVERY_S until `stop`; `guard` set once it grew SAFETY_RSS_MIB over
