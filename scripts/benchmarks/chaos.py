@@ -163,7 +163,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         samples: list[dict] = [{"t0": time.monotonic()}]
         history.started = samples[0]["t0"]
         load = Load(server.url, ADMIN_KEY, list(EXPERIMENTS), history, seed, str(model_dir) if tinker else None,
-                    stop)
+                    stop, run_dir)
         injector = Injector(server, seed, kinds, gap_s, pause_s, disk, FULL_S, slow_disk, partition)
         faults = []
         watcher = asyncio.create_task(_watch(server, watching, versions, samples, run_dir, ADMIN_KEY))
@@ -188,7 +188,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         history.close()
         fault_dicts = [asdict(f) for f in faults]
         invariants = check(history.records, run_dir, fault_dicts, versions,
-                           [s["rss_mib"] for s in samples[1:] if s["rss_mib"] is not None])
+                           [s["rss_mib"] for s in samples[1:] if s["rss_mib"] is not None], load.archived_ledgers)
         result = _result(seed, minutes, history, fault_dicts, invariants, samples[1:], final_steps, exit_code,
                          recovered, why_not, kinds, time.monotonic() - started, load.churned)
         if not result["met"]:

@@ -53,8 +53,10 @@ def ledgers(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def check(records: list[dict[str, Any]], run_dir: Path, faults: list[dict[str, Any]],
-          versions: dict[str, list[tuple[float, int]]], rss_mib: list[float]) -> dict[str, Any]:
-    timelines = ledgers(run_dir)
+          versions: dict[str, list[tuple[float, int]]], rss_mib: list[float],
+          archived: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """`archived`: the ledgers of archives removed during the soak (chaos_load.py `churn`), by label."""
+    timelines = {**(archived or {}), **ledgers(run_dir)}
     deleted = {r["experiment"] for r in records if r.get("op") == "delete"}
     return {
         **_feedback(records, timelines, deleted),
