@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 from grpo_server.protocol.worker_config import AlgorithmConfig, LearnerConfig, LoraConfig, resolve_rollout_correction
 from grpo_server.protocol.errors import ApiError, BadRequest, Conflict, NotFound
 from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetrics, TrainRequest
-from learner import adapter_io, resume
+from learner import adapter_io, checkpoint, ledger, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
 from learner.adapter_state import AdapterUnderTraining
@@ -118,6 +118,8 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         found = resume.find_for_every_rank(self.config.run_dir, name, peft_config, self.rank, self.world_size,
                                           self._cpu_group)
         start = found.start()
+        if self.rank == 0:  # what was in the ledger after this step was rolled back (learner/ledger.py)
+            ledger.resumed(checkpoint.checkpoint_root(self.config.run_dir, name), start.step)
         adapter = f"exp_{name}"
         # LoRA A's init draws from the global generator: seed it per experiment, so an experiment's v0
         # depends on (seed, name), not on which experiments were created before it.
@@ -218,6 +220,13 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
 
     def save_adapter(self, name: str) -> AdapterVersion:
         exp = self._get(name)
+        lines = exp.ledger.take()  # a restart without a newer checkpoint resumes this version: its steps are durable
+        if self.rank == 0:
+            try:
+                ledger.append(checkpoint.checkpoint_root(self.config.run_dir, name), lines)
+            except BaseException:  # a full disk: the lines wait for the next durable write
+                exp.ledger.put_back(lines)
+                raise
         self._write_version(exp.adapter, name, exp.version + 1, exp.step, exp.journal_seq, exp.groups_trained)
         exp.version += 1
         exp.weights_version = exp.version

@@ -102,3 +102,16 @@ async def test_a_full_disk_is_a_503_to_retry_not_a_500():
         raise RuntimeError("a bug")
 
     assert (await _answer(other))[0] == 500
+
+
+def test_a_saved_version_writes_its_steps_lines_as_a_checkpoint_does(trainer):
+    """A learner with no newer checkpoint resumes from the newest version (learner/resume.py): the steps in it are
+    durable, so their lines are on disk once it is saved (the 30-minute soak found an experiment's first step,
+    saved as v1 before its first checkpoint and resumed from it, in no line)."""
+    trainer.add_experiment("saved1", LORA, AlgorithmConfig(learning_rate=1e-2, checkpoint_every=2,
+                                                           checkpoint_interval_s=3600))
+    trainer.train(_batch(trainer, "saved1", journal_seq=2, group="g12"))  # no checkpoint due at step 1
+    root = checkpoint.checkpoint_root(trainer.config.run_dir, "saved1")
+    assert [line["step"] for line in ledger.timeline(ledger.read(root))] == []
+    trainer.save_adapter("saved1")
+    assert [(line["step"], line["trained"]) for line in ledger.timeline(ledger.read(root))] == [(1, ["g12"])]

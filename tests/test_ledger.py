@@ -43,12 +43,17 @@ def test_a_checkpoint_writes_its_steps_lines_first_and_a_failed_write_keeps_them
     assert checkpoint.list_steps(tmp_path / "run", "exp") == [3]
 
 
-def test_the_timeline_replaces_rolled_back_steps_and_skips_a_torn_line(tmp_path):
+def test_the_timeline_drops_rolled_back_steps_and_skips_a_torn_line(tmp_path):
     root = tmp_path / "exp"
+    ledger.resumed(root, 0)
     ledger.append(root, [{"step": s, "trained": [f"a{s}"]} for s in (1, 2, 3)])
     # A crash after step 3's lines, before its checkpoint: the next life resumes at 1 and trains 2 and 3 again.
-    ledger.append(root, [{"step": s, "trained": [f"b{s}"]} for s in (2, 3, 4)])
+    ledger.resumed(root, 1)
+    ledger.append(root, [{"step": s, "trained": [f"b{s}"]} for s in (2, 4)])
+    ledger.append(root, [{"step": 3, "trained": ["b3"]}])  # a failed checkpoint's lines, written with the next
     with open(root / ledger.LEDGER_FILE, "ab") as f:
         f.write(b'{"step": 5, "trai')  # torn by a crash mid-write
     kept = ledger.timeline(ledger.read(root))
     assert [(line["step"], line["trained"]) for line in kept] == [(1, ["a1"]), (2, ["b2"]), (3, ["b3"]), (4, ["b4"])]
+    ledger.resumed(root, 2)  # rolled back again, past lines written in any order
+    assert [line["step"] for line in ledger.timeline(ledger.read(root))] == [1, 2]

@@ -5,8 +5,8 @@ Invariants, each a count of breaks (0 to pass) with the first few examples:
 - `lost`: a group whose feedback was acknowledged (202, or 409 `duplicate_feedback` after a lost answer) that the
   experiment's ledger (learner/ledger.py, read as a timeline with its rollbacks) neither trained nor passed over
   with a reason. Groups of experiments the soak deleted are not held to this: the delete took them.
-- `trained_twice`: a group id in two steps of a ledger's timeline, or trained in one and passed over in another, or
-  in the ledgers of two experiments (another life's weights).
+- `trained_twice`: a group id trained in two steps of a ledger's timeline, or in the ledgers of two experiments
+  (another life's weights), or trained and passed over too.
 - `unexplained_trained`: a trained group that no client's feedback named as acknowledged or unknown (an answer
   lost to a fault), beyond the count of such unknown answers without an id (episodes' groups get theirs in the 202).
 - `tinker_steps`: a Tinker model whose ledger does not hold the steps its client was answered, less those the
@@ -118,8 +118,10 @@ def _feedback(records, timelines, deleted) -> dict[str, Any]:
                 passed[group_id].append((name, line["step"], reason))
     lost = [{"group_id": g, "experiment": e} for g, e in acknowledged.items()
             if e not in deleted and g not in trained and g not in passed]
-    twice = [{"group_id": g, "trained": trained.get(g, []), "passed_over": passed.get(g, [])}
-             for g in set(trained) | set(passed) if len(trained.get(g, [])) + len(passed.get(g, [])) > 1]
+    # Passed over more than once is not trained: a stale group journalled after its batch's newest entry is queued
+    # again by a learner restart (the journal position cannot pass it without passing groups still queued).
+    twice = [{"group_id": g, "trained": trained[g], "passed_over": passed.get(g, [])}
+             for g in trained if len(trained[g]) > 1 or g in passed]
     unexplained = [g for g in trained if g not in acknowledged and g not in unknown_ids]
     reasons = Counter(reason for entries in passed.values() for _, _, reason in entries)
     return {
