@@ -467,7 +467,8 @@ def changelog_md() -> str:
 
 # The extra figures' blocks (scripts/benchmarks/table.py).
 EXTRA_TITLES = {"rollouts": "Agent rollouts against `vllm serve`", "hostile": "The hostile tenant",
-                "fairness": "Fairness between experiments", "tenants": "Many tenants on one server"}
+                "fairness": "Fairness between experiments", "tenants": "Many tenants on one server",
+                "chaos": "The chaos soak"}
 
 
 def benchmarks_summary_md() -> str:

@@ -7,7 +7,8 @@ from .table_cells import _error, _f, _run_line
 
 INVARIANTS = {
     "lost": "acknowledged groups neither trained nor passed over with a reason",
-    "trained_twice": "groups in two steps of a ledger's timeline, or trained and passed over, or in two experiments",
+    "trained_twice": "groups trained in two steps of a ledger's timeline or in two experiments, or trained and passed "
+                     "over",
     "unexplained_trained": "trained groups no client was acknowledged for (nor lost an answer for)",
     "tinker_steps": "Tinker models whose durable steps differ from the answered ones (less named rollbacks)",
     "unexplained_5xx": "5xx other than 503 with Retry-After during a fault",
