@@ -440,13 +440,8 @@ class Orchestrator:
         """`resync_learner`'s work, under self._lock."""
         self.learner_restarts += 1
         for exp in list(self.experiments.values()):
-            try:
-                resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
-                                                                    syncing_ok=True)
-            except ApiError as exc:
-                if exc.code == "exists":  # re-added by an earlier try of this re-sync (its disk was full after it)
-                    continue
-                raise
+            resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
+                                                                syncing_ok=True)
             exp.resume_from(resumed)
             exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
                              f"{len(exp.queue)} journalled groups queued to train")
