@@ -81,6 +81,8 @@ def _unbounded_versions(run_dir: Path) -> list[dict[str, Any]]:
              + ServerConfig.model_fields["max_loaded_versions"].default + CHECKPOINTS_KEPT + NAMED_BY_CLIENT)
     out = []
     for folder in sorted(Path(run_dir).glob("adapters/*")):
+        if folder.name.startswith("tinker-"):  # a Tinker model's live samplers keep their versions too, by design
+            continue
         held = sum(1 for v in folder.glob("v*") if v.is_dir())
         if held > bound:
             out.append({"experiment": folder.name, "versions": held, "bound": bound})
