@@ -1,7 +1,7 @@
 """The chaos soak (issue 60): one seed's schedule of faults against a real server while clients of every API family
 load it, then an invariant checker over what the clients were answered and what the server holds.
 
-    scripts/chaos --seed 7 --minutes 3 --tiny        # the CI soak's shape (tests/test_chaos.py runs it)
+    scripts/chaos --seed 7 --minutes 3 --tiny        # the CI soak's shape (tests/test_chaos.py, GRPO_CHAOS_SOAK=1)
     scripts/chaos --seed 7                           # the long soak (30 minutes) on the embedded SmolLM2
     scripts/bench --only chaos                       # the long soak as a benchmark figure (its table)
 
