@@ -29,7 +29,6 @@ import asyncio
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -286,5 +285,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    threading.current_thread().name = "chaos"
     main()
