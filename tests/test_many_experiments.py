@@ -50,12 +50,18 @@ async def test_more_experiments_than_the_adapter_table_each_sample_train_and_ser
             verdict = status.last_verification
             assert verdict is None or verdict.ok is not False, (name, verdict)
 
-        async def residency_read() -> bool:  # the front end reads it every few seconds
-            return all([(await client.status(name)).learner_memory is not None for name in names])
+        memory: list[str | None] = []
 
-        await wait_for(residency_read, timeout_s=30, interval_s=0.5)
-        memory = [(await client.status(name)).learner_memory for name in names]
-        assert memory.count("resident") == RESIDENT and memory.count("paged_out") == EXPERIMENTS - RESIDENT, memory
+        async def residency_settled() -> bool:
+            # The front end reads it every few seconds; a read taken while a page-in had added the third and the
+            # page-out it causes was still writing its checkpoint truly says 3 resident, so wait for it to settle.
+            memory[:] = [(await client.status(name)).learner_memory for name in names]
+            return memory.count("resident") == RESIDENT and memory.count("paged_out") == EXPERIMENTS - RESIDENT
+
+        try:
+            await wait_for(residency_settled, timeout_s=30, interval_s=0.5)
+        except TimeoutError as error:
+            raise AssertionError(f"residency never settled at {RESIDENT} resident: {memory}") from error
     assert "too_many_adapters" not in small_table_server.log_tail(2000)
     learner_log = (small_table_server.run_dir / "logs" / "learner.log").read_text()
     assert "paged in at step 1" in learner_log  # an experiment that trained, paged out, then was scored or trained
