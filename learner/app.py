@@ -54,7 +54,7 @@ class LearnerHandler:
             return await asyncio.to_thread(fn, *args)
 
     async def add_experiment(self, req: AddExperimentRequest) -> AdapterVersion:
-        return await self._run(self.trainer.add_experiment, req.name, req.lora, req.algorithm)
+        return await self._run(self.trainer.add_experiment, req.name, req.lora, req.algorithm, req.resync)
 
     async def train(self, req: TrainRequest) -> TrainMetrics:
         return await self._run(self.trainer.train, req)

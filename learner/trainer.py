@@ -102,10 +102,16 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
 
     # --- verbs -------------------------------------------------------------------------------------
 
-    def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig) -> AdapterVersion:
+    def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig,
+                       resync: bool = False) -> AdapterVersion:
+        """`resync`: the front end's re-sync after this learner's restart, maybe tried again (its disk was full for
+        a later experiment, or an answer was lost to a timeout). One it added already is answered as it stands: no
+        verb but the re-sync's reached it since, so that is still the state it resumed."""
         if not _NAME_RE.match(name):
             raise BadRequest(f"experiment name {name!r} must match {_NAME_RE.pattern}")
         if name in self.experiments or name in self._paged:
+            if resync:
+                return self._version_ref(name, self._get(name).version)
             raise ApiError(f"experiment {name!r} is already loaded in the learner", code="exists", status=409)
         self.wait_for_checkpoints()  # a resume reads the newest one
         missing = sorted(set(lora.target_modules) - self.linear_names)

@@ -136,6 +136,23 @@ def test_bad_requests_get_the_right_error_codes(trainer):
     assert all(torch.equal(before[k], after[k]) for k in before)  # rejected before any step
     assert trainer.train(TrainRequest(name="bad", samples=[_sample(PROMPT, COMPLETION, ok, 1.0)])).step == 1
 
+def test_a_resync_tried_again_gets_the_experiment_it_added_as_it_stands(trainer):
+    """The front end's re-sync after a learner restart may be tried again (its disk was full for a later experiment,
+    or an answer was lost to a timeout): an experiment the first try added is answered with its state, not 409, and
+    is not added a second time. A plain add of a loaded name is still refused."""
+    from grpo_server.protocol.errors import ApiError
+
+    first = trainer.add_experiment("resynced", LORA, AlgorithmConfig(), True)
+    ok = _lp(trainer, "resynced")[0]
+    trainer.train(TrainRequest(name="resynced", samples=[_sample(PROMPT, COMPLETION, ok, 1.0)], journal_seq=3))
+    again = trainer.add_experiment("resynced", LORA, AlgorithmConfig(), True)
+    assert (again.version, again.step, again.journal_seq) == (first.version, 1, 3), again  # as it stands
+    assert [a for a in trainer.model.peft_config if a == "exp_resynced"] == ["exp_resynced"]
+    with pytest.raises(ApiError) as refused:
+        trainer.add_experiment("resynced", LORA, AlgorithmConfig())
+    assert refused.value.code == "exists"
+
+
 def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
     """Every tensor of the optimizer's state (ZeRO's flat fp32 partition and AdamW's moments), copied."""
     state = engine.optimizer.state_dict()

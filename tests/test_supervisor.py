@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.listen import free_port
 from grpo_server.protocol.process_exit import SUPERVISOR_PID_ENV
 from grpo_server.workers import processes as supervisor
@@ -120,3 +121,45 @@ def test_a_worker_whose_front_end_died_before_it_asked_exits_at_once():
     ended = subprocess.run([sys.executable, "-c", HEALTHY_WORKER, str(free_port())], timeout=30,
                            env={**os.environ, SUPERVISOR_PID_ENV: "1"}, capture_output=True, text=True)
     assert ended.returncode == 1 and "the front end (pid 1) is gone" in ended.stderr
+
+
+# A worker that dies once (its first life, which leaves a marker), then lives on.
+ONCE_CRASHING_WORKER = """
+import os, sys, threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args): pass
+server = HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+if not os.path.exists(sys.argv[2]):
+    open(sys.argv[2], "w").close()
+    threading.Timer(0.5, lambda: os._exit(3)).start()
+server.serve_forever()
+"""
+
+
+async def test_a_resync_that_fails_for_a_passing_reason_is_tried_again_on_the_same_worker(tmp_path, monkeypatch):
+    """The restarted worker is healthy but its re-sync is refused for now (503: its disk is full): the re-sync is
+    tried again on the same process, which is not killed and started over until the supervisor gives up."""
+    monkeypatch.setattr(supervisor, "BACKOFF_S", (0.05,))
+    monkeypatch.setattr(supervisor, "RESYNC_RETRY_S", 0.05)
+    port, tries = free_port(), []
+
+    async def on_restart():
+        tries.append(worker._proc.pid)
+        if len(tries) < 4:
+            raise Unavailable("learner: the run directory's disk is full", code="disk_full")
+
+    worker = WorkerProcess("once", [sys.executable, "-c", ONCE_CRASHING_WORKER, str(port), str(tmp_path / "died")],
+                           f"http://127.0.0.1:{port}", tmp_path / "once.log", startup_timeout_s=30,
+                           on_restart=on_restart)
+    await worker.start()
+    first = worker._proc.pid
+    for _ in range(200):
+        if worker.state == "ready" and tries:
+            break
+        await asyncio.sleep(0.05)
+    assert worker.state == "ready" and len(tries) == 4, (worker.state, tries, worker.last_error)
+    assert len(set(tries)) == 1 and tries[0] != first  # every try on the one restarted process
+    await worker.stop()

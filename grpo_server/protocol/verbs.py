@@ -156,11 +156,13 @@ class LearnerClient(_Client):
     """The learner (its rank 0) as typed methods."""
 
     async def add_experiment(self, name: str, lora: LoraConfig, algorithm: AlgorithmConfig, *,
-                             syncing_ok: bool = False) -> AdapterVersion:
-        """Version 0 of a new adapter (LoRA B = 0: the base model), or the newest one on disk, resumed."""
+                             resync: bool = False) -> AdapterVersion:
+        """Version 0 of a new adapter (LoRA B = 0: the base model), or the newest one on disk, resumed. `resync`:
+        the front end's re-sync after the learner restarted (it reaches a learner that is syncing, and an experiment
+        an earlier try of it added is answered as it stands)."""
         return await self.transport.request(
-            LearnerVerbs.add_experiment, AddExperimentRequest(name=name, lora=lora, algorithm=algorithm),
-            syncing_ok=syncing_ok)
+            LearnerVerbs.add_experiment, AddExperimentRequest(name=name, lora=lora, algorithm=algorithm, resync=resync),
+            syncing_ok=resync)
 
     async def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainMetrics:
         return await self.transport.request(LearnerVerbs.train, request, timeout_s=timeout_s)

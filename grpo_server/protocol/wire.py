@@ -202,6 +202,7 @@ class AddExperimentRequest(WireModel):
     name: ExperimentName
     lora: LoraConfig
     algorithm: AlgorithmConfig
+    resync: bool = False  # the front end's re-sync after a learner restart: one already added is answered as is
 
 
 class AdapterVersion(WireModel):

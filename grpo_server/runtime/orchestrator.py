@@ -441,7 +441,7 @@ class Orchestrator:
         self.learner_restarts += 1
         for exp in list(self.experiments.values()):
             resumed = await self.workers.learner.add_experiment(exp.name, exp.config.lora, exp.config.algorithm,
-                                                                syncing_ok=True)
+                                                                resync=True)
             exp.resume_from(resumed)
             exp.record_error(f"learner restarted; resumed at v{resumed.version} (step {resumed.step}), "
                              f"{len(exp.queue)} journalled groups queued to train")

@@ -21,6 +21,7 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from grpo_server.protocol.errors import Unavailable
 from grpo_server.protocol.process_exit import SUPERVISOR_PID_ENV
 from grpo_server.workers.worker_logs import LogPump, RotatingLog, tail_lines
 
@@ -31,6 +32,7 @@ CRASH_WINDOW_S = 600.0
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_GRACE_S = 15.0
 HEALTH_PROGRESS_S = 15.0  # while a worker starts, how often the front end's log says it is still waiting
+RESYNC_RETRY_S = 10.0  # a restarted worker's re-sync that failed for a reason that passes (`_resync`), again after
 DRAIN_S = 3.0  # after a worker exits, how long its last output may take to reach the log before it is read
 
 
@@ -133,12 +135,28 @@ class WorkerProcess:
                 # "syncing": only the front end's re-sync calls (syncing_ok) reach it; clients wait.
                 self.state = "syncing"
                 if self.on_restart is not None:
-                    await self.on_restart()
+                    await self._resync()
                 self.state = "ready"
             except Exception as exc:  # reported in state and log; the loop tries again
                 self.last_error = f"restart failed: {exc}"
                 log.error("%s: %s", self.name, self.last_error)
                 self._kill_group(signal.SIGKILL)
+
+    async def _resync(self) -> None:
+        """The restarted worker's re-sync (`on_restart`), tried again every RESYNC_RETRY_S while it fails for a
+        reason that passes (a 503: the worker's disk is full) and the worker lives. Killing a healthy worker that
+        cannot write would not give it space: the chaos soak saw a learner restarted into a full disk killed and
+        started five times, then given up on for good."""
+        while True:
+            try:
+                await self.on_restart()
+                return
+            except Unavailable as exc:
+                if self._proc.poll() is not None or self._stopping:
+                    raise
+                self.last_error = f"re-sync waits: {exc.message}"
+                log.warning("%s: re-sync failed (%s), tried again in %.0f s", self.name, exc.message, RESYNC_RETRY_S)
+                await asyncio.sleep(RESYNC_RETRY_S)
 
     def tail_log(self, lines: int = 20) -> str:
         """The log's last lines, read from its end only (it may hold megabytes of a long run)."""
