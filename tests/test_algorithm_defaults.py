@@ -169,6 +169,48 @@ async def test_with_push_every_2_staleness_counts_steps_not_versions(tmp_path):
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_pushes_that_failed_are_caught_up_once_every_new_group_would_be_stale(tmp_path):
+    """A push that fails (a full disk) leaves the served version behind the learner's steps. Past max_staleness,
+    every group sampled from it is dropped as stale, so no step comes to push again: the chaos soak saw two
+    experiments drop every group for good. The loop pushes the weights as they are, tried again while it fails."""
+    from grpo_server.protocol.errors import Unavailable
+    from grpo_server.runtime import training as training_module
+
+    exp, training, workers, requests = setup(tmp_path, push_every=1, max_staleness=1)
+    training_module.CATCH_UP_RETRY_S = 0.05
+    save_adapter, disk = workers.learner.save_adapter, {"full": True}
+
+    async def save_on_a_disk(name):
+        if disk["full"]:
+            raise Unavailable("learner: the run directory's disk is full", code="disk_full")
+        return await save_adapter(name)
+
+    workers.learner.save_adapter = save_on_a_disk
+    task = asyncio.create_task(training.run())
+    try:
+        for seq in (1, 2):  # sampled by v0 at step 0: each trains a step whose push fails
+            g = group(seq, [completion([5, 6]), completion([7, 8])])
+            await exp._accept(g, g.rewards, g.advantages, skipped=None)
+            await wait_until(lambda: exp.step == seq)
+        assert exp.serving_version == 0 and any("push failed" in e for e in exp.errors)
+        late = group(3, [completion([5, 6]), completion([7, 8])])  # sampled by v0 now: 2 steps behind, stale
+        await exp._accept(late, late.rewards, late.advantages, skipped=None)
+        await wait_until(lambda: exp.counters.groups_dropped_stale == 1)
+        await asyncio.sleep(0.2)  # tries while the disk is full: no version, no step
+        assert exp.serving_version == 0 and exp.step == 2
+        disk["full"] = False
+        await wait_until(lambda: exp.serving_version == 1)
+        assert exp.version_steps[1] == 2 and not training._served_too_old()
+        fresh = group(4, [completion([5, 6]), completion([7, 8])], policy_version=1)  # from the caught-up version
+        await exp._accept(fresh, fresh.rewards, fresh.advantages, skipped=None)
+        await wait_until(lambda: exp.step == 3)
+        assert [r.group_ids for r in requests] == [["g1"], ["g2"], ["g4"]] and exp.counters.groups_trained == 3
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        training_module.CATCH_UP_RETRY_S = 5.0
+
+
 async def test_a_group_left_behind_by_steps_at_the_same_version_is_dropped(tmp_path):
     exp, _, _, _ = setup(tmp_path, push_every=2, max_staleness=1)
     exp.learned(1, 2)

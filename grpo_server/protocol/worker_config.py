@@ -81,7 +81,9 @@ class AlgorithmConfig(StrictModel):
     max_staleness: int = Field(2, ge=0, le=1_000_000, description=(
         "Groups sampled by weights more than this many optimizer steps older than the learner's are dropped "
         "before a batch is formed (counted in groups_dropped_stale). Counted in steps, not pushed versions, so "
-        "push_every > 1 or a skipped push cannot stretch it; an episode group counts from its oldest turn."))
+        "push_every > 1 or a failed push cannot stretch it; an episode group counts from its oldest turn. When "
+        "the served version falls more than this behind (pushes failed, or push_every is over max_staleness + 1), "
+        "so that every group sampled from it would be dropped, the learner's weights are pushed as they are."))
     skip_zero_variance: bool = Field(True, description="Skip groups whose rewards are all equal.")
     mask_truncated: bool = Field(False, description=(
         "Leave completions that hit max_tokens (finish_reason 'length'; for an episode, a sequence whose last "

@@ -31,6 +31,9 @@ FAILED_STEP_PAUSE_S = 2.0
 # counted in counters.groups_dropped_failed, with the reason in the experiment's errors and the log. A learner
 # that is down, restarting or timing out (503) counts no try: that is no fault of the batch.
 MAX_BATCH_FAILURES = 5
+# A push owed because the served version is too old to sample fresh groups from (`_catch_up`), tried again after
+# this long when it fails (a full disk: every try writes a version's files).
+CATCH_UP_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class TrainingLoop:
         self.max_loaded_versions = max_loaded_versions
         self.checks = VersionChecks(experiment, workers, verify_tolerance, metrics_log, nearest_version)
         self._failing: tuple[tuple[str, ...], int] = ((), 0)  # the batch whose steps failed, and how many times
+        self._catching_up = False  # a push owed (`_catch_up`) failed, and is tried again
 
     async def run(self) -> None:
         exp = self.exp
@@ -107,7 +111,14 @@ class TrainingLoop:
         exp = self.exp
         while True:
             # Stale groups leave the queue before a batch is formed, so every batch is full of fresh ones.
+            stale_before = exp.counters.groups_dropped_stale
             while not exp.batch_ready(batch_groups):
+                # Owed once groups went stale for it (not for a Tinker model's steps, which push on request), and
+                # until it is pushed.
+                if self._served_too_old() and (exp.counters.groups_dropped_stale > stale_before or self._catching_up):
+                    self._catching_up = not await self._catch_up()
+                    continue
+                self._catching_up = False
                 if not await exp.queue_grew(self.idle_check_s):  # no step soon to check the newest version
                     if not self.workers.turns.sampling_calls:  # a probe amid generations drains them
                         self.checks.probe_unchecked()
@@ -115,6 +126,33 @@ class TrainingLoop:
             # version the step trains from.
             with log_context.bound(request_id=log_context.new_request_id("step"), version=exp.learner_version):
                 await self.train(*exp.take_batch(batch_groups))
+
+    def _served_too_old(self) -> bool:
+        """Whether every group sampled now is stale before it can be trained: the served version is more than
+        max_staleness steps behind the learner. Pushes that failed (a full disk) leave it so, and then no step
+        comes to push again: the chaos soak saw both experiments drop every group as stale for good. So does a
+        push_every over max_staleness + 1."""
+        exp = self.exp
+        return exp.step - exp.version_steps.get(exp.serving_version, 0) > exp.config.algorithm.max_staleness
+
+    async def _catch_up(self) -> bool:
+        """Push the learner's weights as they are, so that what is sampled next can be trained: a push owed, in
+        the training turn and checked as after a step. Whether it was pushed: a failure is shown (push failed),
+        and the caller tries again after CATCH_UP_RETRY_S, while groups keep going stale."""
+        exp = self.exp
+        if not self._catching_up:  # once, not at every try
+            log.warning("%s: the served v%d is more than max_staleness (%d) steps behind step %d, so every group "
+                        "sampled from it is stale: pushing the weights as they are", exp.name, exp.serving_version,
+                        exp.config.algorithm.max_staleness, exp.step)
+        slot = await self._version_slot()
+        async with self.workers.turns.training(exp.name):
+            pushed = await self.push(slot)
+        if pushed is None:
+            await asyncio.sleep(CATCH_UP_RETRY_S)
+            return False
+        await self.score_for_check(pushed)
+        await self.prune_versions()
+        return True
 
     async def train(self, groups: list[Group], generation: int) -> None:
         exp = self.exp
