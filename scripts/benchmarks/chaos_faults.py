@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -121,11 +122,14 @@ class ChaosServer:
 class DiskFiller:
     """The run directory on a tmpfs of `size_mib`, mounted here (as root), so that filling it hurts nothing else."""
 
+    SOURCE = "grpo-server-chaos"  # the mount's source name: what `sweep` knows an earlier soak's mounts by
+
     def __init__(self, mount: Path, size_mib: int) -> None:
         self.mount = mount
         self.ballast = mount / ".chaos-ballast"
         mount.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount)], check=True,
+        self.sweep()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", self.SOURCE, str(mount)], check=True,
                        capture_output=True)
 
     @staticmethod
@@ -160,6 +164,16 @@ class DiskFiller:
     def empty(self) -> None:
         self.ballast.unlink(missing_ok=True)
 
+    @classmethod
+    def sweep(cls) -> None:
+        """Unmount the tmpfs of earlier soaks killed before they unmounted theirs (a timeout's SIGTERM runs no
+        `finally`): each holds up to its size of memory. One soak runs on a machine at a time."""
+        for line in Path("/proc/mounts").read_text().splitlines():
+            source, target, *_ = line.split()
+            if source == cls.SOURCE:
+                subprocess.run(["umount", "-l", target.encode().decode("unicode_escape")], check=False,
+                               capture_output=True)
+
     def unmount(self) -> None:
         subprocess.run(["umount", "-l", str(self.mount)], check=False, capture_output=True)
 
@@ -192,10 +206,23 @@ class SlowDisk:
 
 
 class Partition:
-    """The front end cut off from a worker: iptables rules on loopback dropping every packet to and from its port."""
+    """The front end cut off from a worker: iptables rules on loopback dropping every packet to and from its port.
+    Each rule carries a comment (TAG), so that those of a soak that was killed before it healed (a timeout's
+    SIGTERM runs no `finally`) are swept away by the next one: left, they would drop a later server's port. One
+    soak runs on a machine at a time."""
+
+    TAG = "grpo-server-chaos"
 
     def __init__(self) -> None:
         self._rules: list[list[str]] = []
+        self.sweep()
+
+    @classmethod
+    def sweep(cls) -> None:
+        listed = subprocess.run(["iptables", "-S", "INPUT"], capture_output=True, text=True).stdout
+        for line in listed.splitlines():
+            if cls.TAG in line and line.startswith("-A "):
+                subprocess.run(["iptables", "-D", *shlex.split(line)[1:]], check=False, capture_output=True)
 
     @staticmethod
     def available() -> str | None:
@@ -205,8 +232,9 @@ class Partition:
         return None if probe.returncode == 0 else f"iptables refused: {probe.stderr.decode(errors='replace')[:200]}"
 
     def cut(self, port: int) -> None:
-        self._rules = [["INPUT", "-i", "lo", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
-                       ["INPUT", "-i", "lo", "-p", "tcp", "--sport", str(port), "-j", "DROP"]]
+        tag = ["-m", "comment", "--comment", self.TAG]
+        self._rules = [["INPUT", "-i", "lo", "-p", "tcp", "--dport", str(port), *tag, "-j", "DROP"],
+                       ["INPUT", "-i", "lo", "-p", "tcp", "--sport", str(port), *tag, "-j", "DROP"]]
         for rule in self._rules:
             subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
 
