@@ -341,10 +341,63 @@ class ExperimentStatus(ApiModel):
     config: dict[str, Any]
     trackers: dict[str, TrackerStatus] = Field(default_factory=dict, description=(
         "Its experiment trackers by name (config `trackers`), each with its counts; empty with none"))
+    paused: bool = Field(False, description=(
+        "An admin paused it (POST /v1/experiments/{name}/pause): it samples no new group or episode turn (503 "
+        "`experiment_paused`) and its training loop takes no batch, until POST .../unpause; feedback for what was "
+        "sampled before is still taken and waits in its queue. A pause outlasts a server restart. The Tinker API's "
+        "calls, which drive their own training, are not paused"))
 
 
 class ExperimentList(ApiModel):
     experiments: list[ExperimentStatus]
+
+
+class RatedCompletion(ApiModel):
+    """One completion of a rated group, as `GET /v1/experiments/{name}/rated` shows it."""
+
+    text: str = Field(description="What the model wrote (or the external completion), its start only when long")
+    tokens: int = Field(description="Its token count")
+    finish_reason: str = Field(description="stop, length, tool_calls, or external (the model did not sample it)")
+    text_clipped: bool = Field(description="`text` is the start of a longer text")
+
+
+class RatedEpisode(ApiModel):
+    """One episode of a rated group of episodes."""
+
+    episode_id: str
+    turns: int = Field(description="Its turns (completions asked for with its id)")
+    sampled_tokens: int = Field(description="The tokens the model sampled in it, over all its turns")
+    transcript_tail: str = Field(description=(
+        "The end of its last training sequence (the conversation as the model saw it, its own turns included), "
+        "decoded"))
+
+
+class RatedGroup(ApiModel):
+    """A group the experiment's feedback rated: a sampled group (with any extra completions), a group of external
+    completions, or a group of episodes."""
+
+    group_id: str
+    kind: Literal["sampled", "external", "episodes"]
+    rated_at: float = Field(description="When its feedback was accepted (seconds since the epoch)")
+    policy_version: int = Field(description="The version that sampled it (episodes: the oldest of their turns')")
+    rewards: list[float] = Field(description="In the order of its completions (episodes: of its episodes)")
+    reward_mean: float
+    advantages: list[float] | None = Field(description="What each reward trains with; None when skipped")
+    skipped: str | None = Field(description="Why it is not trained (zero_variance), or None")
+    prompt_tail: str = Field(description="The end of its prompt as the model saw it (chat template included), decoded")
+    prompt_tokens: int
+    completions: list[RatedCompletion] = Field(description=(
+        "Its completions in the order of `rewards`, the first few only in a large group (`completions_total` says "
+        "how many); empty for episodes"))
+    completions_total: int
+    episodes: list[RatedEpisode] = Field(description="Its episodes in the order of `rewards`; empty otherwise")
+
+
+class RatedGroups(ApiModel):
+    """The answer of `GET /v1/experiments/{name}/rated`: its newest rated groups, oldest first."""
+
+    name: str
+    groups: list[RatedGroup]
 
 
 class NewExperiment(ExperimentConfig):

@@ -1,4 +1,5 @@
-"""`grpo-server`: serve, prepare the embedded model, plot a run's metrics, export an experiment's adapter.
+"""`grpo-server`: serve, prepare the embedded model, plot a run's metrics, export an experiment's adapter, serve
+the operators' MCP tools.
 
 Config is validated before anything heavy (torch, vLLM, DeepSpeed) is imported.
 """
@@ -87,6 +88,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_mcp(args: argparse.Namespace) -> int:
+    if not args.api_key:
+        print("grpo-server mcp: give --api-key or set GRPO_SERVER_API_KEY", file=sys.stderr)
+        return 2
+    try:
+        from grpo_server.mcp.server import run
+    except ModuleNotFoundError as exc:  # the official MCP SDK
+        return _needs_extra("mcp", "mcp", exc)
+    run(args.url, args.api_key, transport=args.transport, host=args.host, port=args.port)
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but an argument it does not know is named without its value: a secret typed on the command line
     (the workers' secret belongs in the environment, never here) must not be echoed into a container's log."""
@@ -97,6 +110,14 @@ class _Parser(argparse.ArgumentParser):
             words = message.removeprefix(prefix).split()
             message = f"{prefix} " + " ".join(w.split("=", 1)[0] if w.startswith("-") else "<value>" for w in words)
         super().error(message)
+
+
+def _server_and_key(command: argparse.ArgumentParser, key_help: str) -> None:
+    """--url and --api-key, as every command that calls a running server takes them (env vars by default)."""
+    command.add_argument("--url", default=os.environ.get("GRPO_SERVER_URL", "http://127.0.0.1:8000"),
+                         help="the server (env GRPO_SERVER_URL; default http://127.0.0.1:8000)")
+    command.add_argument("--api-key", default=os.environ.get("GRPO_SERVER_API_KEY"),
+                         help=f"{key_help} (env GRPO_SERVER_API_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,11 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="--merged's weights (merged in float32, then cast; default: the base config's dtype, "
                         "else float32)")
-    export.add_argument("--url", default=os.environ.get("GRPO_SERVER_URL", "http://127.0.0.1:8000"),
-                        help="the server (env GRPO_SERVER_URL; default http://127.0.0.1:8000)")
-    export.add_argument("--api-key", default=os.environ.get("GRPO_SERVER_API_KEY"),
-                        help="the admin key or the experiment's (env GRPO_SERVER_API_KEY)")
+    _server_and_key(export, "the admin key or the experiment's")
     export.set_defaults(handler=_cmd_export)
+
+    mcp = commands.add_parser("mcp", help="an MCP server for operators' coding agents, on a running server's API: "
+                              "list experiments, their status, reward curves, metrics and newest rated groups; "
+                              "create, pause and delete with the admin key")
+    _server_and_key(mcp, "the admin key (every tool) or an experiment's (its own experiment, read only)")
+    mcp.add_argument("--transport", choices=["stdio", "streamable-http"], default="stdio",
+                     help="stdio (default: what an agent launches) or streamable HTTP at http://HOST:PORT/mcp, "
+                     "which has no key of its own: whoever reaches it acts with the key")
+    mcp.add_argument("--host", default="127.0.0.1", help="with streamable-http (default 127.0.0.1)")
+    mcp.add_argument("--port", type=int, default=8765, help="with streamable-http (default 8765)")
+    mcp.set_defaults(handler=_cmd_mcp)
 
     model = commands.add_parser("model", help="the embedded model")
     model_commands = model.add_subparsers(dest="model_command", required=True)

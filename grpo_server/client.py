@@ -46,7 +46,8 @@ from typing import Any, Coroutine, Sequence, TypeVar
 import aiohttp
 
 from grpo_server.api_models import (CompletionOut, CompletionsResponse, CreatedExperiment, ExperimentList,
-                                    ExperimentStatus, FeedbackResponse, Health, TokenizeResponse)
+                                    ExperimentStatus, FeedbackResponse, Health, RatedGroup, RatedGroups,
+                                    TokenizeResponse)
 from grpo_server.config import ExperimentConfig
 
 T = TypeVar("T")
@@ -165,6 +166,15 @@ class AsyncClient:
     async def delete_experiment(self, experiment: str) -> None:
         await self._request("DELETE", f"/v1/experiments/{experiment}")
 
+    async def pause_experiment(self, experiment: str) -> ExperimentStatus:
+        """Admin key: stop sampling new groups (503 `experiment_paused`) and training, until `unpause_experiment`;
+        feedback for groups sampled before is still taken. The server keeps the pause across restarts."""
+        return ExperimentStatus.model_validate(await self._request("POST", f"/v1/experiments/{experiment}/pause"))
+
+    async def unpause_experiment(self, experiment: str) -> ExperimentStatus:
+        """Admin key: a paused experiment samples and trains again."""
+        return ExperimentStatus.model_validate(await self._request("POST", f"/v1/experiments/{experiment}/unpause"))
+
     async def complete(self, experiment: str, prompt: str | None = None, *,
                        messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                        **sampling: Any) -> CompletionsResponse:
@@ -252,6 +262,13 @@ class AsyncClient:
         answer = await self._request("GET", f"/v1/experiments/{experiment}/metrics", params=params or None)
         return answer["records"]
 
+    async def rated_groups(self, experiment: str, limit: int | None = None) -> list[RatedGroup]:
+        """The experiment's newest rated groups and episodes, oldest first: their completions' texts (clipped),
+        rewards and advantages (`limit`: 1-32, default 32; the server keeps the newest 32, in memory)."""
+        params = None if limit is None else {"limit": str(limit)}
+        answer = await self._request("GET", f"/v1/experiments/{experiment}/rated", params=params)
+        return RatedGroups.model_validate(answer).groups
+
 
 def _external(completion: ExternalCompletionLike) -> dict:
     """An external completion's wire form: text, token ids, or a dict as the API takes it."""
@@ -308,6 +325,12 @@ class Client:
     def delete_experiment(self, experiment: str) -> None:
         return self._run(self._async.delete_experiment(experiment))
 
+    def pause_experiment(self, experiment: str) -> ExperimentStatus:
+        return self._run(self._async.pause_experiment(experiment))
+
+    def unpause_experiment(self, experiment: str) -> ExperimentStatus:
+        return self._run(self._async.unpause_experiment(experiment))
+
     def complete(self, experiment: str, prompt: str | None = None, **kwargs: Any) -> CompletionsResponse:
         return self._run(self._async.complete(experiment, prompt, **kwargs))
 
@@ -338,3 +361,6 @@ class Client:
 
     def metrics(self, experiment: str, kind: str | None = None, limit: int | None = None) -> list[dict]:
         return self._run(self._async.metrics(experiment, kind, limit))
+
+    def rated_groups(self, experiment: str, limit: int | None = None) -> list[RatedGroup]:
+        return self._run(self._async.rated_groups(experiment, limit))

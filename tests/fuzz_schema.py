@@ -72,6 +72,7 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {  # (path, metho
         "RateExternal": {"operationId": "post_experiments_name_feedback", "parameters": NAME_FROM_BODY},
         "Adapter": {"operationId": "get_experiments_name_adapter", "parameters": NAME_FROM_BODY},
         "Metrics": {"operationId": "get_experiments_name_metrics", "parameters": NAME_FROM_BODY},
+        "Pause": {"operationId": "post_experiments_name_pause", "parameters": NAME_FROM_BODY},
         "ChatComplete": {"operationId": "post_chat_completions", "requestBody": {"model": "$response.body#/name"}},
         "TextComplete": {"operationId": "post_completions", "requestBody": {"model": "$response.body#/name"}},
         "Delete": {"operationId": "delete_experiments_name", "parameters": NAME_FROM_BODY},
@@ -96,6 +97,11 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {  # (path, metho
         "RateAgain": {"operationId": "post_experiments_name_feedback", "parameters": NAME_FROM_PATH,
                       "requestBody": "$request.body"},  # a repeat: 409
         "Complete": {"operationId": "post_experiments_name_completions", "parameters": NAME_FROM_PATH},
+        "Rated": {"operationId": "get_experiments_name_rated", "parameters": NAME_FROM_PATH},
+    },
+    ("/v1/experiments/{name}/pause", "post", "200"): {  # paused: a 503 experiment_paused until the unpause
+        "Complete": {"operationId": "post_experiments_name_completions", "parameters": NAME_FROM_PATH},
+        "Unpause": {"operationId": "post_experiments_name_unpause", "parameters": NAME_FROM_PATH},
     },
     ("/v1/experiments/{name}", "get", "200"): {
         "Delete": {"operationId": "delete_experiments_name", "parameters": NAME_FROM_BODY},
@@ -286,8 +292,11 @@ def check_raw(answer: requests.Response, operation: dict[str, Any]) -> None:
         assert content_type == "application/json", content_type
         body = strict_json(answer.content)
         assert isinstance(body, dict) and set(body) == {"error"}, body
-        assert set(body["error"]) == {"code", "message"}, body
-        assert all(isinstance(v, str) and v for v in body["error"].values()), body
+        shape = operation["responses"][str(status)]["content"]["application/json"]["schema"]["$ref"]
+        openai = shape.endswith("/OpenAIErrorBody")  # the OpenAI-compatible routes: OpenAI's `type` and `param` too
+        assert set(body["error"]) == ({"code", "message", "type", "param"} if openai else {"code", "message"}), body
+        assert all(isinstance(v, str) and v for k, v in body["error"].items() if k != "param"), body
+        assert isinstance(body["error"].get("param"), (str, type(None))), body
     elif content_type == "application/json":
         strict_json(answer.content)
     elif content_type == "text/event-stream":
@@ -362,10 +371,11 @@ def delete_quietly(http: Http, name: str) -> None:
 
 def protect(case: schemathesis.Case, created: Iterable[str] = ()) -> None:
     """Fuzzing never touches the experiments other tests left (schemathesis infers links from the list of
-    experiments, so it finds their names) and never deletes the fuzz target: such a call goes to a name that
-    does not exist instead (valid for valid)."""
+    experiments, so it finds their names) and never deletes or pauses the fuzz target: such a call goes to a name
+    that does not exist instead (valid for valid)."""
     name = (case.path_parameters or {}).get("name")
-    if name in BEFORE or (name == FUZZ_EXP and case.method.upper() == "DELETE" and name not in created):
+    ends_it = case.method.upper() == "DELETE" or case.path.endswith("/pause")  # a paused target samples nothing
+    if name in BEFORE or (name == FUZZ_EXP and ends_it and name not in created):
         case.path_parameters["name"] = "no-such-experiment"
     if isinstance(case.body, dict) and case.body.get("model") in BEFORE:
         case.body["model"] = "no-such-experiment"

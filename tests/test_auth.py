@@ -9,7 +9,7 @@ Expected, from the route's `auth` in `grpo_server/api/route_table.py`:
 - `experiment` (the experiment in the path, or the body's `model` or, on tokenize, `experiment`): its own key
   and the admin key succeed; another experiment's key is a 403, and so is any experiment that does not exist
   (the same answer, so names do not leak); the admin gets 404 for that one;
-- `admin` (create, delete): the admin key only; an experiment's key is a 403.
+- `admin` (create, delete, pause): the admin key only; an experiment's key is a 403.
 Each request has a cheap valid body (n=1, max_tokens=1), so a success is the endpoint's success status.
 """
 
@@ -35,6 +35,7 @@ KEYS = {A: "key-auth-a-3f9c-0d5e", B: "key-auth-b-71d2-9a4b"}  # experiment keys
 WRONG_KEY = "wrong-key-5e01"
 WHO = ("none", "wrong", "other", "own", "admin")
 CHEAP = {"n": 1, "max_tokens": 1}
+ERROR_KEYS = {"plain": {"code", "message"}, "openai": {"code", "message", "type", "param"}}  # route_table.ErrorShape
 _fresh = itertools.count()
 
 
@@ -82,12 +83,15 @@ def test_openapi_document_is_served_without_a_key_and_is_complete(server):
         Draft202012Validator.check_schema(schema)
     assert schemas["ErrorBody"]["properties"]["error"]["$ref"].endswith("/ErrorDetail")
     assert set(schemas["ErrorDetail"]["required"]) == {"code", "message"}
+    assert schemas["OpenAIErrorBody"]["properties"]["error"]["$ref"].endswith("/OpenAIErrorDetail")
+    assert set(schemas["OpenAIErrorDetail"]["required"]) == {"code", "message", "type", "param"}
     for endpoint in ENDPOINTS:
         operation = doc["paths"][endpoint.path][endpoint.method.lower()]
         assert str(endpoint.status) in operation["responses"]
         assert operation["security"] == ([] if endpoint.auth == "public" else [{"bearer": []}])
         errors = [s for s in operation["responses"] if int(s) >= 400]
-        assert all(operation["responses"][s]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+        error_body = "/OpenAIErrorBody" if endpoint.error_shape == "openai" else "/ErrorBody"
+        assert all(operation["responses"][s]["content"]["application/json"]["schema"]["$ref"].endswith(error_body)
                    for s in errors)
         if endpoint.auth != "public":
             assert "401" in errors
@@ -205,7 +209,7 @@ async def test_auth_matrix(api, endpoint: Endpoint, who: str):
     want = expected_status(endpoint, who)
     assert status == want, (endpoint.method, path, who, status, data)
     if status >= 400:
-        assert set(data) == {"error"} and set(data["error"]) == {"code", "message"}, data
+        assert set(data) == {"error"} and set(data["error"]) == ERROR_KEYS[endpoint.error_shape], data
         if status == 401:
             assert data["error"]["code"] == ("missing_key" if who == "none" else "invalid_key")
         if status == 403:
@@ -215,6 +219,8 @@ async def test_auth_matrix(api, endpoint: Endpoint, who: str):
         await api.ok("DELETE", f"/v1/experiments/{body['name']}", status=204)
     if endpoint.method == "DELETE" and status != 204:
         await api.ok("DELETE", path, status=204)
+    if endpoint.operation_id == "post_experiments_name_pause" and status == 200:  # A samples in the other rows
+        await api.ok("POST", path.removesuffix("/pause") + "/unpause")
     if endpoint.operation_id == "get_experiments" and status == 200:
         names = {e["name"] for e in data["experiments"]}
         assert names == ({A, B} if who == "admin" else {A} if who == "own" else {B}), names

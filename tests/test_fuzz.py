@@ -11,9 +11,10 @@ learner) with schemathesis, from the OpenAPI document the server serves (`grpo_s
 
 Properties of every answer (schemathesis's checks, and ours: `strict_answers`): never a 5xx (but a 503 with
 Retry-After, should a worker restart); within the request timeout; a status the document declares for the
-operation; its content type, headers and body as the document says (errors `{"error": {"code", "message"}}`);
-JSON strict (no NaN/Infinity); no call works without a key where one is needed; a deleted experiment is gone
-and a created one is there. Afterwards the server is still healthy and samples as usual.
+operation; its content type, headers and body as the document says (errors `{"error": {"code", "message"}}`, with
+OpenAI's `type` and `param` on the OpenAI-compatible routes); JSON strict (no NaN/Infinity); no call works without
+a key where one is needed; a deleted experiment is gone and a created one is there. Afterwards the server is still
+healthy and samples as usual.
 
 Reproducible (fixed seeds); sampling requests are kept cheap (n and max_tokens at most CHEAP).
 

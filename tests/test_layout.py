@@ -37,6 +37,8 @@ ALLOWED = {
                             "grpo_server.config", "grpo_server.api_models", "grpo_server.trackers"),
     "grpo_server.api": ("grpo_server.api", "grpo_server.runtime", "grpo_server.workers", "grpo_server.protocol",
                         "grpo_server.config", "grpo_server.api_models", "grpo_server.trackers"),
+    # The operators' MCP server is a client of a running server's HTTP API, never a part of its runtime.
+    "grpo_server.mcp": ("grpo_server.mcp", "grpo_server.client", "grpo_server.api_models", "grpo_server.config"),
     "sampler": ("sampler", "grpo_server.protocol"),
     "learner": ("learner", "grpo_server.protocol"),
 }
@@ -84,7 +86,8 @@ def imported_after(module: str) -> set[str]:
     return set(out.split())
 
 
-@pytest.mark.parametrize("module", ["grpo_server.client", "grpo_server.cli", "grpo_server.api.app"])
+@pytest.mark.parametrize("module", ["grpo_server.client", "grpo_server.cli", "grpo_server.api.app",
+                                    "grpo_server.mcp.server"])
 def test_client_and_front_end_import_no_ml_package(module):
     assert not imported_after(module) & {"torch", "vllm", "deepspeed", "transformers", "peft", "sampler", "learner"}
 

@@ -318,7 +318,8 @@ async def test_a_worker_failure_after_the_headers_ends_the_stream_with_an_error_
             fake.release.set()
             data = events(head + await response.read())
     assert [json.loads(d)["choices"][0]["delta"] for d in data[:2]] == [{"role": "assistant", "content": ""}] * 2
-    assert json.loads(data[2]) == {"error": {"code": "worker_error", "message": "sampler-0: out of memory"}}
+    assert json.loads(data[2]) == {"error": {"code": "worker_error", "message": "sampler-0: out of memory",
+                                             "type": "server_error", "param": None}}
     assert len(data) == 3  # no [DONE]
     assert fake.groups.pending_count("held") == 0
     fake.release.clear()

@@ -5,7 +5,8 @@ server (tiny model, real learner with ZeRO-2, HTTP on loopback):
   `getattr(ZeroStageEnum, 'gradients')`, resumes with its optimizer state;
 - an experiment whose checkpoint cannot be read does not stop the server: it is listed as `failed` with the
   reason, its key is told why (503), and an admin restores it once the file is mended, or deletes it;
-- a restored experiment's recent reward is read back from its metrics log, and the demo's summary prints it.
+- a restored experiment's recent reward is read back from its metrics log, and the demo's summary prints it;
+- an experiment an admin paused comes back paused (it samples nothing until unpaused).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ async def test_a_restart_restores_what_it_can_and_holds_the_rest(tiny_model_dir,
                 await admin.create_experiment(_config(name))
             await asyncio.gather(*(train_one_version(admin, name) for name in KEYS))
             before = {name: await admin.status(name) for name in KEYS}
+            assert (await admin.pause_experiment("kept")).paused  # an admin's pause outlasts the restart
     finally:
         stop_server(server)
     assert before["kept"].recent_reward_mean == 0.5  # every group rated (1, 0)
@@ -115,6 +117,13 @@ async def test_a_restart_restores_what_it_can_and_holds_the_rest(tiny_model_dir,
             assert "fresh optimizer" not in server.log_path.read_text()
             assert kept.recent_reward_mean == 0.5, "the recent reward is read back from the metrics log"
             assert "could not be restored" in listed["doomed"].errors[0]
+            assert [n for n, s in listed.items() if s.paused] == ["kept"]
+            try:
+                await admin.complete("kept", prompt="Pick a number")
+                raise AssertionError("a paused experiment sampled after a restart")
+            except GrpoServerError as exc:
+                assert exc.status == 503 and exc.code == "experiment_paused", exc
+            assert not (await admin.unpause_experiment("kept")).paused
             assert "cannot read the checkpoint file" in server.log_path.read_text()  # the log names the file
 
             async with AsyncClient(server.url, KEYS["doomed"]) as tenant:  # its key still authenticates

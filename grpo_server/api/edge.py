@@ -1,5 +1,6 @@
 """The edge every route shares, whatever its API family: the middlewares around each request (every error
-becomes `{"error": {"code", "message"}}` with its status; requests are counted for /metrics), bodies in and out
+becomes `{"error": {"code", "message"}}` with its status, with OpenAI's `type` and `param` besides on the
+OpenAI-compatible routes; requests are counted for /metrics), bodies in and out
 (JSON, or msgpack when the client says so), and keys (the admin key manages everything; an experiment's own
 key reaches that experiment only; keys are compared in constant time and never logged; an address that keeps
 sending unknown keys is slowed down: `auth_limit.py`). A route authorises (`caller`, `require`), parses into a
@@ -20,13 +21,13 @@ from pydantic import BaseModel, ValidationError
 
 from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, BODY_POOL, HTTP_COUNTER, ORCHESTRATOR, RATE_LIMITER,
                                        REFUSAL_PACER)
-from grpo_server.api.route_table import ADMIN_PRINCIPAL, RESOURCE, Endpoint, Principal
+from grpo_server.api.route_table import ADMIN_PRINCIPAL, ERROR_SHAPE, RESOURCE, Endpoint, Principal
 from grpo_server.config import ExperimentConfig
 from grpo_server.protocol import log_context
 from grpo_server.protocol.codec import MSGPACK
 from grpo_server.protocol.log_context import CLIENT_REQUEST_ID, REQUEST_ID_HEADER, bound, new_request_id
 from grpo_server.protocol.errors import (ApiError, BadRequest, Forbidden, PayloadTooLarge, Unauthorized, Unprocessable,
-                                         describe_validation_error)
+                                         describe_validation_error, validation_param)
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def decode_body(raw: bytes, content_type: str, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
+        raise Unprocessable(describe_validation_error(exc), code="invalid_request",
+                            param=validation_param(exc)) from exc
 
 
 def _has_lone_surrogate(data: Any) -> bool:
@@ -128,9 +130,11 @@ def respond(request: web.Request, payload: BaseModel | dict[str, Any], status: i
     return web.json_response(payload, status=status)
 
 
-def error_response(error: ApiError) -> web.Response:
+def error_response(error: ApiError, request: web.Request | None = None) -> web.Response:
+    """`error` as its status and JSON body, in the shape of the route `request` reached (`Endpoint.error_shape`)."""
     headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    openai = request is not None and request.get(ERROR_SHAPE) == "openai"
+    return web.json_response(error.openai_body() if openai else error.body(), status=error.status, headers=headers)
 
 
 # --- middlewares: around every route ------------------------------------------------------------------------
@@ -173,13 +177,13 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc)
+        return error_response(exc, request)
     except web.HTTPRequestEntityTooLarge:
-        return error_response(PayloadTooLarge("request body too large"))
+        return error_response(PayloadTooLarge("request body too large"), request)
     except web.HTTPException as exc:
         if exc.status >= 400:
             response = error_response(ApiError(exc.reason, code=exc.reason.lower().replace(" ", "_"),
-                                               status=exc.status))
+                                               status=exc.status), request)
             if "Allow" in exc.headers:  # a 405 says which methods the route takes (RFC 9110)
                 response.headers["Allow"] = exc.headers["Allow"]
             return response
@@ -188,7 +192,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError("internal error (logged on the server)", code="internal", status=500))
+        return error_response(ApiError("internal error (logged on the server)", code="internal", status=500),
+                              request)
 
 
 # --- keys ---------------------------------------------------------------------------------------------------
@@ -289,6 +294,7 @@ def guarded(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamR
     scoped_by_path = "{name}" in endpoint.path
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        request[ERROR_SHAPE] = endpoint.error_shape  # first: a 401 below is written in the row's shape too
         who = None if auth == "public" else caller(request)
         if who is None:
             return await checked(request, who)

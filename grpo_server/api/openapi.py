@@ -28,9 +28,23 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every 4xx/5xx answer (always JSON, whatever `Accept` says)."""
+    """Every 4xx/5xx answer (always JSON, whatever `Accept` says), but the OpenAI-compatible routes'."""
 
     error: ErrorDetail
+
+
+class OpenAIErrorDetail(ErrorDetail):
+    type: str = Field(description="By status: `invalid_request_error` (4xx), `authentication_error` (401), "
+                                  "`permission_error` (403), `rate_limit_error` (429), `server_error` (5xx).")
+    param: str | None = Field(description="The request field at fault (dotted: `tools.0`, `input.1.content.0`), "
+                                          "or null.")
+
+
+class OpenAIErrorBody(BaseModel):
+    """A 4xx/5xx answer of the OpenAI-compatible routes: OpenAI's error object (the Open Responses spec's
+    `ErrorPayload`)."""
+
+    error: OpenAIErrorDetail
 
 
 _ERROR_TEXT = {
@@ -112,10 +126,11 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
         success["content"] = content
     responses: dict[str, Any] = {str(endpoint.status): success}
     error_text = {**_ERROR_TEXT, **dict(endpoint.error_text)}
+    error_body = OpenAIErrorBody if endpoint.error_shape == "openai" else ErrorBody
     for status in _error_statuses(endpoint):
         responses[str(status)] = {
             "description": error_text[status],
-            "content": {JSON: {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorBody")}}},
+            "content": {JSON: {"schema": {"$ref": REF_TEMPLATE.format(model=error_body.__name__)}}},
             **({"headers": retry_after} if status in (429, 503) else {}),
         }
     operation["responses"] = responses
@@ -141,7 +156,7 @@ def _event_stream(chunk: dict[str, Any], text: str | None = None) -> dict[str, A
         "last; comments (`: ping`) keep the connection alive. The first chunk of each choice goes out as "
         "soon as sampling starts and carries `group_id` (or `episode_id`); the text follows in pieces of a "
         "token when the group is sampled. With `stream_options.include_usage`, a last chunk holds `usage` "
-        "and no choices. An error after the headers is one event `data: {\"error\": {code, message}}`, "
+        "and no choices. An error after the headers is one event `data: {\"error\": {code, message, type, param}}`, "
         "with no `[DONE]` after it; errors before them are plain JSON answers with their status.")},
         "x-event-data": chunk}
 
@@ -150,7 +165,8 @@ def _event_stream(chunk: dict[str, Any], text: str | None = None) -> dict[str, A
 def openapi_document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
     """The document of these routes, built once. Request bodies use the models' validation schema, answers their
     serialization schema (pydantic names the two `-Input` / `-Output` where they differ)."""
-    modes: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [(ErrorBody, "serialization")]
+    modes: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+        (ErrorBody, "serialization"), (OpenAIErrorBody, "serialization")]
     for endpoint in endpoints:
         if endpoint.request is not None:
             modes.append((endpoint.request, "validation"))
@@ -174,7 +190,8 @@ def openapi_document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
             "description": "GRPO as a service: ask for completions, score them, post rewards; the server "
                            "trains a LoRA adapter per experiment. Bodies are JSON, or msgpack with "
                            f"`Content-Type: {MSGPACK}` (and `Accept: {MSGPACK}` for the answer). "
-                           "Errors are `{\"error\": {\"code\", \"message\"}}`.",
+                           "Errors are `{\"error\": {\"code\", \"message\"}}`, with OpenAI's `type` and `param` "
+                           "besides on the OpenAI-compatible routes.",
         },
         "paths": paths,
         "components": {

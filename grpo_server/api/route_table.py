@@ -64,6 +64,11 @@ class Principal:
 
 ADMIN_PRINCIPAL = Principal("admin")
 RESOURCE = "resource"  # request[RESOURCE]: what the row's `resource` resolved (the Tinker rows' model)
+# request[ERROR_SHAPE]: the row's `error_shape`, which the error middleware renders the request's errors in
+ERROR_SHAPE = "error_shape"
+# How a row's errors are written: "plain" `{"error": {"code", "message"}}`, or "openai", OpenAI's error object
+# (`type` and `param` besides: what the openai package and the Open Responses spec read).
+ErrorShape = Literal["plain", "openai"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class Endpoint:
     # before the handler runs: an unknown one or another key's raises its 404 (the Tinker rows' model). The
     # handler reads it in request[RESOURCE].
     resource: Callable[[web.Request, Principal, Any], Any] | None = field(default=None, compare=False)
+    error_shape: ErrorShape = "plain"
 
     @property
     def operation_id(self) -> str:

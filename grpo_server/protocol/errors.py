@@ -7,14 +7,20 @@ import re
 from pydantic import ValidationError
 
 
+# OpenAI's error object has a `type` besides its `code`: the OpenAI-compatible routes give one by status (the
+# statuses not named here: invalid_request_error below 500, server_error from it).
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
 class ApiError(Exception):
-    """An error a client sees as `{"error": {"code", "message"}}` with `status`."""
+    """An error a client sees as `{"error": {"code", "message"}}` with `status`; the OpenAI-compatible routes add
+    `type` and `param` (`openai_body`)."""
 
     status = 400
     code = "bad_request"
 
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
-                 retry_after: float | None = None):
+                 retry_after: float | None = None, param: str | None = None):
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -22,9 +28,16 @@ class ApiError(Exception):
         if status is not None:
             self.status = status
         self.retry_after = retry_after
+        self.param = param  # the request field at fault, where one is (OpenAI's `param`: "tools.0", "top_p")
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message}}
+
+    def openai_body(self) -> dict:
+        """As the OpenAI-compatible routes answer it: OpenAI's error object, which the Open Responses spec's
+        `ErrorPayload` requires whole (`type`, `code`, `message`, `param`)."""
+        kind = "server_error" if self.status >= 500 else _OPENAI_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"code": self.code, "message": self.message, "type": kind, "param": self.param}}
 
 
 class BadRequest(ApiError):
@@ -78,6 +91,12 @@ class WorkerFailed(ApiError):
     client gets a fixed message with an incident id: grpo_server/workers/pool.py)."""
 
     status, code = 502, "worker_error"
+
+
+def validation_param(exc: ValidationError) -> str | None:
+    """The first bad field of a pydantic error, dotted ("input.0.call_id"); None for the body as a whole."""
+    errors = exc.errors()
+    return (".".join(str(p) for p in errors[0]["loc"]) or None) if errors else None
 
 
 def describe_validation_error(exc: ValidationError, most: int = 10) -> str:

@@ -14,7 +14,8 @@ compactions run on a worker thread, one at a time and in sequence order (`append
 an fsync can take seconds, and the event loop serves every other request meanwhile.
 
 Experiment registry: `run_dir/experiments/{name}.json`, the config of every live experiment (with its
-API key, so the file is 0600), so `grpo-server serve` on the same run directory brings them all back.
+API key, so the file is 0600), so `grpo-server serve` on the same run directory brings them all back; beside it
+`{name}.paused` while an admin has paused it, so it comes back paused.
 """
 
 from __future__ import annotations
@@ -243,9 +244,26 @@ class ExperimentRegistry:
         write_atomic(self.root / f"{config.name}.json", json.dumps(body, indent=2).encode(), mode=0o600)
 
     def remove(self, name: str) -> None:
+        # Its pause marker goes too: left behind, it would pause a later experiment of the name at a restart.
+        self._pause_marker(name).unlink(missing_ok=True)
         (self.root / f"{name}.json").unlink(missing_ok=True)
         if self.root.is_dir():
             fsync_dir(self.root)  # or a power cut brings a deleted experiment back at the next start
+
+    def _pause_marker(self, name: str) -> Path:
+        return self.root / f"{name}.paused"
+
+    def set_paused(self, name: str, paused: bool) -> None:
+        """Keep an admin's pause across restarts: an empty file beside the config while it is paused."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if paused:
+            write_atomic(self._pause_marker(name), b"")  # its folder fsynced too
+        else:
+            self._pause_marker(name).unlink(missing_ok=True)
+            fsync_dir(self.root)
+
+    def is_paused(self, name: str) -> bool:
+        return self._pause_marker(name).is_file()
 
     def load_all(self) -> list[ExperimentConfig]:
         """The saved configs that still validate (`load_each` also says why the others do not)."""

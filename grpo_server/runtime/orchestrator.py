@@ -238,6 +238,8 @@ class Orchestrator:
         exp.resume_from(first)
         exp.serve(first.version, first.path)
         await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
+        if start == "restart":  # an admin's pause outlasts a restart; a new or resumed experiment starts unpaused
+            exp.paused = await asyncio.to_thread(self.registry.is_paused, config.name)
         exp.open(trackers)  # its metrics log and trackers
         exp.start_training(TrainingLoop(exp, self.workers, self.config.verify_tolerance, self.config.worker_timeout_s,
                                         self.config.max_loaded_versions, exp.metrics_log, nearest_version=nearest,
@@ -249,6 +251,21 @@ class Orchestrator:
                  config.algorithm.rollout_correction, ", ".join(d or "?" for d in dtypes),
                  "; the learner's steps in bf16 autocast" if learner_autocast else "")
         return self.status(config.name)
+
+    async def set_paused(self, name: str, paused: bool) -> ExperimentStatus:
+        """An admin's pause or unpause (`Experiment.paused`), written to the registry first so that a restart keeps
+        it. Under the lock: a pause that raced a delete could leave its marker behind for a later life of the name."""
+        async with self._lock:
+            exp = self.get(name)
+            try:
+                await asyncio.to_thread(self.registry.set_paused, name, paused)
+            except OSError as exc:  # a full disk: nothing changed, the admin retries
+                raise Unavailable(f"the {'pause' if paused else 'unpause'} could not be recorded "
+                                  f"({exc.strerror or type(exc).__name__}); nothing changed: retry",
+                                  code="registry_write_failed") from exc
+            exp.set_paused(paused)
+        log.info("experiment %s %s by the admin", name, "paused" if paused else "unpaused")
+        return self.status(name)
 
     async def delete(self, name: str) -> None:
         async with self._lock:

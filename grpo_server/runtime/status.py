@@ -45,6 +45,7 @@ def experiment_status(exp: Experiment, pending_groups: int, pending_episodes: in
         errors=[public_message(error) for error in exp.errors],
         config=exp.config.public_dict(),
         trackers=tracker_status(exp.trackers),
+        paused=exp.paused,
     )
 
 

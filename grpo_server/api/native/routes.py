@@ -1,5 +1,6 @@
-"""The native API: experiments, completions, feedback, adapters, their metrics, tokenize, health, /metrics and
-this server's OpenAPI document; the handlers, and `ROUTES`, the table that serves and documents them."""
+"""The native API: experiments (and an admin's pause), completions, feedback, adapters, their metrics and newest
+rated groups, tokenize, health, /metrics and this server's OpenAPI document; the handlers, and `ROUTES`, the table
+that serves and documents them."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from grpo_server.api.edge import respond
 from grpo_server.api.route_table import GZIP, Endpoint, Principal, QueryParameter
 from grpo_server.api_models import (CompletionsRequest, CompletionsResponse, CreatedExperiment, ExperimentList,
                                     ExperimentStatus, FeedbackRequest, FeedbackResponse, Health, NewExperiment,
-                                    TokenizeRequest, TokenizeResponse)
+                                    RatedGroups, TokenizeRequest, TokenizeResponse)
 from grpo_server.protocol.errors import BadRequest, Conflict
 from grpo_server.runtime.metrics_log import KINDS, RECENT_PER_KIND, MetricsHistory
+from grpo_server.runtime.rated import RATED_KEPT
 
 METRICS_LIMIT_DEFAULT = 500
 
@@ -63,6 +65,15 @@ async def get_experiment(request: web.Request, who: Principal | None, body: Any)
 async def delete_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     await request.app[ORCHESTRATOR].delete(request.match_info["name"])
     return web.Response(status=204)
+
+
+async def pause_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    """No new group or episode turn sampled, no batch trained, until unpaused; kept across restarts."""
+    return respond(request, await request.app[ORCHESTRATOR].set_paused(request.match_info["name"], True))
+
+
+async def unpause_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    return respond(request, await request.app[ORCHESTRATOR].set_paused(request.match_info["name"], False))
 
 
 async def restore_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -113,16 +124,29 @@ async def experiment_metrics(request: web.Request, who: Principal | None, body: 
     kind = request.query.get("kind")
     if kind is not None and kind not in KINDS:
         raise BadRequest(f"kind must be one of {', '.join(KINDS)}, got {kind!r}", code="bad_kind")
-    raw_limit = request.query.get("limit", str(METRICS_LIMIT_DEFAULT))
+    limit = _limit(request, METRICS_LIMIT_DEFAULT, RECENT_PER_KIND)
+    records = orchestrator.get(name).metric_records(kind, limit)
+    return respond(request, MetricsHistory(name=name, records=records))
+
+
+async def rated_groups(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    """The experiment's newest rated groups and episodes (runtime/rated.py): what the model wrote, the rewards."""
+    name = request.match_info["name"]
+    experiment = request.app[ORCHESTRATOR].get(name)
+    limit = _limit(request, RATED_KEPT, RATED_KEPT)
+    return respond(request, RatedGroups(name=name, groups=await experiment.rated_groups(limit)))
+
+
+def _limit(request: web.Request, default: int, most: int) -> int:
+    """The `limit` query parameter, from 1 to `most` (`default` if absent); a 400 otherwise."""
+    raw_limit = request.query.get("limit", str(default))
     try:
         limit = int(raw_limit)
     except ValueError:
         limit = 0
-    if not 1 <= limit <= RECENT_PER_KIND:
-        raise BadRequest(f"limit must be an integer from 1 to {RECENT_PER_KIND}, got {raw_limit!r}",
-                         code="bad_limit")
-    records = orchestrator.get(name).metric_records(kind, limit)
-    return respond(request, MetricsHistory(name=name, records=records))
+    if not 1 <= limit <= most:
+        raise BadRequest(f"limit must be an integer from 1 to {most}, got {raw_limit!r}", code="bad_limit")
+    return limit
 
 
 async def openapi(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -145,6 +169,12 @@ METRICS_QUERY = (
     QueryParameter("limit", f"At most this many records, the newest (default {METRICS_LIMIT_DEFAULT})",
                    {"type": "integer", "minimum": 1, "maximum": RECENT_PER_KIND}),
 )
+RATED_QUERY = (QueryParameter("limit", f"At most this many groups, the newest (default and most {RATED_KEPT})",
+                              {"type": "integer", "minimum": 1, "maximum": RATED_KEPT}),)
+COMPLETIONS_503 = ("A worker is down or restarting, or an admin paused the experiment (`experiment_paused`); retry "
+                   "after `Retry-After` seconds")
+PAUSE_503 = ("The pause could not be recorded (`registry_write_failed`: a full disk; nothing changed), or the "
+             "experiment could not be restored at start; retry after `Retry-After` seconds")
 # Feedback writes the journal before it answers 202 (runtime/journal.py): a failed write is a 503 too, and a
 # client must know that retrying it cannot count a reward twice.
 FEEDBACK_503 = ("A worker is down or restarting (a sampler scores external completions), or the feedback journal "
@@ -167,11 +197,17 @@ ROUTES: tuple[Endpoint, ...] = (
     Endpoint("DELETE", EXP, delete_experiment, None, None, 204,
              "Stop serving and training an experiment (its files are archived: a new one of its name starts "
              "afresh)", "admin", (502, 503)),
+    Endpoint("POST", EXP + "/pause", pause_experiment, None, ExperimentStatus, 200,
+             "Pause an experiment: no new group or episode turn is sampled (503 `experiment_paused`) and no batch "
+             "is trained until it is unpaused; feedback for groups sampled before is still taken. Kept across "
+             "restarts", "admin", (503,), error_text=((503, PAUSE_503),)),
+    Endpoint("POST", EXP + "/unpause", unpause_experiment, None, ExperimentStatus, 200,
+             "Unpause an experiment: it samples and trains again", "admin", (503,), error_text=((503, PAUSE_503),)),
     Endpoint("POST", EXP + "/restore", restore_experiment, None, ExperimentStatus, 200,
              "Restore an experiment the server could not restore at start (state 'failed'), from its saved config",
              "admin", (404, 409, 502, 503)),
     Endpoint("POST", EXP + "/completions", completions, CompletionsRequest, CompletionsResponse, 200,
-             "Sample one group of completions", "experiment", (429, 502, 503)),
+             "Sample one group of completions", "experiment", (429, 502, 503), error_text=((503, COMPLETIONS_503),)),
     Endpoint("POST", EXP + "/feedback", feedback, FeedbackRequest, FeedbackResponse, 202,
              "Rewards for a group (or for external completions)", "experiment", (409, 502, 503),
              error_text=((503, FEEDBACK_503),)),
@@ -180,4 +216,7 @@ ROUTES: tuple[Endpoint, ...] = (
     Endpoint("GET", EXP + "/metrics", experiment_metrics, None, MetricsHistory, 200,
              "The experiment's newest metrics records (train steps, pushes, sampling throughput)", "experiment",
              (400,), query=METRICS_QUERY),
+    Endpoint("GET", EXP + "/rated", rated_groups, None, RatedGroups, 200,
+             "The experiment's newest rated groups and episodes: what the model wrote (clipped), the rewards and "
+             f"advantages; in memory only, the newest {RATED_KEPT}", "experiment", (400,), query=RATED_QUERY),
 )

@@ -20,18 +20,21 @@ from grpo_server.api.app_state import ORCHESTRATOR, RESPONSES
 from grpo_server.api.edge import respond
 from grpo_server.api.openai.responses_items import items_to_messages
 from grpo_server.api.openai.responses_models import (LOGPROBS_INCLUDE, Echo, ResponseObject, ResponsesRequest,
-                                                     chat_tool_choice, chat_tools, check_fields, conversation)
+                                                     chat_tool_choice, chat_tools, check_fields, conversation,
+                                                     echoed_tools)
 from grpo_server.api.openai.responses_store import ResponseStore, StoredResponse
 from grpo_server.api.openai.responses_stream import EVENTS_TEXT, ResponseStreamEvent, stream_response
 from grpo_server.api.openai.streaming import id_header
 from grpo_server.api.route_table import Endpoint, Principal
 from grpo_server.api_models import ChatMessage, CompletionsRequest, CompletionsResponse
 from grpo_server.config import ServerConfig
-from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
+from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error, validation_param
 from grpo_server.runtime.chat_render import tool_calling_of
 from grpo_server.runtime.experiment import Experiment
 
 EPISODE_HEADER = "X-Episode-Id"  # as on chat completions (routes.py)
+# Our sampling request's fields that a Responses field of another name becomes: an error names the client's field.
+SAMPLING_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
 def response_store(config: ServerConfig) -> ResponseStore:
@@ -56,20 +59,23 @@ def _sample(body: ResponsesRequest, messages: list[ChatMessage], episode_id: str
     try:  # our bounds (temperature in [0, 2], max tokens >= 1, the episode id's pattern, ...) are 422s
         sample = CompletionsRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
-        raise Unprocessable(describe_validation_error(exc), code="invalid_request") from exc
+        param = validation_param(exc)
+        raise Unprocessable(describe_validation_error(exc), code="invalid_request",
+                            param=SAMPLING_PARAMS.get(param or "", param)) from exc
     tool_calling_of(sample)  # tools_missing / unknown_tool now: in a stream they would come after the headers
     return sample
 
 
 def _echo(body: ResponsesRequest, experiment: Experiment) -> Echo:
     sampling = experiment.config.sampling
-    return Echo(model=body.model, instructions=body.instructions, tools=body.tools or [],
+    return Echo(model=body.model, instructions=body.instructions, tools=echoed_tools(body.tools),
                 tool_choice=body.tool_choice or "auto", parallel_tool_calls=body.parallel_tool_calls is not False,
                 temperature=sampling.temperature if body.temperature is None else body.temperature,
                 top_p=body.top_p or sampling.top_p, max_output_tokens=body.max_output_tokens or sampling.max_tokens,
                 previous_response_id=body.previous_response_id, store=body.store is not False,
                 metadata=body.metadata or {}, user=body.user, truncation=body.truncation or "disabled",
-                logprobs=LOGPROBS_INCLUDE in (body.include or ()))
+                logprobs=LOGPROBS_INCLUDE in (body.include or ()), max_tool_calls=body.max_tool_calls,
+                safety_identifier=body.safety_identifier, prompt_cache_key=body.prompt_cache_key)
 
 
 async def create_response(request: web.Request, who: Principal, body: ResponsesRequest) -> web.StreamResponse:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo_server.api.openai.convert import chat_message
 from grpo_server.api_models import ChatMessage
-from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error
+from grpo_server.protocol.errors import BadRequest, Unprocessable, describe_validation_error, validation_param
 
 
 class _Item(BaseModel):
@@ -58,6 +58,7 @@ class FunctionCallOutputItem(_Item):
 _KINDS: dict[str, type[_Item]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                   "function_call_output": FunctionCallOutputItem}
 _TEXT_PARTS = ("input_text", "output_text", "text")  # "text": what some clients write for input_text
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio", "input_video")
 
 
 class _ChatShape(BaseModel):
@@ -75,9 +76,12 @@ def _text(where: str, content: str | list[dict[str, Any]]) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type")
+        if kind in _MEDIA_PARTS:  # said plainly: the experiment's model is a text model, whatever the part holds
+            raise BadRequest(f"{where}.content.{j}: {kind} parts are not supported: the model reads text only (send "
+                             "input_text parts)", code="unsupported_content", param=f"{where}.content.{j}")
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise BadRequest(f"{where}.content.{j}: only text parts (input_text, output_text) are supported, not "
-                             f"{kind!r}", code="unsupported_content")
+                             f"{kind!r}", code="unsupported_content", param=f"{where}.content.{j}")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -85,16 +89,18 @@ def _text(where: str, content: str | list[dict[str, Any]]) -> str:
 def parse_item(index: int, raw: Any) -> _Item:
     where = f"input.{index}"
     if not isinstance(raw, dict):
-        raise Unprocessable(f"{where}: an item is an object", code="invalid_request")
+        raise Unprocessable(f"{where}: an item is an object", code="invalid_request", param=where)
     kind = raw.get("type", "message" if "role" in raw else None)
     model = _KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise BadRequest(f"{where}: items of type {kind!r} are not supported (only message, function_call and "
-                         "function_call_output)", code="unsupported_item")
+                         "function_call_output)", code="unsupported_item", param=where)
     try:
         return model.model_validate({**raw, "type": kind})
     except ValidationError as exc:
-        raise Unprocessable(f"{where}: {describe_validation_error(exc)}", code="invalid_request") from exc
+        inner = validation_param(exc)
+        raise Unprocessable(f"{where}: {describe_validation_error(exc)}", code="invalid_request",
+                            param=f"{where}.{inner}" if inner else where) from exc
 
 
 def _arguments(item: FunctionCallItem) -> str:

@@ -10,7 +10,8 @@ reason) in the order feedback takes their rewards. A group of one trains nothing
 Unlike chat completions, whose unknown fields are ignored, every top-level field is checked (the Responses
 API is younger and its clients, the openai package and the Agents SDK, send only its own fields): an unknown
 one is a 400 `unknown_parameter`; a known one we cannot honour is a 400 `unsupported_parameter` unless it has
-its neutral value (`FieldRule` below says which is which). Field names follow `openai.types.responses`.
+its neutral value (the lists below say which is which). Field names follow `openai.types.responses`, and an
+answer holds every field the Open Responses spec's `ResponseResource` requires (tests/test_open_responses.py).
 
 No ML imports: the handler passes token strings in (it owns the tokenizer).
 """
@@ -32,7 +33,8 @@ from grpo_server.protocol.errors import BadRequest
 # The request
 # ------------------------------------------------------------------------------------------------
 
-# Known fields accepted whatever their value: hints with no effect on what is sampled here.
+# Known fields accepted whatever their value: hints with no effect on what is sampled here (the answer echoes
+# user, safety_identifier, prompt_cache_key and max_tool_calls; service_tier is answered as the one used, "default").
 IGNORED = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
            "service_tier", "stream_options", "max_tool_calls",  # max_tool_calls counts built-in tools: none here
            "reasoning",  # the model has no reasoning mode (chat ignores reasoning_effort alike)
@@ -41,6 +43,8 @@ IGNORED = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retent
 UNSUPPORTED = {"prompt": "stored prompt templates", "conversation": "the Conversations API (use "
                "previous_response_id)", "background": "background mode", "context_management": "compaction",
                "moderation": "moderation", "access_programs": "access programs", "image": "image input"}
+# Known fields refused unless absent, null or 0: the sampler applies no penalties (as on chat completions).
+PENALTIES = ("presence_penalty", "frequency_penalty")
 FUNCTION_TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -67,6 +71,8 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = Field(None, ge=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     include: list[str] | None = None
     text: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -99,19 +105,24 @@ class ResponsesRequest(BaseModel):
 def check_fields(body: ResponsesRequest) -> None:
     """400 for an unknown field and for a known one we cannot honour (see the module docstring)."""
     if body.model_extra:
-        names = ", ".join(sorted(body.model_extra))
-        raise BadRequest(f"unknown parameter(s): {names} (POST /v1/responses takes the Responses API's fields, "
-                         "docs/guides/responses.md)", code="unknown_parameter")
+        names = sorted(body.model_extra)
+        raise BadRequest(f"unknown parameter(s): {', '.join(names)} (POST /v1/responses takes the Responses API's "
+                         "fields, docs/guides/responses.md)", code="unknown_parameter", param=names[0])
     for name, what in UNSUPPORTED.items():
         if getattr(body, name):
-            raise BadRequest(f"{name} is not supported: this server has no {what}", code="unsupported_parameter")
+            raise BadRequest(f"{name} is not supported: this server has no {what}", code="unsupported_parameter",
+                             param=name)
+    for name in PENALTIES:
+        if getattr(body, name):
+            raise BadRequest(f"{name} is not supported (only 0): the sampler applies no penalties",
+                             code="unsupported_parameter", param=name)
     if body.top_logprobs:
         raise BadRequest("top_logprobs must be 0 or absent: only the sampled token's logprob is available "
-                         f"(include {LOGPROBS_INCLUDE!r})", code="unsupported_parameter")
+                         f"(include {LOGPROBS_INCLUDE!r})", code="unsupported_parameter", param="top_logprobs")
     form = (body.text or {}).get("format") or {"type": "text"}
     if not isinstance(form, dict) or form.get("type") != "text":
         raise BadRequest("text.format is not supported (only {\"type\": \"text\"}): output is not constrained",
-                         code="unsupported_parameter")
+                         code="unsupported_parameter", param="text.format")
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -122,10 +133,12 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind != "function":
-            raise BadRequest(f"tools.{i}: only function tools are supported, not {kind!r}", code="unsupported_tool")
+            raise BadRequest(f"tools.{i}: only function tools are supported, not {kind!r}", code="unsupported_tool",
+                             param=f"tools.{i}")
         extra = sorted(k for k, v in tool.items() if k not in FUNCTION_TOOL_KEYS and v not in (None, False))
         if extra:
-            raise BadRequest(f"tools.{i}: {', '.join(extra)} not supported", code="unsupported_tool")
+            raise BadRequest(f"tools.{i}: {', '.join(extra)} not supported", code="unsupported_tool",
+                             param=f"tools.{i}.{extra[0]}")
         out.append({"type": "function", "function": {k: v for k, v in tool.items()
                                                      if k in FUNCTION_TOOL_KEYS - {"type"} and v is not None}})
     return out
@@ -136,7 +149,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise BadRequest(f"tool_choice {choice!r} is not supported: \"none\", \"auto\", \"required\" or "
-                         "{\"type\": \"function\", \"name\": ...}", code="unsupported_tool_choice")
+                         "{\"type\": \"function\", \"name\": ...}", code="unsupported_tool_choice", param="tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
@@ -146,7 +159,8 @@ def conversation(body: ResponsesRequest, history: list[ChatMessage]) -> tuple[li
     raw = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input or []
     new = items_to_messages(raw)
     if not history and not new:
-        raise BadRequest("input is empty: give text or items (or previous_response_id)", code="empty_input")
+        raise BadRequest("input is empty: give text or items (or previous_response_id)", code="empty_input",
+                         param="input")
     stored = history + new
     system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     return system + stored, stored
@@ -219,6 +233,23 @@ class ResponseError(BaseModel):
     message: str
 
 
+class FunctionTool(BaseModel):
+    """A function tool as the answer echoes it: every key, null where the request left it out (the Open
+    Responses spec requires all five)."""
+
+    type: Literal["function"] = "function"
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def echoed_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    """The request's tools as the answer echoes them (`chat_tools` has refused any other kind, and other keys
+    unless null or false)."""
+    return [FunctionTool(**{key: tool.get(key) for key in FUNCTION_TOOL_KEYS - {"type"}}) for tool in tools or []]
+
+
 class Sample(BaseModel):
     """Ours (with n > 1): one sample of the group, in feedback's order; samples[0] is `output`."""
 
@@ -238,14 +269,22 @@ class ResponseObject(BaseModel):
     model: str
     instructions: str | None
     output: list[OutputItem]
-    tools: list[dict[str, Any]]  # as the request gave them
+    tools: list[FunctionTool]
     tool_choice: str | dict[str, Any]
     parallel_tool_calls: bool
     temperature: float
     top_p: float
+    presence_penalty: float = 0.0  # refused unless 0: the sampler applies none
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0  # refused unless 0: only the sampled token's logprob
     max_output_tokens: int | None
+    max_tool_calls: int | None = None  # echoed: it bounds built-in tools' calls, which there are none of here
     previous_response_id: str | None
     store: bool
+    background: Literal[False] = False  # background: true is refused
+    service_tier: Literal["default"] = "default"  # whatever the request asked: one tier here
+    safety_identifier: str | None = None  # echoed
+    prompt_cache_key: str | None = None  # echoed (vLLM's prefix cache needs no key)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
@@ -287,7 +326,7 @@ class Echo:
 
     model: str
     instructions: str | None
-    tools: list[dict[str, Any]]
+    tools: list[FunctionTool]
     tool_choice: str | dict[str, Any]
     parallel_tool_calls: bool
     temperature: float
@@ -299,6 +338,9 @@ class Echo:
     user: str | None
     truncation: Literal["auto", "disabled"]
     logprobs: bool  # include message.output_text.logprobs
+    max_tool_calls: int | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -309,7 +351,8 @@ class Echo:
             parallel_tool_calls=self.parallel_tool_calls, temperature=self.temperature, top_p=self.top_p,
             max_output_tokens=self.max_output_tokens, previous_response_id=self.previous_response_id,
             store=self.store, metadata=self.metadata, user=self.user, truncation=self.truncation,
-            group_id=group_id, episode_id=episode_id)
+            max_tool_calls=self.max_tool_calls, safety_identifier=self.safety_identifier,
+            prompt_cache_key=self.prompt_cache_key, group_id=group_id, episode_id=episode_id)
 
     def answer(self, result: CompletionsResponse, token_text: Mapping[int, str] | None) -> ResponseObject:
         """The sampled `result` as the response; `token_text` (id -> its string) when logprobs were asked."""

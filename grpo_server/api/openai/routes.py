@@ -11,6 +11,7 @@ the body does (for clients that cannot add body fields); both, and different, is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Callable
@@ -113,7 +114,7 @@ async def get_model(request: web.Request, who: Principal, body: None) -> web.Res
     return respond(request, _model(request.app[ORCHESTRATOR].get(request.match_info["name"])))
 
 
-ROUTES: tuple[Endpoint, ...] = (
+_ROWS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/v1/chat/completions", chat_completions, ChatCompletionRequest, ChatCompletionResponse, 200,
              "OpenAI-compatible chat completions (`model` is the experiment)", "experiment", (429, 502, 503),
              events=ChatCompletionChunk, scope=lambda body: body.model),
@@ -126,3 +127,6 @@ ROUTES: tuple[Endpoint, ...] = (
              "experiment"),
 ) + RESPONSES_ROUTES + VLLM_TOKEN_ROUTES  # POST /v1/responses (responses.py); vLLM's /tokenize and /detokenize
 # (vllm_tokenize.py)
+# The family's errors are OpenAI's error object (`type`, `param`): the openai package reads them, and the Open
+# Responses spec requires them.
+ROUTES: tuple[Endpoint, ...] = tuple(dataclasses.replace(row, error_shape="openai") for row in _ROWS)

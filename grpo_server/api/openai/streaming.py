@@ -15,7 +15,7 @@ answer cut into pieces, not tokens as they are sampled:
   last piece). Tool calls come whole, one `tool_calls` delta per call. A choice's last chunk has its
   `finish_reason`; with `stream_options.include_usage` a last chunk holds `usage` and no choices.
   `policy_version` is on every chunk once known, `prompt_token_ids` on the first chunk after sampling.
-- **Errors after the headers** (a worker failed) end the stream with `data: {"error": {code, message}}`,
+- **Errors after the headers** (a worker failed) end the stream with `data: {"error": {code, message, type, param}}`,
   which the `openai` package raises as `APIError`; no `[DONE]` follows.
 - **A client that leaves** is noticed when a chunk fails to go out (nothing is written while the sampler
   works, and the sampler cannot be stopped mid-request anyway). Once its group is sampled, the group is
@@ -303,11 +303,11 @@ async def stream_group(request: web.Request, experiment: Experiment, sample: Com
         except (ConnectionError, TimeoutError):
             pass  # the client left, or stopped reading (aiohttp_sse's send timeout): dropped below
         except ApiError as exc:  # a worker failed after the headers went out
-            await _send_quietly(sse, json.dumps(exc.body()))
+            await _send_quietly(sse, json.dumps(exc.openai_body()))
         except Exception:
             log.exception("%s: streaming %s failed", experiment.name, framing.id)
             await _send_quietly(sse, json.dumps(ApiError("internal error (logged on the server)",
-                                                         code="internal", status=500).body()))
+                                                         code="internal", status=500).openai_body()))
         finally:
             await _cancel(sampling)
             if not delivered:  # its id is this stream's alone; an episode's newest turn only if it is ours

@@ -69,6 +69,7 @@ class FeedbackVerbs:
 
         await asyncio.shield(self._accept(rated, request.rewards, advantages, skipped, put_back=put_back))
         self.counters.completions_external += len(rated.completions) - len(group.completions)
+        self.rated.group(rated, request.rewards, advantages, skipped, external=request.group_id is None)
         return FeedbackResponse(group_id=group.group_id, scored_version=scored_version,
                                 external_logprobs=external_logprobs, skipped=skipped)
 
@@ -83,6 +84,7 @@ class FeedbackVerbs:
         await asyncio.shield(self._accept(group, request.rewards, advantages, skipped,
                                           put_back=lambda: self.episodes.put_back(self.name, episodes)))
         self.counters.episodes_rated += len(episodes)
+        self.rated.episodes(group, episodes, request.rewards, advantages, skipped)
         return FeedbackResponse(group_id=group.group_id, skipped=skipped)
 
     async def _accept(self, group: Group, rewards: list[float], advantages: list[float], skipped: str | None,
@@ -120,8 +122,9 @@ class FeedbackVerbs:
 
     def batch_ready(self, size: int) -> bool:
         """A batch of `size` fresh groups can be taken, and no Tinker gradients wait for their optim_step. One rule
-        for both kinds of step: neither fails the other, and each waits its turn in this queue."""
-        return self.drop_stale() >= size and not self.gradients_pending
+        for both kinds of step: neither fails the other, and each waits its turn in this queue. Never while an admin
+        has paused the experiment: its queue waits for the unpause."""
+        return not self.paused and self.drop_stale() >= size and not self.gradients_pending
 
     async def queue_grew(self, timeout_s: float) -> bool:
         """Wait until a group is queued, the queue is rebuilt or pending gradients are applied; False after

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Coroutine, Protocol
 
-from grpo_server.api_models import ExperimentCounters, VerificationResult
+from grpo_server.api_models import ExperimentCounters, RatedGroup, VerificationResult
 from grpo_server.config import ExperimentConfig, ServerConfig
 from grpo_server.protocol.wire import AdapterRef, VersionProbe
 from grpo_server.runtime.episodes import EpisodeStore
@@ -35,6 +35,7 @@ from grpo_server.runtime.experiment.versions import VersionVerbs
 from grpo_server.runtime.groups import Group, GroupStore
 from grpo_server.runtime.journal import FeedbackJournal
 from grpo_server.runtime.metrics_log import MetricsLog, metrics_log_path
+from grpo_server.runtime.rated import RatedLog
 from grpo_server.runtime.tasks import OwnedTasks
 from grpo_server.runtime.token_budget import TokenBudget
 
@@ -103,6 +104,10 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
     # pruning (runtime/training.py prune_versions) while named, however old. Counted: names come and go apiece.
     named_versions: Counter = field(default_factory=Counter)
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS_SHOWN))
+    # An admin's pause (the orchestrator's `set_paused`, which also keeps it across restarts): no new group or
+    # episode turn is sampled (sampling.py) and no batch is taken (feedback.py `batch_ready`).
+    paused: bool = False
+    rated: RatedLog = field(default_factory=RatedLog)  # its newest rated groups, for GET .../rated
     training_task: asyncio.Task | None = None
     # What it builds and holds (`open`): its training loop (with its version checks), metrics log and trackers.
     training: Training | None = None
@@ -146,6 +151,17 @@ class Experiment(SamplingVerbs, FeedbackVerbs, VersionVerbs, LearnerVerbs):
                                       server.run_dir, step=self.step)
         self.metrics_log = MetricsLog(metrics_log_path(server.run_dir, self.name), feed=self.trackers.feed)
         self.recall_rewards(self.metrics_log.recent_group_rewards(RECENT_GROUPS))  # it survives a restart
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause or unpause it; an unpaused training loop looks at its queue again at once."""
+        self.paused = paused
+        if not paused:
+            self.queue_changed.set()
+
+    async def rated_groups(self, limit: int) -> list[RatedGroup]:
+        """Its newest `limit` rated groups, oldest first, their token tails decoded off the event loop."""
+        entries = self.rated.newest(limit)
+        return await self.prompts.off_loop(lambda: [entry.shown(self.prompts.decode) for entry in entries])
 
     def metric_records(self, kind: str | None, limit: int) -> list[dict[str, Any]]:
         """Its metrics log's newest records (of `kind`, or all)."""

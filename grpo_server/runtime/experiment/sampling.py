@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from grpo_server.api_models import CompletionOut, CompletionsRequest, CompletionsResponse
 from grpo_server.protocol import log_context
-from grpo_server.protocol.errors import TooManyRequests, Unprocessable
+from grpo_server.protocol.errors import TooManyRequests, Unavailable, Unprocessable
 from grpo_server.protocol.wire import GenerateRequest, GenerateResponse, ScoreRequest
 from grpo_server.runtime.chat_render import tool_calling_of
 from grpo_server.runtime.groups import Group
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from grpo_server.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
+
+PAUSED_RETRY_AFTER_S = 30.0  # a pause is an operator's, for minutes or more: clients need not ask often
 
 
 class SamplingVerbs:
@@ -33,7 +35,12 @@ class SamplingVerbs:
         A stream (api/openai/streaming.py) names the group first (`group_id`) and starts once `admitted` is set.
         Requests admitted count from here to their end (tokenising included): their groups reach the queue
         later, and admitting more while the queue looks short only makes groups that go stale. An episode's
-        later turns are work already admitted: held back, its earlier turns would be lost."""
+        later turns are work already admitted: held back, its earlier turns would be lost. A paused experiment
+        samples nothing: a 503 whose Retry-After makes a client's loop wait for the unpause rather than fail."""
+        if self.paused:
+            raise Unavailable(f"experiment {self.name!r} is paused by an admin: it samples and trains again once "
+                              f"unpaused (POST /v1/experiments/{self.name}/unpause)", code="experiment_paused",
+                              retry_after=PAUSED_RETRY_AFTER_S)
         backlog = self.server.max_queued_batches * self.config.algorithm.batch_groups
         in_pipeline = len(self.queue) + self.sampling_requests
         if in_pipeline >= backlog and not self.episodes.started(self.name, request.episode_id):
