@@ -92,10 +92,38 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", compile_s
     """`grpo-server serve` on `model_dir`, with the tests' settings and `overrides` (top-level fields). vLLM runs
     eager unless `compile_sampler` or the sampler settings say otherwise: compiling costs every sampler start
     seconds (tests/conftest.py's `sampler_vllm` runs the compiled default; the benchmarks compile, as users do)."""
-    port = free_port()
+    config = server_config(run_dir, model_dir, engine, compile_sampler, **overrides)
+    port = config["port"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "server.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = run_dir / "server.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "grpo_server.cli", "serve", "--config", str(config_path)],
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    scheme = "https" if config.get("tls_certfile") else "http"
+    handle = ServerHandle(f"{scheme}://127.0.0.1:{port}", ADMIN_KEY, run_dir, process, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{handle.log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return handle
+        except OSError:
+            time.sleep(0.1)  # the port opens once the workers are healthy: each start waited half a second more
+    stop_server(handle)
+    raise TimeoutError(f"server not up after {STARTUP_TIMEOUT_S} s:\n{handle.log_tail()}")
+
+
+def server_config(run_dir: Path, model_dir: Path, engine: str = "vllm", compile_sampler: bool = False,
+                  **overrides) -> dict:
+    """The server.yaml `start_server` writes: the tests' settings on a free port, and `overrides`."""
     config = {
         "model": str(model_dir),
-        "port": port,
+        "port": free_port(),
         "run_dir": str(run_dir),
         "api_key": ADMIN_KEY,
         "max_model_len": 512,
@@ -119,28 +147,7 @@ def start_server(run_dir: Path, model_dir: Path, engine: str = "vllm", compile_s
     # lone_after_s 5 (default 60): the tests run one experiment after another, each meant alone (merged) once the
     # one before is done, not through LoRA for a minute after it.
     config["sampler"] = {"compile": compile_sampler, "lone_after_s": 5.0, **config["sampler"]}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "server.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = run_dir / "server.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "grpo_server.cli", "serve", "--config", str(config_path)],
-            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-    scheme = "https" if config.get("tls_certfile") else "http"
-    handle = ServerHandle(f"{scheme}://127.0.0.1:{port}", ADMIN_KEY, run_dir, process, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{handle.log_tail()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return handle
-        except OSError:
-            time.sleep(0.1)  # the port opens once the workers are healthy: each start waited half a second more
-    stop_server(handle)
-    raise TimeoutError(f"server not up after {STARTUP_TIMEOUT_S} s:\n{handle.log_tail()}")
+    return config
 
 
 def stop_server(handle: ServerHandle) -> int:

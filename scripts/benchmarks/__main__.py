@@ -51,9 +51,9 @@ SmolLM2-135M-Instruct (grpo_server.workers.model_prep.resolve_model), in this or
    completion tok/s, each tenant's p50 / p95, cold vs warm first completion of long idle experiments, push and step
    seconds, the learner's page-ins, RSS of each process, disk per experiment, errors; then `vllm serve
    --enable-lora` with the last level's adapters under the same load (tenants.py).
-9. chaos (only when asked: `--only chaos`; a server of its own, 30 minutes, quick 5): the chaos soak, faults of every
-   kind under load from every API family, and its invariant checker's counts (chaos.py; `scripts/chaos` runs it
-   alone, with a seed of your choice).
+9. chaos (only when asked: `--only chaos`; a server of its own over two hosts, 30 minutes, quick 5): the chaos
+   soak, faults of every kind under load from every API family, and its invariant checker's counts (chaos.py;
+   `scripts/chaos --two-hosts` runs it alone, with a seed of your choice).
 
 Writes every figure to --out (JSON) and the summary table (table.py) into BENCHMARKS.md between
 `<!-- bench:start -->` and `<!-- bench:end -->` (a rerun replaces it); each extra figure (6-9, fairness) into a
@@ -217,8 +217,10 @@ async def run_all(mode: Mode, only: set[str], results: dict) -> None:
                                                                levels=mode.tn_levels, active=mode.tn_active,
                                                                window_s=mode.tn_window_s))
     if "chaos" in only:
+        # Over two hosts (chaos_hosts.py), where the machine can make the second: every kind, partitions between
+        # hosts among them; the suite's soak (tests/test_chaos.py) runs the one-host server.
         await figure(results, "chaos", chaos_figure(model_dir, CHAOS_SEED, mode.chaos_minutes, CHAOS_GAP_S,
-                                                    results["meta"]["keep"]))
+                                                    results["meta"]["keep"], two_hosts=True))
     if "end_to_end" in only:
         if mode.end_to_end:
             await figure(results, "end_to_end", end_to_end_figure(model_dir, mode, results["meta"]["keep"]))

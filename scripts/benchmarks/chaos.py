@@ -1,8 +1,9 @@
 """The chaos soak (issue 60): one seed's schedule of faults against a real server while clients of every API family
 load it, then an invariant checker over what the clients were answered and what the server holds.
 
-    scripts/chaos --seed 7 --minutes 3 --tiny        # the CI soak's shape (tests/test_chaos.py, GRPO_CHAOS_SOAK=1)
+    scripts/chaos --seed 7 --minutes 3 --tiny        # the CI soak's shape (tests/test_chaos.py)
     scripts/chaos --seed 7                           # the long soak (30 minutes) on the embedded SmolLM2
+    scripts/chaos --seed 7 --two-hosts               # the server over two hosts (chaos_hosts.py), partitioned
     scripts/bench --only chaos                       # the long soak as a benchmark figure (its table)
 
 Phases: the server starts (on a tmpfs of its own where `disk_full` can be injected, with the fsync shim preloaded
@@ -37,7 +38,9 @@ from pathlib import Path
 from grpo_server.client import AsyncClient, GrpoServerError
 
 from .chaos_check import answers_by_family, breaking_history, check
-from .chaos_faults import KINDS, NOT_INJECTED, PARTITIONS, ChaosServer, DiskFiller, Injector, Partition, SlowDisk
+from .chaos_faults import (BETWEEN_HOSTS, KINDS, NOT_INJECTED, NOT_INJECTED_TWO_HOSTS, PARTITIONS, TWO_HOST_KINDS,
+                           ChaosServer, DiskFiller, Injector, Partition, SlowDisk)
+from .chaos_hosts import HostB, TwoHosts
 from .chaos_load import MAX_TOKENS, N, History, Load
 
 SEED = 1  # the benchmark's soak (scripts/bench --only chaos)
@@ -131,18 +134,25 @@ async def _one_more_step(server: ChaosServer, admin_key: str, history: History) 
 
 
 async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, float], work_dir: Path,
-               tinker: bool = True, kinds: tuple[str, ...] = KINDS, keep: bool = False,
-               worker_timeout_s: float = WORKER_TIMEOUT_S, pause_s: float = PAUSE_S, disk_mib: int = DISK_MIB) -> dict:
+               tinker: bool = True, kinds: tuple[str, ...] | None = None, keep: bool = False,
+               worker_timeout_s: float = WORKER_TIMEOUT_S, pause_s: float = PAUSE_S, disk_mib: int = DISK_MIB,
+               two_hosts: bool = False) -> dict:
     """The whole soak in `work_dir` (its run directory there, on a tmpfs where one can be mounted; with `keep`,
-    copied to `work_dir/run-kept` before the tmpfs goes)."""
+    copied to `work_dir/run-kept` before the tmpfs goes). `two_hosts`: the server split over two hosts
+    (chaos_hosts.py), where this machine can make a second one; else on one, and the result says why."""
     from tests.serving import ADMIN_KEY
 
     run_dir = work_dir / "run"
+    no_second_host = HostB.available() if two_hosts else None
+    two_hosts = two_hosts and no_second_host is None
+    kinds = kinds or (TWO_HOST_KINDS if two_hosts else KINDS)
     # What this machine lets the harness do (as root: a filesystem of its own, iptables; a C compiler): the kinds it
     # cannot inject are left out, and the result says why.
     why_not = {kind: why for kind, why in (("disk_full", DiskFiller.available()), ("slow_disk", SlowDisk.available()),
                                            *((kind, Partition.available()) for kind in PARTITIONS))
                if kind in kinds and why is not None}
+    if no_second_host is not None:
+        why_not[BETWEEN_HOSTS] = no_second_host
     kinds = tuple(k for k in kinds if k not in why_not)
     disk = DiskFiller(run_dir, disk_mib) if "disk_full" in kinds else None
     slow_disk = SlowDisk(work_dir) if "slow_disk" in kinds else None
@@ -154,8 +164,9 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
     try:
         if slow_disk is not None:  # the server's processes inherit the shim (and nothing else of this one's)
             os.environ.update(slow_disk.env())
-        server = ChaosServer(run_dir, model_dir, worker_timeout_s=worker_timeout_s, max_pending_groups=256,
-                             group_ttl_s=120)
+        topology = TwoHosts if two_hosts else ChaosServer
+        server = topology(run_dir, model_dir, worker_timeout_s=worker_timeout_s, max_pending_groups=256,
+                          group_ttl_s=120)
         await _create(server, ADMIN_KEY)
         stop, watching = asyncio.Event(), asyncio.Event()
         versions: dict[str, list] = defaultdict(list)
@@ -188,8 +199,10 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         fault_dicts = [asdict(f) for f in faults]
         invariants = check(history.records, run_dir, fault_dicts, versions,
                            [s["rss_mib"] for s in samples[1:] if s["rss_mib"] is not None], load.archived_ledgers)
+        not_injected = {**(NOT_INJECTED_TWO_HOSTS if two_hosts else NOT_INJECTED), **why_not}
         result = _result(seed, minutes, history, fault_dicts, invariants, samples[1:], final_steps, exit_code,
-                         recovered, why_not, kinds, time.monotonic() - started, load.churned)
+                         recovered, not_injected, kinds, time.monotonic() - started, load.churned)
+        result["topology"] = "two hosts" if two_hosts else "one host"
         if not result["met"]:
             result["failing_seed"] = seed
             result["breaking_history"] = breaking_history(invariants, history.records)
@@ -200,7 +213,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         os.environ.update(environ)
         if partition is not None:
             partition.heal()
-        if server is not None and server.handle.process.poll() is None:
+        if server is not None and server.running():
             await asyncio.to_thread(server.stop)
         if disk is not None:
             for log in [run_dir / "server.log", *run_dir.glob("logs/*.log")]:  # what happened, after the tmpfs goes
@@ -210,7 +223,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
             disk.unmount()
 
 
-def _result(seed, minutes, history, faults, invariants, samples, final_steps, exit_code, recovered, why_not,
+def _result(seed, minutes, history, faults, invariants, samples, final_steps, exit_code, recovered, not_injected,
             kinds, took_s, churned) -> dict:
     by_kind: dict[str, list] = defaultdict(list)
     for f in faults:
@@ -236,7 +249,7 @@ def _result(seed, minutes, history, faults, invariants, samples, final_steps, ex
                                       "recovery_p95_s": _percentile([f["recovered_s"] for f in fs
                                                                      if f["recovered_s"] is not None], 0.95)}
                                for kind, fs in sorted(by_kind.items())},
-                   "not_injected": {**NOT_INJECTED, **why_not},
+                   "not_injected": not_injected,
                    "schedule": faults},
         "requests": answers_by_family(history.records),
         "invariants": invariants,
@@ -254,9 +267,10 @@ def _result(seed, minutes, history, faults, invariants, samples, final_steps, ex
 
 
 async def figure(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, float], keep: bool = False,
-                 tinker: bool = True, disk_mib: int = DISK_MIB) -> dict:
+                 tinker: bool = True, disk_mib: int = DISK_MIB, two_hosts: bool = False) -> dict:
     work_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
-    result = await soak(model_dir, seed, minutes, gap_s, work_dir, tinker, keep=keep, disk_mib=disk_mib)
+    result = await soak(model_dir, seed, minutes, gap_s, work_dir, tinker, keep=keep, disk_mib=disk_mib,
+                        two_hosts=two_hosts)
     keep = keep or not result["met"]  # a failing run's history and logs stay, for its seed's replay
     if not keep:
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -270,6 +284,9 @@ def main() -> None:
     parser.add_argument("--gap", type=float, nargs=2, default=GAP_S, metavar=("MIN_S", "MAX_S"),
                         help="seconds between one fault's recovery and the next fault (uniform)")
     parser.add_argument("--no-tinker", action="store_true", help="leave the Tinker client out")
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="the server split over two hosts, the sampler on a network namespace of its own "
+                             "(chaos_hosts.py), with partitions between the hosts")
     from .server import standalone, standalone_options
 
     standalone_options(parser, sampler=False)
@@ -279,7 +296,7 @@ def main() -> None:
 
     model_dir, _ = standalone(args, "chaos")
     result = asyncio.run(figure(model_dir, args.seed, args.minutes, tuple(args.gap), args.keep, not args.no_tinker,
-                                TINY_DISK_MIB if args.tiny else DISK_MIB))
+                                TINY_DISK_MIB if args.tiny else DISK_MIB, args.two_hosts))
     print_result({"model": str(model_dir), **result}, args.out)
     raise SystemExit(0 if result["met"] else 1)
 

@@ -14,7 +14,9 @@ Faults (`KINDS`), each followed by a wait until the server says every worker is 
   preloaded into them, chaos_slow_fsync.c, built here with the C compiler; without one, left out);
 - `partition_learner`, `partition_sampler`: the front end cut off from a worker for longer than `worker_timeout_s`,
   every packet to and from the worker's port dropped (`Partition`: iptables rules on loopback, as root; elsewhere
-  left out). One host: the two-host topology in network namespaces is not part of this harness.
+  left out);
+- `partition_between_hosts`, on the two-host topology only (chaos_hosts.py: the sampler on a second host, a
+  network namespace), which takes `partition_sampler`'s place: host B's link goes silent for a while.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from .host import rss_mib
 
 KILLS = ("kill_sampler", "kill_learner", "kill_front_end")
 PAUSES = ("pause_sampler", "pause_learner")
-PARTITIONS = ("partition_sampler", "partition_learner")
-KINDS = KILLS + PAUSES + ("disk_full", "slow_disk") + PARTITIONS
-NOT_INJECTED = {"partition_between_hosts": "the two-host topology in network namespaces is not part of this harness: "
-                                           "its partitions cut a worker's port on one host"}
+PARTITIONS = ("partition_sampler", "partition_learner")  # a worker's port cut on loopback (one host)
+BETWEEN_HOSTS = "partition_between_hosts"  # host B's link cut (chaos_hosts.py: the two-host topology)
+KINDS = KILLS + PAUSES + ("disk_full", "slow_disk") + PARTITIONS  # one host
+# Two hosts: the sampler is on host B, cut off by the partition between hosts rather than on loopback.
+TWO_HOST_KINDS = KILLS + PAUSES + ("disk_full", "slow_disk", "partition_learner", BETWEEN_HOSTS)
+NOT_INJECTED = {BETWEEN_HOSTS: "one host: `scripts/chaos --two-hosts` runs the two-host topology"}
+NOT_INJECTED_TWO_HOSTS = {"partition_sampler": f"two hosts: the sampler is on host B, cut off by {BETWEEN_HOSTS}"}
 RECOVERY_TIMEOUT_S = 600.0
 SLOW_FSYNC_MS = 2000
 SHIM = Path(__file__).with_name("chaos_slow_fsync.c")
@@ -109,6 +114,9 @@ class ChaosServer:
                 return time.monotonic() - started
             time.sleep(0.2)
         raise TimeoutError(f"the server was not healthy again after {timeout_s:.0f} s:\n{self.handle.log_tail()}")
+
+    def running(self) -> bool:
+        return self.handle.process.poll() is None
 
     def stop(self) -> int:
         from tests.serving import stop_server
@@ -286,6 +294,14 @@ class Injector:
             self.rng.shuffle(self._cycle)
         return self._cycle.pop()
 
+    def _until_noticed(self, timeout_s: float = 15.0) -> None:
+        """After a kill, until the front end's health says so (at once for a worker it supervises; a remote one
+        is noticed after a few missed polls), so that the recovery measured after it is the restart's."""
+        deadline = time.monotonic() + timeout_s
+        time.sleep(0.5)
+        while time.monotonic() < deadline and self.server.healthy():
+            time.sleep(0.2)
+
     def inject(self, kind: str, at_s: float) -> Fault:
         """The fault, then the wait for recovery (blocking: call it on a thread)."""
         fault = Fault(kind, at_s)
@@ -305,7 +321,7 @@ class Injector:
                     return fault
                 if kind.startswith("kill"):
                     os.killpg(pid, signal.SIGKILL)
-                    time.sleep(1.0)  # the front end sees it gone before the health check below can pass
+                    self._until_noticed()
                 else:
                     os.killpg(pid, signal.SIGSTOP)
                     time.sleep(self.pause_s)
@@ -321,6 +337,9 @@ class Injector:
                 time.sleep(self.full_s * 2)
                 self.slow_disk.fast()
                 fault.held_s = self.full_s * 2
+            elif kind == BETWEEN_HOSTS:
+                server.partition(self.pause_s)
+                fault.held_s = self.pause_s
             elif kind in PARTITIONS:
                 port = worker_port(server.run_dir, kind.split("_")[1])
                 if port is None:
