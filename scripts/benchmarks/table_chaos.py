@@ -27,7 +27,8 @@ def chaos_block(meta: dict, ch: dict) -> list[str]:
     faults, inv = ch["faults"], ch["invariants"]
     fb = inv["feedback"]
     lines = [*_run_line(meta), "",
-             f"Chaos soak: seed {ch['seed']}, {ch['minutes']:g} minutes of load, {faults['total']} faults. Verdict: "
+             f"Chaos soak: seed {ch['seed']}, {ch['minutes']:g} minutes of load, {faults['total']} faults, the "
+             f"server on {ch.get('topology', 'one host')}. Verdict: "
              + ("**met**" if ch["met"] else "**missed**: " + ", ".join(k for k, ok in ch["checks"].items() if not ok))
              + f". Feedback acknowledged: {fb['acknowledged']} ({fb['of_deleted_experiments']} to experiments deleted "
              f"later), answers lost to a fault: {fb['unknown']}, groups trained: {fb['trained']}, passed over: "
