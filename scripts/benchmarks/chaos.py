@@ -8,8 +8,8 @@ load it, then an invariant checker over what the clients were answered and what 
 
 Phases: the server starts (on a tmpfs of its own where `disk_full` can be injected, with the fsync shim preloaded
 where `slow_disk` can: chaos_faults.py); the
-experiments are created; the load (chaos_load.py) runs for `--minutes` while the injector (chaos_faults.py) injects
-a fault every `--gap` seconds and waits for recovery. Then the load stops, the server must be healthy, every
+experiments are created; the load (chaos_load.py) runs for `--minutes` (longer if needed for every kind to come up
+once) while the injector (chaos_faults.py) injects a fault every `--gap` seconds and waits for recovery. Then the load stops, the server must be healthy, every
 experiment must still train one more step (its last groups trained or passed over), and the server is stopped
 cleanly, which checkpoints every step taken (and so writes every ledger line). The checker (chaos_check.py) then
 reads the history, the ledgers and the metrics logs.
@@ -179,9 +179,16 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         watcher = asyncio.create_task(_watch(server, watching, versions, samples, run_dir, ADMIN_KEY))
         loading = asyncio.create_task(load.run())
         end = samples[0]["t0"] + minutes * 60
-        while time.monotonic() < end:
-            await asyncio.sleep(min(injector.next_gap(), max(0.0, end - time.monotonic())))
-            if time.monotonic() >= end:
+
+        def more() -> bool:
+            """Until `minutes` have passed and every kind came up once: a short soak whose recoveries ran long
+            would otherwise end before its cycle of kinds did."""
+            return time.monotonic() < end or len({f.kind for f in faults}) < len(kinds)
+
+        while more():
+            gap = injector.next_gap()
+            await asyncio.sleep(gap if time.monotonic() >= end else min(gap, end - time.monotonic()))
+            if not more():
                 break
             kind = injector.next_kind()
             print(f"[chaos] {time.monotonic() - samples[0]['t0']:.0f} s: {kind}", flush=True)
