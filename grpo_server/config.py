@@ -303,6 +303,10 @@ class ServerConfig(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=2**32, description="Largest request body accepted.")
     max_experiments: int = Field(64, ge=1, le=4096, description=(
         "Most experiments at once (each holds an adapter and its optimizer in the learner)."))
+    archives_kept: int = Field(32, ge=0, le=100_000, description=(
+        "Deleted experiments' archives (run_dir/archive/: their adapter versions, checkpoints, journals and "
+        "metrics) kept, the newest; at each delete the older ones are removed for good, so that a server whose "
+        "experiments come and go keeps a bounded disk. `resume: true` brings back a kept one only; 0 keeps none."))
     max_n: int = Field(64, ge=1, le=256, description="Largest group (n) one request may ask for.")
     max_tokens: int = Field(4096, ge=1, le=1_048_576, description="Largest max_tokens one request may ask for.")
     max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT, description=(

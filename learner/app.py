@@ -76,8 +76,14 @@ class LearnerHandler:
         if req.label is None:
             raise BadRequest("archive_experiment needs the label to archive under")
         label = archive.check_label(req.name, req.label)
-        return await self._run(self._move, req.name, lambda entries: Archived(
-            label=label if archive.move_out(self.run_dir, label, entries) else None))
+
+        def move_out(entries: dict[str, Path]) -> Archived:
+            moved = archive.move_out(self.run_dir, label, entries)
+            if req.keep is not None:
+                archive.prune(self.run_dir, req.keep)
+            return Archived(label=label if moved else None)
+
+        return await self._run(self._move, req.name, move_out)
 
     async def restore_experiment(self, req: ArchiveRequest) -> Archived:
         def restore(entries: dict[str, Path]) -> Archived:

@@ -62,6 +62,18 @@ def test_move_out_and_back(tmp_path):
     assert archive.newest(tmp_path, "exp", entries) == second
 
 
+def test_prune_keeps_the_newest_archives_of_any_name(tmp_path):
+    made = [archive.new_label(name) for name in ("a", "b", "a", "c", "b")]  # in time order
+    for label in made:
+        (archive.folder(tmp_path, label) / "adapters").mkdir(parents=True)
+    (tmp_path / archive.ROOT / "not-an-archive").mkdir()
+    assert archive.prune(tmp_path, 3) == made[:2]  # the oldest two, whatever their names
+    assert sorted(p.name for p in (tmp_path / archive.ROOT).iterdir()) == sorted([*made[2:], "not-an-archive"])
+    assert archive.prune(tmp_path, 3) == []
+    assert archive.prune(tmp_path, 0) == made[2:] and archive.labels(tmp_path, "a") == []
+    assert archive.prune(tmp_path / "nothing-here", 1) == []
+
+
 class _Trainer:
     """What LearnerHandler asks of a trainer to move files: which experiments it holds."""
 
@@ -95,6 +107,14 @@ async def test_learner_archives_and_restores_its_own_files(handler, tmp_path):
     assert (live.label, live.live) == (None, True)  # files never archived resume as they are
     nothing = await handler.restore_experiment(ArchiveRequest(name="other"))
     assert (nothing.label, nothing.live) == (None, False)
+
+    # With `keep` (the server's archives_kept), the archives beyond the newest go after the move, whatever names.
+    older = archive.new_label("old")
+    (archive.folder(tmp_path, older) / "adapters").mkdir(parents=True)
+    _files(tmp_path, "exp2", "life-1")
+    kept = await handler.archive_experiment(ArchiveRequest(name="exp2", label=archive.new_label("exp2"), keep=1))
+    assert kept.label is not None and archive.labels(tmp_path, "exp2") == [kept.label]
+    assert not archive.folder(tmp_path, older).exists()
 
 
 @pytest.mark.parametrize("verb, request_, code", [

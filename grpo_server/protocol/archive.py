@@ -9,6 +9,10 @@ Each process moves only its own entries, under the label the front end picks: wh
 shared one folder holds them all, otherwise each host's folder holds that host's part. Entries are renamed,
 not copied (the archive is inside the run directory, so on the same file system), and a folder emptied by
 restoring is removed.
+
+Archives are not kept for ever: at each delete, each process removes the oldest beyond the server's
+`archives_kept` from its run directory (`prune`), so that a service whose tenants come and go keeps a bounded
+disk (the chaos soak's churn filled 3 GiB with 85 of them).
 """
 
 from __future__ import annotations
@@ -59,6 +63,23 @@ def newest(run_dir: Path, name: str, entries: dict[str, Path]) -> str | None:
     holding = [label for label in labels(run_dir, name)
                if any((folder(run_dir, label) / entry).exists() for entry in entries)]
     return holding[-1] if holding else None
+
+
+def prune(run_dir: Path, keep: int) -> list[str]:
+    """Remove every archive of this run directory but the newest `keep` (whatever their names); the labels
+    removed. Another process pruning the same shared folder at once removes the same ones: a folder already gone
+    is no error."""
+    root = Path(run_dir) / ROOT
+    if not root.is_dir():
+        return []
+    found = sorted((m["stamp"], entry.name) for entry in root.iterdir()
+                   if (m := _LABEL.fullmatch(entry.name)) and entry.is_dir())
+    removed = [label for _, label in found[:max(len(found) - keep, 0)]]
+    for label in removed:
+        shutil.rmtree(root / label, ignore_errors=True)
+    if removed:
+        fsync_dir(root)
+    return removed
 
 
 def live(entries: dict[str, Path]) -> bool:

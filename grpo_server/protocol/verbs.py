@@ -61,6 +61,7 @@ class ArchiveRequest(WireModel):
 
     name: ExperimentName  # the front end's name rule, checked here too: the name becomes a path
     label: str | None = None  # archive: the label to make (required); restore: the one to take (None: newest)
+    keep: int | None = None  # archive: then remove all but the newest `keep` archives (the server's archives_kept)
 
 
 class Archived(WireModel):
@@ -184,9 +185,11 @@ class LearnerClient(_Client):
         return await self.transport.request(LearnerVerbs.remove_experiment, RemoveExperimentRequest(name=name),
                                             syncing_ok=syncing_ok)
 
-    async def archive_experiment(self, name: str, label: str) -> Archived:
-        """Move a removed experiment's files into archive `label` (Archived.label None: it had none)."""
-        return await self.transport.request(LearnerVerbs.archive_experiment, ArchiveRequest(name=name, label=label))
+    async def archive_experiment(self, name: str, label: str, keep: int | None = None) -> Archived:
+        """Move a removed experiment's files into archive `label` (Archived.label None: it had none); then, with
+        `keep`, remove all but the newest `keep` archives of the learner's run directory."""
+        return await self.transport.request(LearnerVerbs.archive_experiment,
+                                            ArchiveRequest(name=name, label=label, keep=keep))
 
     async def restore_experiment(self, name: str, label: str | None = None) -> Archived:
         """Move archive `label` (None: the newest) back, unless the experiment has live files (`live`)."""

@@ -300,12 +300,16 @@ class Orchestrator:
         except ApiError as exc:  # the learner may be restarting; it will not re-add a deleted one
             log.warning("remove_experiment %s: %s", name, exc.message)
         label = archive.new_label(name)
+        keep = self.config.archives_kept  # each process removes the older ones from its run directory
         try:
-            await self.workers.learner.archive_experiment(name, label)
+            await self.workers.learner.archive_experiment(name, label, keep)
         except ApiError as exc:  # what stays is archived before a new experiment of this name starts
             log.warning("archive_experiment %s: %s", name, exc.message)
         # Renames and fsyncs: on a thread, as every disk write of a request.
         await asyncio.to_thread(archive.move_out, self.config.run_dir, label, self._own_files(name))
+        pruned = await asyncio.to_thread(archive.prune, self.config.run_dir, keep)
+        if pruned:
+            log.info("archives removed beyond archives_kept (%d): %s", keep, ", ".join(pruned))
         for forget in self.on_delete:
             try:
                 await forget(name)

@@ -55,6 +55,7 @@ FULL_S = 10.0
 DISK_MIB = 3072
 TINY_DISK_MIB = 768
 SETTLE_S = 120.0  # after the load stops: the last queued groups trained
+ARCHIVES_KEPT = 4  # the server's archives_kept: the churn makes dozens, and the checker holds the disk to this
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -166,7 +167,7 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
             os.environ.update(slow_disk.env())
         topology = TwoHosts if two_hosts else ChaosServer
         server = topology(run_dir, model_dir, worker_timeout_s=worker_timeout_s, max_pending_groups=256,
-                          group_ttl_s=120)
+                          group_ttl_s=120, archives_kept=ARCHIVES_KEPT)
         await _create(server, ADMIN_KEY)
         stop, watching = asyncio.Event(), asyncio.Event()
         versions: dict[str, list] = defaultdict(list)
@@ -205,7 +206,8 @@ async def soak(model_dir: Path, seed: int, minutes: float, gap_s: tuple[float, f
         history.close()
         fault_dicts = [asdict(f) for f in faults]
         invariants = check(history.records, run_dir, fault_dicts, versions,
-                           [s["rss_mib"] for s in samples[1:] if s["rss_mib"] is not None], load.archived_ledgers)
+                           [s["rss_mib"] for s in samples[1:] if s["rss_mib"] is not None], load.archived_ledgers,
+                           ARCHIVES_KEPT)
         not_injected = {**(NOT_INJECTED_TWO_HOSTS if two_hosts else NOT_INJECTED), **why_not}
         result = _result(seed, minutes, history, fault_dicts, invariants, samples[1:], final_steps, exit_code,
                          recovered, not_injected, kinds, time.monotonic() - started, load.churned)

@@ -19,6 +19,7 @@ Invariants, each a count of breaks (0 to pass) with the first few examples:
 - `unanswered`: a client call that never returned, past every timeout (a Tinker future that never ended);
 - `unbounded_versions`: an experiment with more adapter versions on disk at the end than pruning keeps
   (`learner.keep_versions`, plus those loaded on the samplers, the checkpoints' and the Tinker client's named ones);
+- `unbounded_archives`: more deleted experiments' archives on disk at the end than the server's `archives_kept`;
 - `front_end_grew`: the front end's RSS rose more than `RSS_GROWTH_MIB` after the soak's first quarter (warm-up).
 """
 
@@ -54,8 +55,10 @@ def ledgers(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 def check(records: list[dict[str, Any]], run_dir: Path, faults: list[dict[str, Any]],
           versions: dict[str, list[tuple[float, int]]], rss_mib: list[float],
-          archived: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-    """`archived`: the ledgers of archives removed during the soak (chaos_load.py `churn`), by label."""
+          archived: dict[str, list[dict[str, Any]]] | None = None, archives_kept: int | None = None
+          ) -> dict[str, Any]:
+    """`archived`: the ledgers of the churned experiments' archives, read as each was made (chaos_load.py
+    `churn`), by label; `archives_kept`: the server's bound on archives (None: not checked)."""
     timelines = {**(archived or {}), **ledgers(run_dir)}
     deleted = {r["experiment"] for r in records if r.get("op") == "delete"}
     return {
@@ -69,6 +72,7 @@ def check(records: list[dict[str, Any]], run_dir: Path, faults: list[dict[str, A
         "unanswered": _breaks([{k: r.get(k) for k in ("t", "family", "op", "message")} for r in records
                                if r.get("code") == "no_answer"]),
         "unbounded_versions": _breaks(_unbounded_versions(run_dir)),
+        "unbounded_archives": _breaks(_unbounded_archives(run_dir, archives_kept)),
         "front_end_grew": _breaks(_grew(rss_mib)),
     }
 
@@ -87,6 +91,14 @@ def _unbounded_versions(run_dir: Path) -> list[dict[str, Any]]:
         if held > bound:
             out.append({"experiment": folder.name, "versions": held, "bound": bound})
     return out
+
+
+def _unbounded_archives(run_dir: Path, kept: int | None) -> list[dict[str, Any]]:
+    from grpo_server.protocol import archive
+
+    root = Path(run_dir) / archive.ROOT
+    held = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return [{"archives": len(held), "archives_kept": kept}] if kept is not None and len(held) > kept else []
 
 
 def _grew(rss_mib: list[float]) -> list[dict[str, Any]]:

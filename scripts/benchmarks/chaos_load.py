@@ -12,8 +12,8 @@ Clients, each a loop until the soak's end, pausing as the server asks (Retry-Aft
   `save_weights_for_sampler` with a sample from those weights, and `save_state`. Its answered steps, and the
   rollbacks the server names, are what the checker holds the model's ledger to;
 - `churn`: an experiment created, sampled and rated once, and deleted, again and again, while the others train.
-  Then its archive is removed, as an operator would (a deleted experiment's files stay until removed by hand, and
-  a 30-minute soak's 85 archives filled 1.8 GB), once its ledger is read for the checker (`archived_ledgers`).
+  Its archive's ledger is read for the checker (`archived_ledgers`) at once, before the server's `archives_kept`
+  removes the archive (a soak's churn made 85 of them in 30 minutes, 1.8 GB when they were kept for ever).
 
 Every record: `t` (seconds since the soak began), `client`, `family`, `op`, `experiment`, `status` (the HTTP
 status, or `lost` when no answer came), `code`, `retry_after`, and what the op names (`group_id`, `version`, ...).
@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import threading
 import time
 import uuid
@@ -103,7 +102,7 @@ class Load:
         self.url, self.admin_key, self.experiments = url, admin_key, experiments
         self.history, self.stop, self.tinker_base_model = history, stop, tinker_base_model
         self.rng = random.Random(seed)
-        self.run_dir = run_dir  # where the churned experiments' archives are removed from (None: they stay)
+        self.run_dir = run_dir  # where the churned experiments' archives are read (None: not read)
         self.archived_ledgers: dict[str, list[dict[str, Any]]] = {}  # archive label -> its ledger's timeline
         self.churned = 0
         self.tinker_op = None  # the Tinker call in flight (said if it never returns)
@@ -254,7 +253,7 @@ class Load:
             try:
                 await client.delete_experiment(name)
                 self.record(client="churn", family="native", op="delete", experiment=name, status=200)
-                await asyncio.to_thread(self._remove_archives, name)
+                await asyncio.to_thread(self._read_archives, name)
                 return
             except GrpoServerError as exc:
                 self.record(client="churn", family="native", op="delete", experiment=name, **_answer_of(exc))
@@ -265,13 +264,13 @@ class Load:
                 self.record(client="churn", family="native", op="delete", experiment=name, **_answer_of(exc))
                 await asyncio.sleep(1)
 
-    def _remove_archives(self, name: str) -> None:
+    def _read_archives(self, name: str) -> None:
+        """The just-deleted experiment's ledger, read before the server's `archives_kept` removes its archive."""
         if self.run_dir is None:
             return
         for label in archive.labels(self.run_dir, name):
             folder = archive.folder(self.run_dir, label)
             self.archived_ledgers[f"archive/{label}"] = ledger.timeline(ledger.read(folder / "checkpoints"))
-            shutil.rmtree(folder, ignore_errors=True)
 
     # --- a Tinker model through the official SDK ------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ INVARIANTS = {
     "unverified": "pushed versions whose check against the learner failed",
     "unanswered": "client calls that never returned",
     "unbounded_versions": "experiments with more adapter versions on disk than pruning keeps",
+    "unbounded_archives": "deleted experiments' archives on disk beyond the server's archives_kept",
     "front_end_grew": "the front end's RSS rising over 200 MiB after warm-up",
 }
 
