@@ -242,6 +242,15 @@ def check_stream(raw: bytes, chunk_ref: str | None, cut_short: bool = False) -> 
         for chunk in chunks:
             _chunk_validator(chunk_ref).validate(chunk)
         return chunks
+    if chunk_ref.endswith("/MessageStreamEvent"):  # POST /v1/messages: no [DONE], message_stop instead
+        chunks = [strict_json(event) for event in events]
+        errors = [c for c in chunks if isinstance(c, dict) and c.get("type") == "error"]
+        assert not errors, f"an error after the headers (a 5xx inside a 200 stream): {errors}"
+        assert cut_short or chunks[-1].get("type") == "message_stop", \
+            f"a Messages stream that does not end with message_stop: {events[-1][:300]!r}"
+        for chunk in chunks:
+            _chunk_validator(chunk_ref).validate(chunk)
+        return chunks
     chunks = [strict_json(event) for event in events[:-1]]
     errors = [chunk["error"] for chunk in chunks + ([strict_json(events[-1])] if events[-1] != "[DONE]" else [])
               if isinstance(chunk, dict) and "error" in chunk]
@@ -291,10 +300,15 @@ def check_raw(answer: requests.Response, operation: dict[str, Any]) -> None:
     if status >= 400:
         assert content_type == "application/json", content_type
         body = strict_json(answer.content)
-        assert isinstance(body, dict) and set(body) == {"error"}, body
         shape = operation["responses"][str(status)]["content"]["application/json"]["schema"]["$ref"]
+        if shape.endswith("/AnthropicErrorBody"):  # the Messages routes: Anthropic's shape, with our `code`
+            assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+            assert set(body["error"]) == {"type", "message", "code"}, body
+        else:
+            assert isinstance(body, dict) and set(body) == {"error"}, body
         openai = shape.endswith("/OpenAIErrorBody")  # the OpenAI-compatible routes: OpenAI's `type` and `param` too
-        assert set(body["error"]) == ({"code", "message", "type", "param"} if openai else {"code", "message"}), body
+        assert shape.endswith("/AnthropicErrorBody") or set(body["error"]) == (
+            {"code", "message", "type", "param"} if openai else {"code", "message"}), body
         assert all(isinstance(v, str) and v for k, v in body["error"].items() if k != "param"), body
         assert isinstance(body["error"].get("param"), (str, type(None))), body
     elif content_type == "application/json":

@@ -35,7 +35,10 @@ KEYS = {A: "key-auth-a-3f9c-0d5e", B: "key-auth-b-71d2-9a4b"}  # experiment keys
 WRONG_KEY = "wrong-key-5e01"
 WHO = ("none", "wrong", "other", "own", "admin")
 CHEAP = {"n": 1, "max_tokens": 1}
-ERROR_KEYS = {"plain": {"code", "message"}, "openai": {"code", "message", "type", "param"}}  # route_table.ErrorShape
+ERROR_KEYS = {"plain": {"code", "message"}, "openai": {"code", "message", "type", "param"},  # route_table.ErrorShape
+              "anthropic": {"type", "message", "code"}}
+ERROR_TOP = {"plain": {"error"}, "openai": {"error"}, "anthropic": {"type", "error"}}  # the body's own keys
+ERROR_REFS = {"plain": "/ErrorBody", "openai": "/OpenAIErrorBody", "anthropic": "/AnthropicErrorBody"}
 _fresh = itertools.count()
 
 
@@ -90,7 +93,7 @@ def test_openapi_document_is_served_without_a_key_and_is_complete(server):
         assert str(endpoint.status) in operation["responses"]
         assert operation["security"] == ([] if endpoint.auth == "public" else [{"bearer": []}])
         errors = [s for s in operation["responses"] if int(s) >= 400]
-        error_body = "/OpenAIErrorBody" if endpoint.error_shape == "openai" else "/ErrorBody"
+        error_body = ERROR_REFS[endpoint.error_shape]
         assert all(operation["responses"][s]["content"]["application/json"]["schema"]["$ref"].endswith(error_body)
                    for s in errors)
         if endpoint.auth != "public":
@@ -167,6 +170,8 @@ async def _request(api: Api, endpoint: Endpoint, target: str) -> tuple[str, Any]
         return path, {"model": target, "tokens": [1, 2]}
     if op == "post_responses":
         return path, {"model": target, "input": "Hi", "max_output_tokens": 1}
+    if op in ("post_messages", "post_messages_count_tokens"):
+        return path, {"model": target, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     if endpoint.request is not None:
         raise AssertionError(f"{op}: give the auth matrix a cheap valid request for this new endpoint")
     return path + ("?version=0" if op == "get_experiments_name_adapter" else ""), None
@@ -209,7 +214,8 @@ async def test_auth_matrix(api, endpoint: Endpoint, who: str):
     want = expected_status(endpoint, who)
     assert status == want, (endpoint.method, path, who, status, data)
     if status >= 400:
-        assert set(data) == {"error"} and set(data["error"]) == ERROR_KEYS[endpoint.error_shape], data
+        shape = endpoint.error_shape
+        assert set(data) == ERROR_TOP[shape] and set(data["error"]) == ERROR_KEYS[shape], data
         if status == 401:
             assert data["error"]["code"] == ("missing_key" if who == "none" else "invalid_key")
         if status == 403:
@@ -353,6 +359,7 @@ class TinkerTarget:
             "post_optim_step": {"model_id": model, "adam_params": {"learning_rate": 0.0}},
             "post_save_weights": {"model_id": model, "path": f"m-{who}"},
             "post_save_weights_for_sampler": {"model_id": model, "path": f"m-{who}"},
+            "post_save_weights_external": {"model_id": model, "path": f"x-{who}"},
             "post_load_weights": {"model_id": model, "path": f"tinker://{model}/weights/s", "optimizer": False},
             "post_create_sampling_session": {"session_id": self.session, "sampling_session_seq_id": 1,
                                              "model_path": f"tinker://{model}/sampler_weights/w"},

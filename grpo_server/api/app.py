@@ -17,6 +17,7 @@ from grpo_server.api import prometheus, status_page
 from grpo_server.api.app_state import (ADMIN_KEY, AUTH_LIMITER, BODY_POOL, DOWNLOADS, HTTP_COUNTER, METRICS_REGISTRY,
                                       MODEL_NAME, OPENAPI_JSON, ORCHESTRATOR, RATE_LIMITER, REFUSAL_PACER, RESPONSES,
                                       TINKER)
+from grpo_server.api.anthropic.routes import ROUTES as ANTHROPIC_ROUTES
 from grpo_server.api.auth_limit import FailedAuthLimiter
 from grpo_server.api.body_pool import BodyPool
 from grpo_server.api.rate_limit import KeyRateLimiter, RefusalPacer
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 # The server's route table: every API family's rows. Registration, auth (tests/test_auth.py) and the OpenAPI
 # document all read it.
-ENDPOINTS: tuple[Endpoint, ...] = NATIVE_ROUTES + OPENAI_ROUTES + TINKER_ROUTES
+ENDPOINTS: tuple[Endpoint, ...] = NATIVE_ROUTES + OPENAI_ROUTES + ANTHROPIC_ROUTES + TINKER_ROUTES
 
 
 def routes() -> list[web.RouteDef]:

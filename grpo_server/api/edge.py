@@ -1,7 +1,7 @@
 """The edge every route shares, whatever its API family: the middlewares around each request (every error
 becomes `{"error": {"code", "message"}}` with its status, with OpenAI's `type` and `param` besides on the
-OpenAI-compatible routes; requests are counted for /metrics), bodies in and out
-(JSON, or msgpack when the client says so), and keys (the admin key manages everything; an experiment's own
+OpenAI-compatible routes, in Anthropic's shape on the Messages routes; requests are counted for /metrics), bodies
+in and out (JSON, or msgpack when the client says so), and keys (the admin key manages everything; an experiment's own
 key reaches that experiment only; keys are compared in constant time and never logged; an address that keeps
 sending unknown keys is slowed down: `auth_limit.py`). A route authorises (`caller`, `require`), parses into a
 typed model (`parse_body`), calls the experiment's owner (or the orchestrator) and answers (`respond`)."""
@@ -133,8 +133,9 @@ def respond(request: web.Request, payload: BaseModel | dict[str, Any], status: i
 def error_response(error: ApiError, request: web.Request | None = None) -> web.Response:
     """`error` as its status and JSON body, in the shape of the route `request` reached (`Endpoint.error_shape`)."""
     headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
-    openai = request is not None and request.get(ERROR_SHAPE) == "openai"
-    return web.json_response(error.openai_body() if openai else error.body(), status=error.status, headers=headers)
+    shape = request.get(ERROR_SHAPE) if request is not None else None
+    body = {"openai": error.openai_body, "anthropic": error.anthropic_body}.get(shape, error.body)()
+    return web.json_response(body, status=error.status, headers=headers)
 
 
 # --- middlewares: around every route ------------------------------------------------------------------------
@@ -203,7 +204,8 @@ TINKER_KEY_PREFIX = "tml-"
 
 
 def _bearer(request: web.Request) -> str:
-    """The key: `Authorization: Bearer <key>`, or (the Tinker SDK's way) `X-API-Key: tml-<key>`."""
+    """The key: `Authorization: Bearer <key>`, or `X-API-Key` (any case): the Tinker SDK's way, `tml-<key>`, and the
+    Anthropic API's, `<key>`, on every route alike (a header is a header; the key checks are the same)."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
@@ -212,7 +214,7 @@ def _bearer(request: web.Request) -> str:
     if tinker_key:
         # The SDK refuses a key without the prefix, so a Tinker client sends `tml-` + this server's key.
         return tinker_key.removeprefix(TINKER_KEY_PREFIX)
-    raise Unauthorized("missing 'Authorization: Bearer <key>' header", code="missing_key")
+    raise Unauthorized("missing key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')", code="missing_key")
 
 
 def _same(a: str, b: str) -> bool:

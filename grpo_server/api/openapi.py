@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from grpo_server.api.route_table import EVENT_STREAM, JSON, Endpoint
+from grpo_server.api.route_table import EVENT_STREAM, JSON, Endpoint, ErrorShape
 from grpo_server.api_models import NewExperiment
 from grpo_server.protocol.codec import MSGPACK
 
@@ -46,6 +46,25 @@ class OpenAIErrorBody(BaseModel):
 
     error: OpenAIErrorDetail
 
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="By status, as Anthropic's: `invalid_request_error` (4xx), `authentication_error` "
+                                  "(401), `permission_error` (403), `not_found_error` (404), `request_too_large` "
+                                  "(413), `rate_limit_error` (429), `overloaded_error` (503), `api_error` (5xx).")
+    message: str = Field(description="Human-readable; for a 422 it names each bad field.")
+    code: str = Field(description="Ours, machine-readable, as on every route: e.g. `invalid_request`.")
+
+
+class AnthropicErrorBody(BaseModel):
+    """A 4xx/5xx answer of the Anthropic-compatible routes (`/v1/messages`): the Messages API's error shape."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+# Each error shape's body (a row's `error_shape`)
+ERROR_BODIES: dict[ErrorShape, type[BaseModel]] = {"plain": ErrorBody, "openai": OpenAIErrorBody,
+                                                   "anthropic": AnthropicErrorBody}
 
 _ERROR_TEXT = {
     400: "Bad request: undecodable body, bad prompt, prompt too long, bad token ids, unsupported parameter, "
@@ -126,7 +145,7 @@ def _operation(endpoint: Endpoint, refs: dict[type[BaseModel], dict], name_schem
         success["content"] = content
     responses: dict[str, Any] = {str(endpoint.status): success}
     error_text = {**_ERROR_TEXT, **dict(endpoint.error_text)}
-    error_body = OpenAIErrorBody if endpoint.error_shape == "openai" else ErrorBody
+    error_body = ERROR_BODIES[endpoint.error_shape]
     for status in _error_statuses(endpoint):
         responses[str(status)] = {
             "description": error_text[status],
@@ -166,7 +185,7 @@ def openapi_document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
     """The document of these routes, built once. Request bodies use the models' validation schema, answers their
     serialization schema (pydantic names the two `-Input` / `-Output` where they differ)."""
     modes: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
-        (ErrorBody, "serialization"), (OpenAIErrorBody, "serialization")]
+        (body, "serialization") for body in ERROR_BODIES.values()]
     for endpoint in endpoints:
         if endpoint.request is not None:
             modes.append((endpoint.request, "validation"))
@@ -191,7 +210,8 @@ def openapi_document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
                            "trains a LoRA adapter per experiment. Bodies are JSON, or msgpack with "
                            f"`Content-Type: {MSGPACK}` (and `Accept: {MSGPACK}` for the answer). "
                            "Errors are `{\"error\": {\"code\", \"message\"}}`, with OpenAI's `type` and `param` "
-                           "besides on the OpenAI-compatible routes.",
+                           "besides on the OpenAI-compatible routes; the Anthropic-compatible ones answer "
+                           "`{\"type\": \"error\", \"error\": {\"type\", \"message\", \"code\"}}`.",
         },
         "paths": paths,
         "components": {

@@ -1,5 +1,5 @@
-"""The shape of a route table. Each API family (`native/`, `openai/`, `tinker/`) exports one tuple of
-`Endpoint` rows, `ROUTES`; `app.py` joins them into the server's table, which drives everything a route needs
+"""The shape of a route table. Each API family (`native/`, `openai/`, `anthropic/`, `tinker/`) exports one tuple
+of `Endpoint` rows, `ROUTES`; `app.py` joins them into the server's table, which drives everything a route needs
 besides its handler's body: aiohttp's registration, who may call it, the body it takes, and the OpenAPI document
 (`openapi.py`). A route without a row cannot be served; a row without a route cannot exist.
 
@@ -15,7 +15,7 @@ Who may call (`auth`):
 - `public`: no key needed (an `Authorization` header is ignored);
 - `key`: any valid key, the admin's or any experiment's;
 - `experiment`: the admin key, or the experiment's own key; the experiment is the `{name}` in the path,
-  the body's `model` field on the OpenAI-compatible routes, its `experiment` field on tokenize (which the
+  the body's `model` field on the OpenAI- and Anthropic-compatible routes, its `experiment` field on tokenize (which the
   admin key may leave out), or the Tinker model the request names. Another experiment's key is a 403,
   whether or not the experiment exists (names do not leak);
 - `admin`: the admin key only (an experiment's key is a 403).
@@ -66,9 +66,10 @@ ADMIN_PRINCIPAL = Principal("admin")
 RESOURCE = "resource"  # request[RESOURCE]: what the row's `resource` resolved (the Tinker rows' model)
 # request[ERROR_SHAPE]: the row's `error_shape`, which the error middleware renders the request's errors in
 ERROR_SHAPE = "error_shape"
-# How a row's errors are written: "plain" `{"error": {"code", "message"}}`, or "openai", OpenAI's error object
-# (`type` and `param` besides: what the openai package and the Open Responses spec read).
-ErrorShape = Literal["plain", "openai"]
+# How a row's errors are written: "plain" `{"error": {"code", "message"}}`, "openai", OpenAI's error object
+# (`type` and `param` besides: what the openai package and the Open Responses spec read), or "anthropic", the
+# Messages API's `{"type": "error", "error": {"type", "message"}}` (with our `code`: what the anthropic package reads).
+ErrorShape = Literal["plain", "openai", "anthropic"]
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,16 @@ from pydantic import ValidationError
 # OpenAI's error object has a `type` besides its `code`: the OpenAI-compatible routes give one by status (the
 # statuses not named here: invalid_request_error below 500, server_error from it).
 _OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+# Anthropic's error `type`s by status, as its Messages API documents them (the statuses not named here:
+# invalid_request_error below 500, api_error from it). A 503 (a worker down: retry) is its "overloaded" (529).
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
 
 
 class ApiError(Exception):
     """An error a client sees as `{"error": {"code", "message"}}` with `status`; the OpenAI-compatible routes add
-    `type` and `param` (`openai_body`)."""
+    `type` and `param` (`openai_body`); the Anthropic-compatible ones answer in Anthropic's shape (`anthropic_body`)."""
 
     status = 400
     code = "bad_request"
@@ -38,6 +43,12 @@ class ApiError(Exception):
         `ErrorPayload` requires whole (`type`, `code`, `message`, `param`)."""
         kind = "server_error" if self.status >= 500 else _OPENAI_TYPES.get(self.status, "invalid_request_error")
         return {"error": {"code": self.code, "message": self.message, "type": kind, "param": self.param}}
+
+    def anthropic_body(self) -> dict:
+        """As the Anthropic-compatible routes answer it: the Messages API's `{"type": "error", "error": {"type",
+        "message"}}`, which the `anthropic` package reads, with our `code` beside them."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message, "code": self.code}}
 
 
 class BadRequest(ApiError):

@@ -38,10 +38,10 @@ EPISODE_HEADER = "X-Episode-Id"
 def _admit(request: web.Request, body: OpenAIRequest,
            convert: Callable[..., CompletionsRequest]) -> tuple[Experiment, CompletionsRequest]:
     experiment = request.app[ORCHESTRATOR].get(body.model)  # 404 experiment_not_found before anything else
-    return experiment, _episode_from_header(request, convert(body))
+    return experiment, episode_from_header(request, convert(body))
 
 
-def _episode_from_header(request: web.Request, sample: CompletionsRequest) -> CompletionsRequest:
+def episode_from_header(request: web.Request, sample: CompletionsRequest) -> CompletionsRequest:
     header = request.headers.get(EPISODE_HEADER)
     if header is None or header == sample.episode_id:
         return sample

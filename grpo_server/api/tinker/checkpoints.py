@@ -1,12 +1,18 @@
 """The Tinker API's saved states and sampler weights (`TinkerService`'s side of them): a training state saved or loaded
 (`save_weights`, `load_weights`: the learner's saved states, through the experiment's own verbs), a version pushed
-for sampling (`save_for_sampler`), their listing, deletion and `ttl_seconds`. Part of `TinkerService`
-(service.py), whose tables they read and write."""
+for sampling (`save_for_sampler`), external weights (`save_external`: a pushed version's peft folder copied to the
+server's disk), their listing, deletion and `ttl_seconds`. Part of `TinkerService` (service.py), whose tables they
+read and write."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import secrets
+import shutil
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.state import SamplerWeights, TinkerModel, parse_path
@@ -14,6 +20,7 @@ from grpo_server.protocol import wire
 from grpo_server.protocol.errors import BadRequest, Conflict, NotFound
 
 PROBE_TOKENS = 64  # at most this many tokens scored by a push's check
+EXTERNAL = "external_weights"  # under <run_dir>/tinker/: one folder per model, one per name within it
 
 
 class CheckpointVerbs:
@@ -94,9 +101,46 @@ class CheckpointVerbs:
                                 time=datetime.fromtimestamp(s.saved_at, timezone.utc),
                                 tinker_path=f"tinker://{model.model_id}/weights/{s.label}") for s in states]
         listed += [ts.Checkpoint(checkpoint_id=f"sampler_weights/{name}", checkpoint_type="sampler",
-                                 time=datetime.fromtimestamp(w.saved_at, timezone.utc), tinker_path=f"tinker://{model.model_id}/sampler_weights/{name}")
+                                 time=datetime.fromtimestamp(w.saved_at, timezone.utc),
+                                 tinker_path=f"tinker://{model.model_id}/sampler_weights/{name}")
                    for name, w in model.sampler_weights.items()]
+        listed += [ts.Checkpoint(checkpoint_id=f"{EXTERNAL}/{name}", checkpoint_type="external",
+                                 time=datetime.fromtimestamp(saved_at, timezone.utc), size_bytes=size,
+                                 tinker_path=f"tinker://{model.model_id}/{EXTERNAL}/{name}")
+                   for name, (saved_at, size) in (await asyncio.to_thread(_folders, self.external_dir(model))).items()]
         return listed
+
+    async def all_checkpoints(self, models: list[TinkerModel]) -> list[ts.Checkpoint]:
+        """Every checkpoint of `models`, newest first (the SDK's list_user_checkpoints)."""
+        listed = [c for model in models for c in await self.checkpoints(model)]
+        return sorted(listed, key=lambda c: c.time, reverse=True)
+
+    def external_dir(self, model: TinkerModel) -> Path:
+        """Where `model`'s external weights are written: a folder per name, on the server's disk."""
+        return self.orchestrator.config.run_dir / "tinker" / EXTERNAL / model.model_id
+
+    async def save_external(self, model: TinkerModel, request: ts.SaveWeightsExternalRequest) -> tuple[str, int]:
+        """The model's weights as a version pushed now (checked as every push is), its peft folder (what `grpo-server
+        export --adapter` writes: adapter_config.json, adapter_model.safetensors) copied to `external_dir/{name}`:
+        (its tinker path, its size in bytes). At most tinker_max_saved_per_model of them per model (409 beyond), as
+        for saved states and named sampler weights; the same name again replaces its folder."""
+        if request.age_encryption_recipients:
+            raise BadRequest("age_encryption_recipients: not served here (the files are written unencrypted, on the "
+                             "server's disk)", code="unsupported_parameter")
+        await self.expire_checkpoints(model)
+        folder = self.external_dir(model)
+        held = await asyncio.to_thread(_folders, folder)
+        cap = self.orchestrator.config.tinker_max_saved_per_model
+        if request.path not in held and len(held) >= cap:
+            raise Conflict(f"model {model.model_id} holds {len(held)} external weights, the server's "
+                           "tinker_max_saved_per_model: delete some first", code="too_many_checkpoints")
+        weights = await self.save_for_sampler(model, None)
+        async with self.orchestrator.adapter_dir(model.experiment, weights.version) as adapter:
+            size = await asyncio.to_thread(_copy_into_place, adapter, folder / request.path)
+        checkpoint_id = f"{EXTERNAL}/{request.path}"
+        self._expire_after(model, checkpoint_id, request.ttl_seconds)
+        await self._saved()
+        return f"tinker://{model.model_id}/{checkpoint_id}", size
 
     async def delete_checkpoint(self, model: TinkerModel, checkpoint_id: str) -> None:
         kind, _, name = checkpoint_id.partition("/")
@@ -110,6 +154,10 @@ class CheckpointVerbs:
                 self.orchestrator.get(model.experiment).unname_version(weights.version)
             model.expires.pop(checkpoint_id, None)
             await self._saved()
+        elif kind == EXTERNAL and name in await asyncio.to_thread(_folders, self.external_dir(model)):
+            await asyncio.to_thread(shutil.rmtree, self.external_dir(model) / name)
+            model.expires.pop(checkpoint_id, None)
+            await self._saved()
         else:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of {model.model_id!r}", code="checkpoint_not_found")
 
@@ -121,3 +169,27 @@ def probe_from(tokens: list[int] | None) -> wire.VersionProbe | None:
         return None
     cut = max(1, min(len(tokens) // 2, len(tokens) - PROBE_TOKENS))
     return wire.VersionProbe(prompt_token_ids=tokens[:cut], completions_token_ids=[tokens[cut:]], temperature=1.0)
+
+
+def _folders(root: Path) -> dict[str, tuple[float, int]]:
+    """The finished folders in `root` (a copy under way has a dot name): name -> (written at, size in bytes)."""
+    if not root.is_dir():
+        return {}
+    return {path.name: (path.stat().st_mtime, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+            for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")}
+
+
+def _copy_into_place(source: Path, target: Path) -> int:
+    """`source`'s files as `target`, whole or not at all: copied under a dot name beside it, then renamed over it
+    (a listing never sees half a copy). Its size in bytes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".{target.name}.{secrets.token_hex(4)}"
+    try:
+        shutil.copytree(source, partial)
+        if target.exists():
+            shutil.rmtree(target)
+        partial.rename(target)
+        os.utime(target)  # written now: copytree gave it the version folder's time, which the listing would show
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return sum(f.stat().st_size for f in target.rglob("*") if f.is_file())

@@ -333,10 +333,27 @@ class SupportedModel(_Record):
     sampleable: bool | None = None
 
 
+# The tinker SDK releases this server is tested with, oldest first: the newest patch of each minor release from
+# the floor to the release constraints.txt pins (0.37 was never on PyPI). tests/test_tinker_sdk_range.py runs the
+# SDK's documented loop with each; docs/guides/tinker.md "Supported SDK versions" says why the floor is 0.22.
+SDK_RELEASES_TESTED = ("0.22.7", "0.23.4", "0.24.1", "0.25.0", "0.26.2", "0.27.2", "0.28.1", "0.29.1", "0.30.4",
+                       "0.31.0", "0.32.0", "0.33.1", "0.34.0", "0.35.0", "0.36.0", "0.38.0")
+
+
+class SdkVersions(_Record):
+    """The tinker SDK releases this server supports: `min` to `max`, each of `tested` run by the suite."""
+
+    min: str
+    max: str
+    tested: list[str]
+
+
 class GetServerCapabilitiesResponse(_Record):
-    """`GET /api/v1/get_server_capabilities` (RestClient)."""
+    """`GET /api/v1/get_server_capabilities` (RestClient). The SDK ignores fields it does not know (its response
+    models allow extras), so `supported_sdk_versions` reaches a client reading the JSON, not the SDK's object."""
 
     supported_models: list[SupportedModel]
+    supported_sdk_versions: SdkVersions | None = None
 
 
 class WeightsInfoRequest(_Wire):

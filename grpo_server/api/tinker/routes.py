@@ -1,6 +1,7 @@
-"""The Tinker API under `/api/v1`, as the `tinker` SDK 0.38 calls it (docs/tinker-wire.md is the wire), and
-`ROUTES`, its table. The key rides in `X-API-Key` (`tml-` + a key of this server: api/edge.py strips the
-prefix); a Tinker model is an experiment, scoped like one (service.py).
+"""The Tinker API under `/api/v1`, as the `tinker` SDK 0.38 calls it (docs/tinker-wire.md is the wire; the releases
+from 0.22.7 on are served too: data.py SDK_RELEASES_TESTED), and `ROUTES`, its table. The key rides in `X-API-Key`
+(`tml-` + a key of this server: api/edge.py strips the prefix); a Tinker model is an experiment, scoped like one
+(service.py).
 
 A call that runs on a model answers at once with a request id (`UntypedAPIFuture`); the work runs in the
 model's `seq_id` order (futures.py) and `retrieve_future` long-polls for it: 408 with a try-again body
@@ -20,7 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from grpo_server.api.app_state import TINKER
-from grpo_server.api.route_table import ADMIN, RESOURCE, BodyCodec, Endpoint, Principal
+from grpo_server.api.route_table import ADMIN, RESOURCE, BodyCodec, Endpoint, Principal, QueryParameter
 from grpo_server.api.tinker import schema as ts
 from grpo_server.api.tinker.data import (LOSS_VALUES_PER_POSITION, MAX_DATUMS_PER_CALL, ForwardBackwardOutput,
                                          SampleResponse)
@@ -31,7 +32,7 @@ from grpo_server.api.tinker.protobuf import (PROTO_CONTENT_TYPE, OverLimit, deco
 from grpo_server.api.tinker.sampling import sample
 from grpo_server.api.tinker.service import failure
 from grpo_server.api.tinker.state import TinkerModel, parse_path
-from grpo_server.protocol.errors import ApiError, NotFound, Unprocessable
+from grpo_server.protocol.errors import ApiError, BadRequest, NotFound, Unprocessable
 
 LONG_POLL_S = 30.0  # the SDK's read timeout is 45 s, and it polls again at once after a 408
 
@@ -165,7 +166,8 @@ FORWARD_BACKWARD = BodyCodec(PROTO_CONTENT_TYPE, "a protobuf tinker_public.Forwa
 # --- set-up, sessions, service ------------------------------------------------------------------------------------
 
 async def client_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    return _json(ts.ClientConfigResponse(fwdbwd_max_chunk_len=MAX_DATUMS_PER_CALL))  # what a call may hold
+    return _json(ts.ClientConfigResponse(fwdbwd_max_chunk_len=MAX_DATUMS_PER_CALL,  # what a call may hold
+                                         proto_write_fwdbwd=True, fwd_via_fwdbwd=True))
 
 
 async def dynamic_config(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -200,9 +202,11 @@ async def healthz(request: web.Request, who: Principal | None, body: Any) -> web
 
 async def capabilities(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     orchestrator = request.app[TINKER].orchestrator
+    tested = list(ts.SDK_RELEASES_TESTED)
     return _json(ts.GetServerCapabilitiesResponse(supported_models=[ts.SupportedModel(
         model_name=request.app[TINKER].base_model, max_context_length=orchestrator.config.max_model_len,
-        trainable=True, sampleable=True)]))
+        trainable=True, sampleable=True)], supported_sdk_versions=ts.SdkVersions(min=tested[0], max=tested[-1],
+                                                                                  tested=tested)))
 
 
 # --- models and training ------------------------------------------------------------------------------------------
@@ -259,6 +263,15 @@ async def save_weights_for_sampler(request: web.Request, who: Principal | None, 
         sampler = service.new_sampler(owner, model, weights, None)
         return ts.SaveWeightsForSamplerResponse(sampling_session_id=sampler.sampler_id)
     return _model_call(request, owner, body.seq_id, run)
+
+
+async def save_weights_external(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    service = request.app[TINKER]
+
+    async def run(model: TinkerModel) -> ts.SaveWeightsExternalResponse:
+        path, size = await service.save_external(model, body)
+        return ts.SaveWeightsExternalResponse(path=path, size_bytes=size)
+    return _model_call(request, who.owner, body.seq_id, run)
 
 
 async def load_weights(request: web.Request, who: Principal | None, body: Any) -> web.Response:
@@ -375,6 +388,40 @@ async def list_checkpoints(request: web.Request, who: Principal | None, body: An
     return _json(ts.CheckpointsListResponse(checkpoints=await service.checkpoints(model)))
 
 
+async def user_checkpoints(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    """Every checkpoint of the caller's models (the admin's: every model's), newest first, a page at a time."""
+    service = request.app[TINKER]
+    offset, limit = _count(request, "offset", 0, 0, None), _count(request, "limit", LISTED_DEFAULT, 1, MAX_LISTED)
+    models = [model for model in service.models.values() if (who.owner == ADMIN or model.owner == who.owner)
+              and model.experiment in service.orchestrator.experiments]
+    listed = await service.all_checkpoints(models)
+    return _json(ts.CheckpointsListResponse(checkpoints=listed[offset:offset + limit],
+                                            cursor=ts.Cursor(offset=offset, limit=limit, total_count=len(listed))))
+
+
+def _count(request: web.Request, name: str, default: int, least: int, most: int | None) -> int:
+    """The integer query parameter `name` (`default` if absent), from `least` to `most`; a 400 otherwise."""
+    raw = request.query.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = least - 1
+    if value < least or (most is not None and value > most):
+        bound = f"from {least} to {most}" if most is not None else f"of {least} or more"
+        raise BadRequest(f"{name} must be an integer {bound}, got {raw!r}", code=f"bad_{name}")
+    return value
+
+
+async def external_weights_urls(request: web.Request, who: Principal | None, body: Any) -> web.Response:
+    """Refused, whatever the checkpoint (the table checked the caller's model): the hosted service signs download
+    URLs of an object store, and here external weights are folders on the server's disk, which no URL names. A
+    400, which the SDK raises at once (a 5xx it would retry for minutes)."""
+    model = request[RESOURCE]
+    raise BadRequest("external_weights_urls: not served here (no signed download URLs): external weights are "
+                     f"folders on the server's disk, in its run directory's tinker/external_weights/{model.model_id}/",
+                     code="not_served")
+
+
 async def delete_checkpoint(request: web.Request, who: Principal | None, body: Any) -> web.Response:
     service = request.app[TINKER]
     model = request[RESOURCE]
@@ -384,14 +431,20 @@ async def delete_checkpoint(request: web.Request, who: Principal | None, body: A
 
 API = "/api/v1"
 RUN = API + "/training_runs/{model_id}"
+LISTED_DEFAULT, MAX_LISTED = 100, 1000  # checkpoints per page of GET /api/v1/checkpoints (the SDK asks for 100)
+LISTING_QUERY = (
+    QueryParameter("limit", f"At most this many checkpoints, the newest first (default {LISTED_DEFAULT})",
+                   {"type": "integer", "minimum": 1, "maximum": MAX_LISTED}),
+    QueryParameter("offset", "Skip this many (default 0)", {"type": "integer", "minimum": 0}),
+)
 
 
 def _row(method: str, path: str, handler, request_model, response_model, summary: str, status: int = 200,
          errors: tuple[int, ...] = (), auth: str = "key", content_type: str = "application/json",
          model: Callable[[web.Request, Principal, Any], Any] | None = None, codec: BodyCodec | None = None,
-         ) -> Endpoint:
+         query: tuple[QueryParameter, ...] = ()) -> Endpoint:
     return Endpoint(method, API + path, handler, request_model, response_model, status, f"Tinker: {summary}", auth,
-                    errors, content_type, resource=model, codec=codec)
+                    errors, content_type, query=query, resource=model, codec=codec)
 
 
 ROUTES: tuple[Endpoint, ...] = (
@@ -425,6 +478,9 @@ ROUTES: tuple[Endpoint, ...] = (
     _row("POST", "/save_weights_for_sampler", save_weights_for_sampler, ts.SaveWeightsForSamplerRequest,
          ts.UntypedAPIFuture, "a version pushed to the samplers; future of SaveWeightsForSamplerResponse",
          model=_model_named("model_id")),
+    _row("POST", "/save_weights_external", save_weights_external, ts.SaveWeightsExternalRequest, ts.UntypedAPIFuture,
+         "the adapter as a peft folder on the server's disk (a version pushed and checked first); future of "
+         "SaveWeightsExternalResponse", model=_model_named("model_id")),
     _row("POST", "/load_weights", load_weights, ts.LoadWeightsRequest, ts.UntypedAPIFuture,
          "a checkpoint into a new or live model; future of LoadWeightsResponse", model=_model_loaded),
     _row("POST", "/create_sampling_session", create_sampling_session, ts.CreateSamplingSessionRequest,
@@ -444,4 +500,9 @@ ROUTES: tuple[Endpoint, ...] = (
          "a model's checkpoints", model=_model_in_path),
     _row("DELETE", "/training_runs/{model_id}/checkpoints/{kind}/{checkpoint}", delete_checkpoint, None, None,
          "delete a checkpoint", status=204, errors=(404,), model=_model_in_path),
+    _row("GET", "/training_runs/{model_id}/checkpoints/{kind}/{checkpoint}/external_weights_urls",
+         external_weights_urls, None, None, "refused: external weights stay on the server's disk (no signed URLs)",
+         status=400, errors=(400,), model=_model_in_path),
+    _row("GET", "/checkpoints", user_checkpoints, None, ts.CheckpointsListResponse,
+         "every checkpoint of the caller's models, newest first", errors=(400,), query=LISTING_QUERY),
 )

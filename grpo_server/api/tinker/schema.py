@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The RestClient records live in data.py; they are re-exported so that every body can be imported from here.
 from .data import (  # noqa: F401
-    Checkpoint, CheckpointsListResponse, Cursor, GetServerCapabilitiesResponse, HealthResponse, ModelInput,
-    OptimizerConfig, SupportedModel, TensorData, TrainingRun, WeightsInfoRequest, WeightsInfoResponse)
+    SDK_RELEASES_TESTED, Checkpoint, CheckpointsListResponse, Cursor, GetServerCapabilitiesResponse, HealthResponse,
+    ModelInput, OptimizerConfig, SdkVersions, SupportedModel, TensorData, TrainingRun, WeightsInfoRequest,
+    WeightsInfoResponse)
 
 
 class _Request(BaseModel):
@@ -44,6 +45,11 @@ class ClientConfigResponse(_Response):
     fwdbwd_max_chunk_len: int | None = None  # datums per forward_backward request (SDK default 1024)
     use_pyqwest_transport: bool | None = None  # False: plain httpx transport instead of pyqwest (reqwest)
     sample_max_concurrent_requests: int | None = None  # in-flight asample requests per SamplingClient (2000)
+    # SDKs before 0.25 send forward_backward as JSON and forward to /api/v1/forward unless told otherwise; this
+    # server takes forward_backward as protobuf only, a forward among them (forward_only), so it tells them to.
+    # Later SDKs always do so and ignore the two flags.
+    proto_write_fwdbwd: bool | None = None
+    fwd_via_fwdbwd: bool | None = None
 
 
 class ClientDynamicConfigResponse(_Response):
@@ -302,6 +308,26 @@ class SaveWeightsForSamplerResponse(_Response):
     path: str | None = None
     sampling_session_id: str | None = None
     type: Literal["save_weights_for_sampler"] | None = "save_weights_for_sampler"
+
+
+class SaveWeightsExternalRequest(_Request):
+    """`POST /api/v1/save_weights_external` -> future of SaveWeightsExternalResponse: the adapter as a peft folder,
+    written on the server's disk (checkpoints.py `save_external`)."""
+
+    model_id: str
+    path: Label  # the name: tinker://{model_id}/external_weights/{path}
+    seq_id: int | None = None
+    ttl_seconds: int | None = Field(None, le=MAX_TTL_S)
+    age_encryption_recipients: list[str] | None = None  # refused: the files are not encrypted here
+    type: Literal["save_weights_external"] = "save_weights_external"
+
+
+class SaveWeightsExternalResponse(_Response):
+    """save_weights_external's result (the SDK's SaveWeightsExternalResponseInternal)."""
+
+    path: str
+    size_bytes: int | None = None
+    type: Literal["save_weights_external"] | None = "save_weights_external"
 
 
 class LoadWeightsRequest(_Request):

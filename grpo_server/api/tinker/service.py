@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import shutil
 import time
 from collections import Counter, defaultdict
 from typing import Awaitable, Callable, TypeVar
@@ -129,9 +130,9 @@ class TinkerService(CheckpointVerbs):
 
     async def forget_experiment(self, name: str) -> None:
         """An experiment was deleted: its calls still queued or running are cancelled (`on_experiment`), its
-        models, the sessions and samplers its key made, and the samplers on its models go too. A new experiment
-        of the name, maybe another tenant's, starts with none of them (its key can make its own model again),
-        and nothing of the old life answers it or runs on it."""
+        models (and their external weights' folders), the sessions and samplers its key made, and the samplers on
+        its models go too. A new experiment of the name, maybe another tenant's, starts with none of them (its key
+        can make its own model again), and nothing of the old life answers it or runs on it."""
         calls = self._calls.pop(name, set())
         for task in calls:
             self._deleted_under.add(task)
@@ -139,6 +140,9 @@ class TinkerService(CheckpointVerbs):
         if calls:  # before a new life of the name can be made (the orchestrator's delete holds its lock)
             await asyncio.wait(calls, timeout=30)
         self.futures.forget_owner(name)  # its key's results: a new key of the name must not read them
+        # Its models' external weights go with them: nothing could list or delete them any more (checkpoints.py).
+        for model in [m for m in self.models.values() if m.experiment == name]:
+            await asyncio.to_thread(shutil.rmtree, self.external_dir(model), True)
         self.models = {i: m for i, m in self.models.items() if m.experiment != name}
         self.sessions = {i: owner for i, owner in self.sessions.items() if owner != name}
         self.samplers = {i: s for i, s in self.samplers.items()
