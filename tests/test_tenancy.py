@@ -98,6 +98,31 @@ async def test_delete_archives_a_new_experiment_starts_afresh_and_only_the_admin
                 pass
 
 
+async def test_a_create_whose_config_cannot_be_written_leaves_nothing_behind(server, client):
+    """The registry write fails (here its folder is a file; the chaos soak's was a full disk): a 503 that says to
+    retry, not a 500, and neither the learner nor the samplers keep the experiment, so the retry creates it."""
+    registry, aside = server.run_dir / "experiments", server.run_dir / "experiments.aside"
+    name = "tenant-unwritten"
+    registry.rename(aside)
+    registry.write_text("not a folder")
+    try:
+        with pytest.raises(GrpoServerError) as refused:
+            await client.create_experiment({"name": name, "sampling": {"n": 1, "max_tokens": 1}})
+        assert (refused.value.status, refused.value.code) == (503, "registry_write_failed"), refused.value
+        assert refused.value.retry_after is not None
+    finally:
+        registry.unlink()
+        aside.rename(registry)
+    assert name not in [e.name for e in await client.list_experiments()]
+    created = await client.create_experiment({"name": name, "sampling": {"n": 1, "max_tokens": 1}})
+    try:
+        assert (created.policy_version, created.step) == (0, 0)  # the learner had let the first try go
+        group = await client.complete(name, prompt="Written now")
+        assert len(group.completions) == 1
+    finally:
+        await client.delete_experiment(name)
+
+
 async def test_a_key_is_made_when_none_is_given_and_short_keys_are_refused(server, client):
     name = "tenant-made-key"
     created = await client.create_experiment({"name": name, "sampling": {"n": 1, "max_tokens": 1}})

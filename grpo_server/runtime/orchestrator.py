@@ -23,7 +23,7 @@ from grpo_server.config import MIN_KEY_LENGTH, ExperimentConfig, ServerConfig, k
 from grpo_server.protocol import archive
 from grpo_server.protocol.adapter_files import VersionPruned, fetch_version, holds
 from grpo_server.protocol.errors import ApiError, Conflict, NotFound, Unavailable, Unprocessable, public_message
-from grpo_server.protocol.wire import AdapterRef, GenerateRequest, GenerateResponse
+from grpo_server.protocol.wire import AdapterRef, AdapterVersion, GenerateRequest, GenerateResponse
 from grpo_server.protocol.worker_config import resolve_rollout_correction
 from grpo_server.runtime.episodes import EpisodeStore
 from grpo_server.runtime.experiment import Experiment, sample_and_score
@@ -43,6 +43,7 @@ from grpo_server.workers.pool import WorkerPool
 log = logging.getLogger(__name__)
 
 EXPIRY_INTERVAL_S = 5.0
+REGISTRY_RETRY_S = 5.0  # a create whose config could not be written (a full disk): Retry-After
 RESIDENCY_INTERVAL_S = 5.0  # how often the status pages' learner residency is read (a snapshot the learner answers
 # without its lock: learner/app.py)
 # How `create` treats files an earlier experiment of the name left: "restart" (a server start) resumes them
@@ -231,13 +232,18 @@ class Orchestrator:
                          journal=FeedbackJournal(self.config.run_dir / "journal" / f"{config.name}.jsonl"))
         try:
             await self.workers.load_everywhere(exp.adapter(first.version), first.path, first.fingerprint)
-        except ApiError:
-            await exp.journal.aclose()
-            await self.workers.learner.remove_experiment(config.name)
+            exp.resume_from(first)
+            exp.serve(first.version, first.path)
+            await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
+        except (ApiError, OSError) as exc:
+            # Nothing of it stays (the chaos soak's full disk left the learner holding an experiment that the front
+            # end did not know, a 500): the workers let it go, and the client is told to try again.
+            await self._undo_create(exp, first)
+            if isinstance(exc, OSError):
+                raise Unavailable(f"experiment {config.name!r} could not be recorded ({exc.strerror or exc}): "
+                                  "nothing was created; retry", code="registry_write_failed",
+                                  retry_after=REGISTRY_RETRY_S) from exc
             raise
-        exp.resume_from(first)
-        exp.serve(first.version, first.path)
-        await asyncio.to_thread(self.registry.save, config)  # fsyncs: off the event loop
         if start == "restart":  # an admin's pause outlasts a restart; a new or resumed experiment starts unpaused
             exp.paused = await asyncio.to_thread(self.registry.is_paused, config.name)
         exp.open(trackers)  # its metrics log and trackers
@@ -251,6 +257,16 @@ class Orchestrator:
                  config.algorithm.rollout_correction, ", ".join(d or "?" for d in dtypes),
                  "; the learner's steps in bf16 autocast" if learner_autocast else "")
         return self.status(config.name)
+
+    async def _undo_create(self, exp: Experiment, first: AdapterVersion) -> None:
+        """What `_create` made before it failed, let go: its journal, its first version on the samplers, the
+        learner's hold (best effort: a worker that fails here is down, and forgets it when it restarts)."""
+        await exp.journal.aclose()
+        await self.workers.unload_everywhere(exp.adapter(first.version))
+        try:
+            await self.workers.learner.remove_experiment(exp.name)
+        except ApiError as exc:
+            log.warning("experiment %s: its failed create left it on the learner: %s", exp.name, exc.message)
 
     async def set_paused(self, name: str, paused: bool) -> ExperimentStatus:
         """An admin's pause or unpause (`Experiment.paused`), written to the registry first so that a restart keeps

@@ -49,7 +49,8 @@ def ledgers(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     for path in sorted(Path(run_dir).glob("checkpoints/*/" + ledger.LEDGER_FILE)):
         found[path.parent.name] = ledger.timeline(ledger.read(path.parent))
     for path in sorted(Path(run_dir).glob("archive/*/**/" + ledger.LEDGER_FILE)):
-        found[f"archive/{path.parent.relative_to(run_dir / 'archive')}"] = ledger.timeline(ledger.read(path.parent))
+        label = path.relative_to(Path(run_dir) / "archive").parts[0]  # the key chaos_load.py reads it under too
+        found[f"archive/{label}"] = ledger.timeline(ledger.read(path.parent))
     return found
 
 

@@ -151,9 +151,11 @@ class TwoHosts:
         self.config_path = run_dir / "server.yaml"
         sampler_port, learner_port = free_port(), free_port()
         config = server_config(run_dir, model_dir, **overrides)
-        config["host"] = "127.0.0.1"  # the front end's and the learner's (this host); the sampler's is host B's
+        config["host"] = "127.0.0.1"  # the front end's; the workers listen on their host's address on the link
         config["sampler"]["urls"] = [f"http://{ADDRESS_B}:{sampler_port}"]
-        config["learner"]["url"] = f"http://127.0.0.1:{learner_port}"
+        # Host A's address on the link, which host B reaches (a sampler that cannot see a version's folder copies
+        # it from the learner). The front end's calls to it still go over loopback: partition_learner cuts them.
+        config["learner"]["url"] = f"http://{ADDRESS_A}:{learner_port}"
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{config['port']}"
@@ -163,7 +165,7 @@ class TwoHosts:
         logs = run_dir / "logs"
         logs.mkdir(exist_ok=True)
         self.roles = {
-            "learner": Role("learner", self.config_path, logs / "learner-role.log", env),
+            "learner": Role("learner", self.config_path, logs / "learner-role.log", env, host=ADDRESS_A),
             "sampler": Role("sampler", self.config_path, logs / "sampler-role.log", env, self.host_b.command,
                             host=ADDRESS_B),
             "frontend": Role("frontend", self.config_path, self.log_path, env),
