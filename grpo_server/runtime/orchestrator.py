@@ -245,7 +245,7 @@ class Orchestrator:
                                   retry_after=REGISTRY_RETRY_S) from exc
             raise
         if start == "restart":  # an admin's pause outlasts a restart; a new or resumed experiment starts unpaused
-            exp.paused = await asyncio.to_thread(self.registry.is_paused, config.name)
+            exp.set_paused(await asyncio.to_thread(self.registry.is_paused, config.name))
         exp.open(trackers)  # its metrics log and trackers
         exp.start_training(TrainingLoop(exp, self.workers, self.config.verify_tolerance, self.config.worker_timeout_s,
                                         self.config.max_loaded_versions, exp.metrics_log, nearest_version=nearest,
