@@ -47,9 +47,10 @@ class ServerHandle:
         return auth_headers((self.run_dir / "worker_secret").read_text().strip())
 
     def worker_pids(self) -> list[int]:
-        """Pids of the front end's worker processes (children of the server process), not its own helpers."""
-        helpers = set(self.helper_pids())
-        return [pid for pid in self._children() if pid not in helpers]
+        """Pids of the front end's worker processes (its children running `python -m sampler` or `-m learner`), not
+        its own helpers: the body decoder's processes, nor a tracker's (wandb's wandb-core, left by a test that
+        logged to wandb on this server)."""
+        return [pid for pid in self._children() if _runs_worker(pid)]
 
     def helper_pids(self) -> list[int]:
         """The front end's own helper processes: multiprocessing's (the body decoder, api/body_pool.py: a
@@ -68,6 +69,14 @@ class ServerHandle:
     def _children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+
+def _runs_worker(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(a == b"-m" and b in (b"sampler", b"learner") for a, b in zip(argv, argv[1:]))
 
 
 async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
