@@ -7,10 +7,10 @@ load it, then an invariant checker over what the clients were answered and what 
     scripts/bench --only chaos                       # the long soak as a benchmark figure (its table)
 
 Phases: the server starts (on a tmpfs of its own where `disk_full` can be injected, with the fsync shim preloaded
-where `slow_disk` can: chaos_faults.py); the
-experiments are created; the load (chaos_load.py) runs for `--minutes` (longer if needed for every kind to come up
-once) while the injector (chaos_faults.py) injects a fault every `--gap` seconds and waits for recovery. Then the load stops, the server must be healthy, every
-experiment must still train one more step (its last groups trained or passed over), and the server is stopped
+where `slow_disk` can: chaos_faults.py); the experiments are created; the load (chaos_load.py) runs for `--minutes`
+(longer if needed for every kind to come up once) while the injector (chaos_faults.py) injects a fault every `--gap`
+seconds and waits for recovery. Then the load stops, the server must be healthy, every experiment must still train
+one more step (its last groups trained or passed over), and the server is stopped
 cleanly, which checkpoints every step taken (and so writes every ledger line). The checker (chaos_check.py) then
 reads the history, the ledgers and the metrics logs.
 
