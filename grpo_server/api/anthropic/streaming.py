@@ -34,8 +34,8 @@ from grpo_server.api.anthropic.models import (AnthropicMessage, ContentBlockDelt
                                               MessageDeltaUsage, MessageStartEvent, MessageStopEvent,
                                               MessageTextBlock, MessageToolUseBlock, MessageUsage, PingEvent,
                                               TextDelta)
-from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _first_of, _stored, events_off_loop,
-                                              id_header, pieces)
+from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _stored, admitted_sampling,
+                                              events_off_loop, id_header, pieces)
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import ApiError
 from grpo_server.runtime.experiment import Experiment
@@ -84,16 +84,7 @@ async def stream_message(request: web.Request, experiment: Experiment, sample: C
     """Sample `sample` and stream `await answer(result)` (see the module docstring)."""
     episode_id = sample.episode_id
     group_id = None if episode_id is not None else experiment.groups.new_id()
-    admitted = asyncio.Event()
-    sampling = asyncio.create_task(experiment.complete(sample, group_id=group_id, admitted=admitted),
-                                   name=f"messages-{experiment.name}")
-    try:
-        await _first_of(sampling, admitted)
-    except BaseException:
-        await _cancel(sampling)
-        raise
-    if sampling.done():
-        sampling.result()  # its error before a byte went out: a plain JSON error with its status
+    sampling = await admitted_sampling(experiment, sample, group_id, f"messages-{experiment.name}")
     done = False
     async with aiohttp_sse.sse_response(request, sep="\n", headers=id_header(group_id, episode_id),
                                         **_ANY_METHOD) as sse:

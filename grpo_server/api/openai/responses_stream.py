@@ -20,7 +20,6 @@ As for chat, the sampler answers whole requests, so:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -32,8 +31,8 @@ from pydantic import BaseModel, Field, RootModel
 
 from grpo_server.api.openai.responses_models import (Echo, FunctionCall, OutputItem, OutputMessage, OutputText,
                                                      ResponseError, ResponseObject, TokenLogprob)
-from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _first_of, _stored, events_off_loop,
-                                              id_header, pieces)
+from grpo_server.api.openai.streaming import (_ANY_METHOD, Decode, _cancel, _stored, admitted_sampling,
+                                              events_off_loop, id_header, pieces)
 from grpo_server.api_models import CompletionsRequest, CompletionsResponse
 from grpo_server.protocol.errors import ApiError
 from grpo_server.runtime.experiment import Experiment
@@ -161,16 +160,7 @@ async def stream_response(request: web.Request, experiment: Experiment, sample: 
     client has had all of it (the handler stores it then)."""
     episode_id = sample.episode_id
     group_id = None if episode_id is not None else experiment.groups.new_id()
-    admitted = asyncio.Event()
-    sampling = asyncio.create_task(experiment.complete(sample, group_id=group_id, admitted=admitted),
-                                   name=f"responses-{experiment.name}")
-    try:
-        await _first_of(sampling, admitted)
-    except BaseException:
-        await _cancel(sampling)
-        raise
-    if sampling.done():
-        sampling.result()  # its error before a byte went out: a plain JSON error with its status
+    sampling = await admitted_sampling(experiment, sample, group_id, f"responses-{experiment.name}")
     numbers = itertools.count()
     done = False
     async with aiohttp_sse.sse_response(request, sep="\n", headers=id_header(group_id, episode_id),

@@ -265,6 +265,23 @@ def id_header(group_id: str | None, episode_id: str | None) -> dict[str, str]:
     return {"X-Group-Id": group_id} if group_id is not None else {"X-Episode-Id": episode_id or ""}
 
 
+async def admitted_sampling(experiment: Experiment, sample: CompletionsRequest, group_id: str | None,
+                            name: str) -> asyncio.Task:
+    """`sample` sampling as a task, returned once it is admitted: a stream's headers go out after its admission,
+    so that a refusal (429, 503) before a byte went out is raised here, a plain JSON error with its status. Every
+    streaming family (chat and completions, Responses, Messages) starts its sampling here."""
+    admitted = asyncio.Event()
+    sampling = asyncio.create_task(experiment.complete(sample, group_id=group_id, admitted=admitted), name=name)
+    try:
+        await _first_of(sampling, admitted)
+    except BaseException:
+        await _cancel(sampling)
+        raise
+    if sampling.done():
+        sampling.result()  # its error before a byte went out
+    return sampling
+
+
 async def stream_group(request: web.Request, experiment: Experiment, sample: CompletionsRequest, *, chat: bool,
                        model: str, include_usage: bool, decode: Decode,
                        answer: Callable[[CompletionsResponse], ChatCompletionResponse | TextCompletionResponse],
@@ -275,16 +292,7 @@ async def stream_group(request: web.Request, experiment: Experiment, sample: Com
     group_id = None if episode_id is not None else experiment.groups.new_id()
     framing = Framing(chat, ("chatcmpl-" if chat else "cmpl-") + (group_id or f"{episode_id}-{uuid.uuid4().hex[:12]}"),
                       int(time.time()), model, group_id, episode_id, include_usage)
-    admitted = asyncio.Event()
-    sampling = asyncio.create_task(experiment.complete(sample, group_id=group_id, admitted=admitted),
-                                   name=f"stream-{experiment.name}")
-    try:
-        await _first_of(sampling, admitted)
-    except BaseException:
-        await _cancel(sampling)
-        raise
-    if sampling.done():
-        sampling.result()  # its error before a byte went out: a plain JSON error with its status
+    sampling = await admitted_sampling(experiment, sample, group_id, f"stream-{experiment.name}")
     delivered = False
     async with aiohttp_sse.sse_response(request, sep="\n", headers=id_header(group_id, episode_id),
                                         **_ANY_METHOD) as sse:
