@@ -50,7 +50,39 @@ SLOW_FSYNC_MS = 2000
 SHIM = Path(__file__).with_name("chaos_slow_fsync.c")
 
 
-class ChaosServer:
+class HealthChecks:
+    """What the soak asks of any topology's server about its health (ChaosServer here, TwoHosts in chaos_hosts.py):
+    its `url`, and `log_tail()` for a failure's message."""
+
+    url: str
+
+    def log_tail(self) -> str:
+        raise NotImplementedError
+
+    def gone(self) -> str | None:
+        """Why waiting for health is pointless (its front end exited), or None."""
+        return None
+
+    def healthy(self) -> bool:
+        try:
+            answer = requests.get(self.url + "/v1/health", timeout=5)
+        except requests.RequestException:
+            return False
+        return answer.status_code == 200 and answer.json().get("status") == "ok"
+
+    def wait_healthy(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> float:
+        """Seconds until its health says ok (every worker ready); TimeoutError after `timeout_s`."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.healthy():
+                return time.monotonic() - started
+            if (why := self.gone()) is not None:
+                raise RuntimeError(f"{why}:\n{self.log_tail()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not healthy again after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+
+class ChaosServer(HealthChecks):
     """The real server (tests/serving.py `start_server`), started again after a kill on the same config."""
 
     def __init__(self, run_dir: Path, model_dir: Path, **overrides) -> None:
@@ -100,20 +132,8 @@ class ChaosServer:
             time.sleep(0.2)
         raise TimeoutError(f"the server did not come back in {STARTUP_TIMEOUT_S} s:\n{self.handle.log_tail()}")
 
-    def healthy(self) -> bool:
-        try:
-            answer = requests.get(self.url + "/v1/health", timeout=5)
-        except requests.RequestException:
-            return False
-        return answer.status_code == 200 and answer.json().get("status") == "ok"
-
-    def wait_healthy(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if self.healthy():
-                return time.monotonic() - started
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not healthy again after {timeout_s:.0f} s:\n{self.handle.log_tail()}")
+    def log_tail(self) -> str:
+        return self.handle.log_tail()
 
     def running(self) -> bool:
         return self.handle.process.poll() is None

@@ -24,10 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-import requests
 import yaml
 
-from .chaos_faults import RECOVERY_TIMEOUT_S
+from .chaos_faults import HealthChecks
 from .host import rss_mib
 
 NETNS = "grpo-chaos-b"
@@ -140,7 +139,7 @@ class Role:
             return self.process.wait()
 
 
-class TwoHosts:
+class TwoHosts(HealthChecks):
     """The server on two hosts (the module docstring): `ChaosServer`'s interface over three roles."""
 
     def __init__(self, run_dir: Path, model_dir: Path, **overrides) -> None:
@@ -218,23 +217,9 @@ class TwoHosts:
         finally:
             self.host_b.heal()
 
-    def healthy(self) -> bool:
-        try:
-            answer = requests.get(self.url + "/v1/health", timeout=5)
-        except requests.RequestException:
-            return False
-        return answer.status_code == 200 and answer.json().get("status") == "ok"
-
-    def wait_healthy(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if self.healthy():
-                return time.monotonic() - started
-            if not self.roles["frontend"].running():
-                raise RuntimeError(f"the front end exited with {self.roles['frontend'].process.returncode}:\n"
-                                   f"{self.log_tail()}")
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not healthy again after {timeout_s:.0f} s:\n{self.log_tail()}")
+    def gone(self) -> str | None:
+        frontend = self.roles["frontend"]
+        return None if frontend.running() else f"the front end exited with {frontend.process.returncode}"
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
