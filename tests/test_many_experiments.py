@@ -50,6 +50,15 @@ async def test_more_experiments_than_the_adapter_table_each_sample_train_and_ser
             verdict = status.last_verification
             assert verdict is None or verdict.ok is not False, (name, verdict)
 
+        # tenant-0 trained first, so the four after it paged it out at step 1: a second step pages it back in there.
+        # (A push of step 1 had often done so before, but only when a page-out came between the step and its push.)
+        group = await complete_when_admitted(client, names[0], prompt="And again.")
+        await client.feedback(names[0], group.group_id, [1.0, 0.0, 0.5, 0.25])
+
+        async def trained_again() -> bool:
+            return (await client.status(names[0])).policy_version >= 2
+
+        await wait_for(trained_again, timeout_s=120, interval_s=0.5)
         memory: list[str | None] = []
 
         async def residency_settled() -> bool:
@@ -64,4 +73,4 @@ async def test_more_experiments_than_the_adapter_table_each_sample_train_and_ser
             raise AssertionError(f"residency never settled at {RESIDENT} resident: {memory}") from error
     assert "too_many_adapters" not in small_table_server.log_tail(2000)
     learner_log = (small_table_server.run_dir / "logs" / "learner.log").read_text()
-    assert "paged in at step 1" in learner_log  # an experiment that trained, paged out, then was scored or trained
+    assert "tenant-0: paged in at step 1" in learner_log
