@@ -18,7 +18,8 @@ class AdapterUnderTraining:
     """One experiment in the learner: its peft adapter, DeepSpeed engine (and optimizer) and counters."""
 
     name: str
-    adapter: str  # peft adapter name: "exp_" + name, never a substring of peft's "lora_" key prefix
+    # peft adapter name: "exp_" + name, or after a page-in a spare's (learner/paging.py); never a substring of "lora_"
+    adapter: str
     algorithm: AlgorithmConfig
     params: list[torch.nn.Parameter]
     engine: Any
@@ -28,6 +29,7 @@ class AdapterUnderTraining:
     groups_trained: int = 0
     checkpointed_step: int = -1
     checkpoint_started_s: float = field(default_factory=time.monotonic)  # the newest checkpoint's start
+    used_at_s: float = field(default_factory=time.monotonic)  # its latest verb's start (paging.py's idle rule)
     # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
     # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
     weights_version: int | None = None

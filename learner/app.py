@@ -13,6 +13,8 @@ For the same reason it deletes the versions nobody needs any more itself (`prune
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +38,9 @@ from learner import adapter_io, checkpoint, retention
 
 MAX_BODY_BYTES = 512 * 1024 * 1024  # a train batch carries token ids and logprobs of every sample
 EXPERIMENT_NAME = re.compile(wire.EXPERIMENT_NAME)  # an experiment name (grpo_server/config.py): no path in it
+IDLE_CHECK_S = 10.0  # how often the idle pager looks (learner.page_out_idle_s is the rule)
+
+log = logging.getLogger(__name__)
 
 
 class LearnerHandler:
@@ -171,9 +176,35 @@ def adapter_file_route(run_dir: Path) -> web.RouteDef:
     return web.get(ROUTE, serve)
 
 
+async def idle_pager(handler: LearnerHandler) -> None:
+    """Every IDLE_CHECK_S (or half of `learner.page_out_idle_s`, if shorter), under the verbs' lock, the trainer pages
+    out the experiments idle past `page_out_idle_s` (learner/paging.py). A lockstep front of several ranks pages
+    nothing, and has no such verb."""
+    page_out_idle = getattr(handler.trainer, "page_out_idle", None)
+    idle_s = getattr(getattr(handler.trainer, "config", None), "page_out_idle_s", 0)
+    if page_out_idle is None or not idle_s:
+        return
+    interval_s = min(IDLE_CHECK_S, idle_s / 2)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await handler._run(page_out_idle)
+        except Exception as exc:  # a failed page-out (a full disk) leaves the experiment resident: tried again
+            log.warning("the idle pager failed (tried again in %.0f s): %s", interval_s, exc)
+
+
 def create_app(trainer: Any, run_dir: Path, secret: str, keep_versions: int = 0) -> web.Application:
     """The verbs and the adapter files, all for callers with the workers' `secret` (protocol/dispatch.py)."""
-    app = worker_app(LearnerVerbs.ALL, LearnerHandler(trainer, run_dir, keep_versions), MAX_BODY_BYTES,
-                     secret=secret)
+    handler = LearnerHandler(trainer, run_dir, keep_versions)
+    app = worker_app(LearnerVerbs.ALL, handler, MAX_BODY_BYTES, secret=secret)
     app.add_routes([adapter_file_route(run_dir)])
+
+    async def run_idle_pager(app: web.Application):
+        task = asyncio.create_task(idle_pager(handler))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(run_idle_pager)
     return app

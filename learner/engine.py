@@ -61,7 +61,7 @@ def make_engine(model: torch.nn.Module, params: list[torch.nn.Parameter], algori
     for param in params:
         param.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=algorithm.learning_rate, weight_decay=algorithm.weight_decay)
-    with _one_rank_shortcuts():
+    with _initialize_shortcuts():
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer,
             config=ds_config(algorithm, zero_stage, dtype),
@@ -70,25 +70,38 @@ def make_engine(model: torch.nn.Module, params: list[torch.nn.Parameter], algori
 
 
 @contextlib.contextmanager
-def _one_rank_shortcuts() -> Iterator[None]:
-    """With one rank, two walks `deepspeed.initialize` makes over every parameter of the shared model (the base's and
-    every resident experiment's adapter) skipped: `_broadcast_model`, a broadcast of each to itself, and the names
-    kept for DeepSpeed's debug messages (which then say "unknown"). They made an experiment's engine, at each create
-    and each page-in (learner/paging.py), cost more with every experiment held: 1.2 of a 1.9 s engine with 8 of
-    SmolLM2's r=16 adapters resident, and a page-in took 5 s with 32. With several ranks the broadcast is kept."""
+def _initialize_shortcuts() -> Iterator[None]:
+    """Walks `deepspeed.initialize` makes over every parameter of the shared model (the base's and every resident
+    experiment's adapter), skipped or made linear. They made an experiment's engine, at each create and each page-in
+    (learner/paging.py), cost more with every experiment held: 1.2 of a 1.9 s engine with 8 of SmolLM2's r=16 adapters
+    resident, and a page-in took 5 s with 32.
+      * its duplicate check, replaced by a linear one (`_check_for_duplicates` below);
+      * with one rank, `_broadcast_model` (a broadcast of each parameter to itself) and the names kept for DeepSpeed's
+        debug messages (which then say "unknown"). With several ranks both are kept."""
     import torch.distributed as dist
     from deepspeed.runtime import engine as ds_engine
 
-    if dist.get_world_size() != 1:
-        yield
-        return
-    saved = ds_engine.DeepSpeedEngine._broadcast_model, ds_engine.debug_extract_module_and_param_names
-    ds_engine.DeepSpeedEngine._broadcast_model = lambda self: None
-    ds_engine.debug_extract_module_and_param_names = lambda model: None
+    engine = ds_engine.DeepSpeedEngine
+    saved = engine._broadcast_model, engine._check_for_duplicates, ds_engine.debug_extract_module_and_param_names
+    engine._check_for_duplicates = _check_for_duplicates
+    if dist.get_world_size() == 1:
+        engine._broadcast_model = lambda self: None
+        ds_engine.debug_extract_module_and_param_names = lambda model: None
     try:
         yield
     finally:
-        ds_engine.DeepSpeedEngine._broadcast_model, ds_engine.debug_extract_module_and_param_names = saved
+        engine._broadcast_model, engine._check_for_duplicates, ds_engine.debug_extract_module_and_param_names = saved
+
+
+def _check_for_duplicates(engine: Any, optimizer: Any) -> None:
+    """DeepSpeed's check that no parameter is in the optimizer twice, in one pass over the optimizer's parameters. Its
+    own walks the shared model's every parameter and lists each group's ids for each: 0.3 s of a page-in with 32 of
+    SmolLM2's r=16 adapters resident, growing with them."""
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            assert id(param) not in seen, "a parameter occurs more than once in optimizer.param_groups"
+            seen.add(id(param))
 
 
 def release_engine(engine: Any) -> None:

@@ -4,12 +4,14 @@ Each experiment the learner holds costs its LoRA weights inside the shared peft 
 ZeRO's fp32 copy and gradient buffers, AdamW's two moments, and two saved versions' weights for the push check
 (learner/previous_version.py): about 120 MiB for SmolLM2-135M at r=16 (the learner's RSS 2.0 GiB at 1, 3.9 at 16:
 BENCHMARKS.md's tenants table). A tenant that has not trained for a week cost as much as a busy one. So at most
-`learner.resident_experiments` are held; past that, the least recently used one is paged out:
+`learner.resident_experiments` are held; past that, the least recently used one is paged out, and so is one that no
+verb reached for `learner.page_out_idle_s` (the idle pager, learner/app.py):
 
   * its state is written as a checkpoint at its current step (learner/checkpoint.py: the weights, AdamW's moments
     and ZeRO's fp32 partition, exactly), the same files a restart resumes from, and waited for;
-  * its engine, its peft adapter and its saved versions' copies are dropped; a small record stays (step, version,
-    journal position, which versions the push check held).
+  * its engine and its saved versions' copies are dropped, and its peft adapter too, or kept as a spare for the next
+    page-in (SPARE_ADAPTERS at most); a small record stays (step, version, journal position, which versions the
+    push check held).
 
 Its next verb pages it back in: a new adapter and engine, the checkpoint's weights and optimizer state loaded into
 them (bit-exact: tests/test_learner_paging.py compares the weights and the AdamW moments with a learner that
@@ -27,9 +29,9 @@ and the read-only verbs (logprobs, forward) run on rank 0 alone (learner/lockste
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,6 +46,21 @@ from learner.engine import make_engine, release_engine
 from learner.previous_version import SavedWeights
 
 log = logging.getLogger(__name__)
+
+
+def release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the system: tcmalloc's (the workers' allocator where the system has it,
+    grpo_server/workers/allocator.py) keeps the pages of freed spans, glibc's the top of its heap. Either one alone
+    would keep a paged-out experiment's memory in the learner's RSS until the next experiments reuse it."""
+    process = ctypes.CDLL(None)
+    for symbol in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):
+        release = getattr(process, symbol, None)
+        if release is not None:
+            release(*([0] if symbol == "malloc_trim" else []))
+            return
+
+
+SPARE_ADAPTERS = 2  # paged-out experiments' peft adapters kept for the next page-ins (~20 MiB each: SmolLM2, r=16)
 
 
 @dataclass
@@ -74,8 +91,11 @@ class Paging:
     _start_checkpoint: Callable[[str], None]
     _peft_config: Callable[[LoraConfig], Any]
     _add_peft_adapter: Callable[[str, Any], None]
-    _activate: Callable[[str], None]
+    _activate: Callable[[str, list[torch.nn.Parameter]], None]
+    _delete_peft_adapter: Callable[[str], None]
 
+    _spares: dict[str, list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]]  # by LoraConfig (_keep_spare)
+    _spare_names = 0
     page_ins = 0
     page_outs = 0
     last_page_in_s: float | None = None
@@ -94,6 +114,7 @@ class Paging:
                 raise NotFound(f"experiment {name!r} is not loaded in the learner")
             exp = self._page_in(name)
         self.experiments[name] = exp  # to the end: most recently used
+        exp.used_at_s = time.monotonic()
         self._paged.pop(name, None)  # after: `status`, which reads both without the lock, sees it in one or both
         self._page_out_beyond_limit(keep=name)
         return exp
@@ -111,6 +132,23 @@ class Paging:
             if name != keep and exp.pending_backwards == 0:
                 self._page_out(name)
 
+    def page_out_idle(self) -> int:
+        """Page out the experiments no verb reached for `learner.page_out_idle_s` (not one holding Tinker gradients),
+        then hand the memory they freed back to the system; how many went. The learner's idle pager calls it under
+        the lock (learner/app.py). Without it the least recently used went only past `resident_experiments`, so a
+        tenant idle for a week held its ~100 MiB as long as fewer than that many others trained since."""
+        idle_s = self.config.page_out_idle_s
+        if not idle_s or self.resident_limit is None:
+            return 0
+        now = time.monotonic()
+        idle = [name for name, exp in self.experiments.items()
+                if now - exp.used_at_s >= idle_s and exp.pending_backwards == 0]
+        for name in idle:
+            self._page_out(name)
+        if idle:
+            release_freed_memory()
+        return len(idle)
+
     def _page_out(self, name: str) -> None:
         started = time.perf_counter()
         exp = self.experiments[name]
@@ -119,9 +157,7 @@ class Paging:
         self._checkpoints.wait()
         saved = self._saved.pop(name, None)
         release_engine(exp.engine)
-        with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
-            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
-            self.model.delete_adapter(exp.adapter)
+        self._keep_spare(exp.adapter, self._lora_configs[name])
         exp.engine, exp.params = None, []
         self._paged[name] = PagedOut(exp, None if saved is None else saved.version,
                                      None if saved is None else saved.previous_version, time.monotonic())
@@ -141,17 +177,16 @@ class Paging:
             raise ApiError(f"experiment {name!r} was paged out at step {exp.step}, but its checkpoint there is gone "
                            f"(newest: {None if found is None else found.state.step}); delete and restore it",
                            code="page_in_failed", status=500)
-        self._add_peft_adapter(exp.adapter, self._peft_config(self._lora_configs[name]))
+        exp.adapter, named = self._adapter_for(self._lora_configs[name])
         try:
-            named = [(n, p) for n, p in self.model.named_parameters() if f".{exp.adapter}." in n]
             params = [p for _, p in named]
-            self._activate(exp.adapter)
+            self._activate(exp.adapter, params)
             saved = self._read_saved(name, [n.replace(f".{exp.adapter}.", ".") for n, _ in named], paged)
             resume.load_weights(self.model, exp.adapter, found.weights, name, found.state.version)
             engine = make_engine(self.model, params, exp.algorithm, self.config.zero_stage, self.dtype)
             checkpoint.load_optimizer_state(engine.optimizer, found.optimizer, self.world_size)
         except BaseException:
-            self.model.delete_adapter(exp.adapter)
+            self._delete_peft_adapter(exp.adapter)
             raise
         exp.params, exp.engine = params, engine
         if saved is not None:
@@ -161,6 +196,26 @@ class Paging:
         log.info("%s: paged in at step %d after %.0f s out (%.2f s)", name, exp.step,
                  time.monotonic() - paged.paged_at_s, self.last_page_in_s)
         return exp
+
+    def _keep_spare(self, adapter: str, lora: LoraConfig) -> None:
+        """A paged-out experiment's peft adapter, kept for the next page-in of the same LoRA shape (SPARE_ADAPTERS
+        at most, the others deleted). peft's add_adapter walks every module of the shared model several times: half
+        of a page-in's 2 s with 32 of SmolLM2's r=16 adapters resident. The page-in writes every weight of it."""
+        if sum(len(spares) for spares in self._spares.values()) >= SPARE_ADAPTERS:
+            self._delete_peft_adapter(adapter)
+            return
+        named = [(n, p) for n, p in self.model.named_parameters() if f".{adapter}." in n]
+        self._spares.setdefault(lora.model_dump_json(), []).append((adapter, named))
+
+    def _adapter_for(self, lora: LoraConfig) -> tuple[str, list[tuple[str, torch.nn.Parameter]]]:
+        """A peft adapter of this shape for a page-in, and its parameters by name: a spare one, else a new one."""
+        spares = self._spares.get(lora.model_dump_json())
+        if spares:
+            return spares.pop()
+        self._spare_names += 1
+        adapter = f"paged_{self._spare_names}"  # not "exp_<name>": another experiment may hold it next
+        self._add_peft_adapter(adapter, self._peft_config(lora))
+        return adapter, [(n, p) for n, p in self.model.named_parameters() if f".{adapter}." in n]
 
     def _read_saved(self, name: str, keys: list[str], paged: PagedOut) -> SavedWeights | None:
         """The push check's copies of the versions it held, read from their folders: each parameter's tensor by its

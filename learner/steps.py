@@ -64,7 +64,7 @@ class TinkerSteps:
     world_size: int
     _lora_configs: dict[str, LoraConfig]
     _get: Callable[[str], AdapterUnderTraining]
-    _activate: Callable[[str], None]
+    _activate: Callable[[str, list[torch.nn.Parameter]], None]
     _reset_engine: Callable[[AdapterUnderTraining], None]
     _checkpoint_after_step: Callable[[AdapterUnderTraining], None]
 
@@ -181,7 +181,7 @@ class TinkerSteps:
                 if spec.family == "grpo" else None)
         loss_fn = LOSS_FUNCTIONS[spec.name]
         reference = needs_reference(spec, config)
-        self._activate(exp.adapter)
+        self._activate(exp.adapter, exp.params)
         # forward_backward trains in train mode; forward scores the same function, unless LoRA dropout would make
         # train mode random (then eval mode: the function the samplers serve).
         self.model.train(backward or self._lora_configs[exp.name].dropout == 0)

@@ -40,6 +40,7 @@ from grpo_server.protocol.wire import AdapterVersion, LogprobsRequest, TrainMetr
 from learner import adapter_io, checkpoint, ledger, resume
 from learner.batching import (MicroBatch, Sequence, check_sequence, gather_completion_logp, make_micro_batches,
                               sampler_gap)
+from learner.activation import AdapterSwitch
 from learner.adapter_state import AdapterUnderTraining
 from learner.checkpoint_writer import Checkpointing, CheckpointWriter
 from learner.engine import make_engine, optimizer_step, release_engine, uses_autocast
@@ -91,8 +92,10 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         # Recorded before peft wraps the layers: the names LoRA may target.
         self.linear_names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
         self.model: Any = None  # the PeftModel, once the first adapter exists
+        self._switch = AdapterSwitch()
         self.experiments: dict[str, AdapterUnderTraining] = {}  # in memory, least recently used first
         self._paged: dict[str, PagedOut] = {}  # paged out to their checkpoints (learner/paging.py)
+        self._spares: dict[str, list] = {}  # their peft adapters kept for the next page-in (learner/paging.py)
         self._lora_configs: dict[str, LoraConfig] = {}
         self._saved: dict[str, SavedWeights] = {}  # each experiment's last two saved versions' weights
         self._checkpoints = CheckpointWriter(config.run_dir)  # rank 0's; the others only send it their shards
@@ -139,7 +142,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         self._all_ranks_here()
         try:
             params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
-            self._activate(adapter)
+            self._activate(adapter, params)
             if start.weights is not None:
                 resume.load_weights(self.model, adapter, start.weights, name, start.loaded_version)
             if start.write_version:
@@ -148,7 +151,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
             engine = make_engine(self.model, params, algorithm, self.config.zero_stage, self.dtype)
             found.restore_optimizer(engine, self.world_size, name)
         except BaseException:
-            self.model.delete_adapter(adapter)
+            self._delete_peft_adapter(adapter)
             raise
         exp = AdapterUnderTraining(name, adapter, algorithm, params, engine, start.step, start.version,
                                    journal_seq=start.journal_seq, groups_trained=start.groups_trained,
@@ -247,7 +250,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
                 for c in request.completions_token_ids]
         for i, seq in enumerate(seqs):
             check_sequence(seq, self.vocab_size, self.config.max_model_len, f"completions_token_ids[{i}]")
-        self._activate(exp.adapter)
+        self._activate(exp.adapter, exp.params)
         self.model.eval()
         out: list[list[float]] = [[] for _ in seqs]
         with torch.no_grad():
@@ -271,9 +274,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         self._lora_configs.pop(name, None)
         self._forget_saved(name)
         release_engine(exp.engine)
-        with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
-            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
-            self.model.delete_adapter(exp.adapter)
+        self._delete_peft_adapter(exp.adapter)
         log.info("experiment %s removed (its files stay in %s)", name,
                  adapter_io.adapter_root(self.config.run_dir, name))
 
@@ -312,12 +313,17 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
             self.model = get_peft_model(self.base, peft_config, adapter_name=adapter)
         else:
             self.model.add_adapter(adapter, peft_config)
+        self._switch.adapters_changed()
 
-    def _activate(self, adapter: str) -> None:
-        """Route forwards through `adapter` and make only its weights trainable."""
-        self.model.set_adapter(adapter)
-        for n, p in self.model.named_parameters():
-            p.requires_grad_("lora_" in n and f".{adapter}." in n)
+    def _activate(self, adapter: str, params: list[torch.nn.Parameter]) -> None:
+        """Route forwards through `adapter` and make only its weights (`params`) trainable (learner/activation.py)."""
+        self._switch.activate(self.model, adapter, params)
+
+    def _delete_peft_adapter(self, adapter: str) -> None:
+        with warnings.catch_warnings():  # peft warns that the active adapter went; the next verb sets one
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(adapter)
+        self._switch.adapters_changed()
 
     def _write_version(self, adapter: str, name: str, version: int, step: int, journal_seq: int,
                        groups_trained: int) -> None:
@@ -334,7 +340,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
 
     def _accumulate_and_step(self, exp: AdapterUnderTraining, share: RankShare, settings: LossSettings,
                              norm: BatchNormalizer) -> tuple[StepStats, float]:
-        self._activate(exp.adapter)
+        self._activate(exp.adapter, exp.params)
         self.model.train()
         stats = StepStats()
         passes = [(batch, True) for batch in share.micro_batches] + [(share.padding, False)] * share.padding_passes
@@ -369,7 +375,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
             param.grad = None
             if hasattr(param, "grad_accum"):
                 param.grad_accum = None
-        self._activate(exp.adapter)
+        self._activate(exp.adapter, exp.params)
         exp.engine = make_engine(self.model, exp.params, exp.algorithm, self.config.zero_stage, self.dtype)
 
     def _completion_logp(self, forward: Any, batch: MicroBatch) -> torch.Tensor:

@@ -7,6 +7,7 @@ tests/test_learner.py and tests/test_learner_adapters.py.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -37,12 +38,15 @@ def _post(url: str, verb: str, body) -> tuple[int, dict]:
         return exc.code, unpack(exc.read())
 
 
-def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
+@contextlib.contextmanager
+def _learner_process(model_dir: Path, tmp_path: Path, **settings):
+    """`python -m learner` on a config file of its own, healthy; its URL and run directory. Stopped with SIGTERM
+    after, which must end it cleanly."""
     port = free_port()
     run_dir = tmp_path / "run"
     config_path = tmp_path / "learner.yaml"
-    config_path.write_text(yaml.safe_dump({"model_path": str(tiny_model_dir), "run_dir": str(run_dir),
-                                           "port": port, "max_model_len": 128, "dtype": "float32"}))
+    config_path.write_text(yaml.safe_dump({"model_path": str(model_dir), "run_dir": str(run_dir),
+                                           "port": port, "max_model_len": 128, "dtype": "float32", **settings}))
     # The parent's rank / port variables (the in-process fixture's) must not leak into the child.
     env = {k: v for k, v in worker_env().items() if k not in DIST_ENV}
     log_file = open(tmp_path / "learner.log", "w")
@@ -62,7 +66,25 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
             assert time.monotonic() < deadline, "learner not healthy in 240 s"
             time.sleep(0.1)
         assert yaml.safe_load((run_dir / "config" / "learner.resolved.yaml").read_text())["port"] == port
+        yield url, run_dir
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            log_file.close()
+    assert code == 0, (tmp_path / "learner.log").read_text()[-3000:]
 
+
+def _status(url: str) -> dict:
+    status_request = urllib.request.Request(f"{url}/status", headers=auth_headers(WORKER_SECRET))
+    with urllib.request.urlopen(status_request, timeout=10) as response:
+        return unpack(response.read())
+
+
+def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
+    with _learner_process(tiny_model_dir, tmp_path) as (url, run_dir):
         lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
         status, body = _post(url, "add_experiment", {"name": "web", "lora": lora, "algorithm": {"learning_rate": 1e-2}})
         assert status == 200 and body["version"] == 0 and Path(body["path"]).is_dir(), body
@@ -89,9 +111,7 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         # Only right after the save: a version whose weights a step has moved since is refused, not scored wrong.
         status, body = _post(url, "score_version", {"name": "web", "version": 0, **probe})
         assert status == 409 and body["error"]["code"] == "weights_moved", body
-        status_request = urllib.request.Request(f"{url}/status", headers=auth_headers(WORKER_SECRET))
-        with urllib.request.urlopen(status_request, timeout=10) as response:
-            learner_status = unpack(response.read())
+        learner_status = _status(url)
         assert learner_status["experiments"]["web"] == {
             "step": 2, "version": 1, "resident": True,
             "path": str((run_dir / "adapters" / "web" / "v000001").resolve())}
@@ -108,11 +128,25 @@ def test_learner_process_serves_the_verbs_over_http(tiny_model_dir, tmp_path):
         status, body = _post(url, "remove_experiment", {"name": "web"})
         assert status == 200 and body == {"removed": "web"}
         assert _post(url, "save_adapter", {"name": "web"})[0] == 404
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        finally:
-            proc.kill()
-            log_file.close()
-    assert code == 0, (tmp_path / "learner.log").read_text()[-3000:]
+
+
+def test_an_experiment_idle_past_page_out_idle_s_is_paged_out_and_back_in(tiny_model_dir, tmp_path):
+    """The idle pager (learner/app.py): an experiment no verb reached for `page_out_idle_s` leaves the learner's
+    memory while a busy one stays, and its next verb brings it back."""
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    probe = {"prompt_token_ids": PROMPT, "completions_token_ids": [COMPLETION]}
+    with _learner_process(tiny_model_dir, tmp_path, page_out_idle_s=2.0) as (url, _):
+        for name in ("busy", "idle"):
+            assert _post(url, "add_experiment", {"name": name, "lora": lora, "algorithm": {}})[0] == 200
+        status, before = _post(url, "logprobs", {"name": "idle", **probe})
+        assert status == 200
+        deadline = time.monotonic() + 60
+        while _status(url)["experiments"]["idle"]["resident"]:
+            assert time.monotonic() < deadline, "the idle experiment was never paged out"
+            assert _post(url, "logprobs", {"name": "busy", **probe})[0] == 200  # a verb every 0.3 s keeps it in
+            time.sleep(0.3)
+        learner_status = _status(url)
+        assert learner_status["experiments"]["busy"]["resident"] is True
+        assert learner_status["paging"]["page_outs"] >= 1 and learner_status["paging"]["resident"] == 1
+        assert _post(url, "logprobs", {"name": "idle", **probe}) == (200, before)  # paged in, the same weights
+        assert _status(url)["experiments"]["idle"]["resident"] is True

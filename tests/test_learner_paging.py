@@ -93,6 +93,25 @@ def test_a_paged_out_experiment_comes_back_bit_exact(learners):
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+def test_a_page_in_into_another_experiments_spare_adapter_is_bit_exact(learners):
+    """A page-in takes a spare peft adapter that another experiment left at its page-out (learner/paging.py
+    `_keep_spare`): every weight and AdamW moment is the experiment's own, as in the learner that never paged."""
+    paging, steady = learners
+    for trainer in learners:
+        for name, advantage in (("cross_x", 1.0), ("cross_y", -0.5), ("cross_z", 0.3)):
+            trainer.add_experiment(name, LORA, AlgorithmConfig(learning_rate=1e-2))  # the one before goes out
+            trainer.train(_batch(trainer, name, advantage))
+    assert paging.status()["cross_x"]["resident"] is False and len(paging._spares[LORA.model_dump_json()]) == 2
+    for name in ("cross_x", "cross_y"):
+        a, b = _state(paging, name), _state(steady, name)
+        assert paging.experiments[name].adapter != f"exp_{name}"  # in a spare: not its own adapter any more
+        assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    for trainer in learners:  # and it trains on in it as if it had never left
+        trainer.train(_batch(trainer, "cross_y", 0.8))
+    a, b = _state(paging, "cross_y"), _state(steady, "cross_y")
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 def test_a_paged_out_experiment_is_removed_and_added_again(learners):
     paging, _ = learners
     paging.add_experiment("gone", LORA, AlgorithmConfig())

@@ -22,7 +22,8 @@ def small_table_server(tiny_model_dir, tmp_path_factory):
     handle = start_server(tmp_path_factory.mktemp("server-many"), tiny_model_dir,
                           sampler={"engine": "vllm", "kv_cache_gib": 0.25, "max_num_seqs": 32, "max_lora_rank": 16,
                                    "max_loras": 1, "max_cpu_loras": TABLE},
-                          learner={"zero_stage": 2, "resident_experiments": RESIDENT})
+                          # No idle page-outs: the count of resident ones below is the LRU limit's alone.
+                          learner={"zero_stage": 2, "resident_experiments": RESIDENT, "page_out_idle_s": 0})
     yield handle
     assert stop_server(handle) == 0, handle.log_tail()
 

@@ -265,6 +265,12 @@ class LearnerOptions(StrictModel):
         "Experiments the learner holds in memory (adapter, optimizer); past this, the least recently used is "
         "paged out to a checkpoint at its step and paged back in, exactly, at its next verb (learner/paging.py). "
         "A learner of several ranks holds every experiment."))
+    # 60 s: a page-out and the page-in after it cost the learner ~3 s (BENCHMARKS.md's tenants table), so a tenant
+    # whose steps come a minute apart or more loses at most a few percent of its learner time to them.
+    page_out_idle_s: float = Field(60.0, ge=0, le=365 * 86400, description=(
+        "An experiment no verb reached for this many seconds is paged out (learner/paging.py), even under "
+        "`resident_experiments`: the learner's memory follows the experiments in use, not those registered. "
+        "0 = only past `resident_experiments`."))
 
 
 class WorkerProcessConfig(StrictModel):
