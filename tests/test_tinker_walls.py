@@ -323,3 +323,43 @@ async def test_the_body_pool_gives_each_key_one_slot_and_refuses_a_flood():
     assert await asyncio.gather(*flood) == ["f0", "f1", "f2"]
     assert order[0] == "other" and pool.waiting("flooder") == 0
     pool.close()
+
+
+async def test_an_admins_pause_holds_the_tinker_calls_too(server, tiny_model_dir):
+    """A pause held native sampling and batches, while the same experiment's Tinker client went on sampling and
+    training. Now every verb that samples or trains answers 503 experiment_paused (the SDK surfaces it from the
+    call's future), and works again once unpaused."""
+    key = "paused-tinker-key-5a6b7c8d"
+    name = "walls-paused"
+    assert _call(server, "POST", "/v1/experiments", ADMIN_KEY, _experiment(name, key))[0] == 201
+    tenant = tinker.ServiceClient(base_url=server.url, api_key=f"tml-{key}")
+    try:
+        training = await asyncio.to_thread(
+            lambda: tenant.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result())
+        tokens = [5, 6, 7, 8, 9]
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        sampler = await asyncio.to_thread(lambda: training.save_weights_and_get_sampling_client().result())
+        async with AsyncClient(server.url, ADMIN_KEY) as admin:
+            assert (await admin.pause_experiment(name)).paused
+            calls = {
+                "forward_backward": lambda: training.forward_backward([datum], "cross_entropy").result(),
+                "optim_step": lambda: training.optim_step(types.AdamParams(learning_rate=1e-3)).result(),
+                "sample": lambda: sampler.sample(types.ModelInput.from_ints(tokens), 1,
+                                                 types.SamplingParams(max_tokens=2)).result(),
+                "save_weights_for_sampler": lambda: training.save_weights_for_sampler(name="held").result(),
+            }
+            for verb, call in calls.items():
+                with pytest.raises(Exception) as refused:
+                    await asyncio.to_thread(call)
+                assert "experiment_paused" in str(refused.value) or "paused by an admin" in str(refused.value), \
+                    (verb, refused.value)
+            status = await admin.status(name)
+            assert status.step == 0 and status.counters.completions_sampled == 0
+            assert not (await admin.unpause_experiment(name)).paused
+        await asyncio.to_thread(calls["forward_backward"])
+        await asyncio.to_thread(calls["optim_step"])
+        assert len((await asyncio.to_thread(calls["sample"])).sequences) == 1
+    finally:
+        await asyncio.to_thread(tenant.close, "success")
+        assert _call(server, "DELETE", f"/v1/experiments/{name}", ADMIN_KEY)[0] == 204

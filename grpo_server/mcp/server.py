@@ -137,9 +137,9 @@ class Operator:
         return {**views.experiment_summary(created), "api_key": created.api_key}
 
     async def pause_experiment(self, name: Name) -> dict[str, Any]:
-        """Pause an experiment (admin key): it samples no new group (its clients get 503 experiment_paused and
-        wait) and trains no batch until unpause_experiment; feedback for groups sampled before is still taken.
-        The pause outlasts a server restart."""
+        """Pause an experiment (admin key): it samples nothing and trains no batch, nor any Tinker call, until
+        unpause_experiment (its clients get 503 experiment_paused and wait); feedback for groups sampled before is
+        still taken. The pause outlasts a server restart."""
         return views.experiment_summary(await self.client.pause_experiment(name))
 
     async def unpause_experiment(self, name: Name) -> dict[str, Any]:

@@ -68,7 +68,8 @@ async def delete_experiment(request: web.Request, who: Principal | None, body: A
 
 
 async def pause_experiment(request: web.Request, who: Principal | None, body: Any) -> web.Response:
-    """No new group or episode turn sampled, no batch trained, until unpaused; kept across restarts."""
+    """Nothing sampled and nothing trained (no group, episode turn, batch or Tinker call) until unpaused; kept across
+    restarts."""
     return respond(request, await request.app[ORCHESTRATOR].set_paused(request.match_info["name"], True))
 
 

@@ -1,7 +1,8 @@
 """An experiment's learner calls a client makes on its weights (the Tinker API's training verbs): forward and
 backward passes, optimizer steps, saved states and pushes on request. Each runs in the experiment's training turn,
 as its native steps do (runtime/training.py), and what it changes is recorded here, once: the API families never
-call the learner themselves. Part of `Experiment` (owner.py), whose fields they read and write."""
+call the learner themselves. An admin's pause holds the ones that compute (sampling.py `refuse_while_paused`); saved
+states are still listed, saved and deleted. Part of `Experiment` (owner.py), whose fields they read and write."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class LearnerVerbs:
                                forward_only: bool = False) -> ForwardBackwardOutput:
         """The loss of `data` under the newest weights, and (unless `forward_only`) its gradients, summed on the
         learner until `optim_step`: batches of rated groups wait for it meanwhile (`gradients_pending`)."""
+        self.refuse_while_paused()
         request = ForwardBackwardRequest(name=self.name, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
         learner = self.workers.learner
         async with self.workers.turns.training(self.name):
@@ -27,6 +29,7 @@ class LearnerVerbs:
 
     async def optim_step(self, params: AdamParams) -> OptimStepResponse:
         """One AdamW step on the gradients `forward_backward` summed."""
+        self.refuse_while_paused()
         async with self.workers.turns.training(self.name):
             out = await self.workers.learner.optim_step(self.name, params)
         self.optimizer_stepped(out.step)
@@ -54,6 +57,7 @@ class LearnerVerbs:
 
     async def load_state(self, label: str, source: LearnerVerbs, with_optimizer: bool) -> None:
         """`source`'s saved state `label` (maybe this experiment's own) as this experiment's weights."""
+        self.refuse_while_paused()
         async with self.workers.turns.training(self.name):
             await self.workers.learner.load_state(self.name, label, source=source.name, with_optimizer=with_optimizer)
 
@@ -63,5 +67,6 @@ class LearnerVerbs:
     async def push_for_client(self, probe: VersionProbe | None) -> tuple[int, str]:
         """A push a client asked for, as after a train step (runtime/training.py `push_now`): the version now
         served and its folder."""
+        self.refuse_while_paused()
         version = await self.training.push_now(probe)
         return version, self.adapter_paths[version]

@@ -29,6 +29,14 @@ PAUSED_RETRY_AFTER_S = 30.0  # a pause is an operator's, for minutes or more: cl
 class SamplingVerbs:
     """`Experiment`'s sampling side (its fields are declared in owner.py)."""
 
+    def refuse_while_paused(self) -> None:
+        """An admin's pause holds every verb that samples or trains, whichever API family calls it: a 503 whose
+        Retry-After makes a client's loop wait for the unpause rather than fail."""
+        if self.paused:
+            raise Unavailable(f"experiment {self.name!r} is paused by an admin: it samples and trains again once "
+                              f"unpaused (POST /v1/experiments/{self.name}/unpause)", code="experiment_paused",
+                              retry_after=PAUSED_RETRY_AFTER_S)
+
     async def complete(self, request: CompletionsRequest, group_id: str | None = None,
                        admitted: asyncio.Event | None = None) -> CompletionsResponse:
         """A group of completions under the serving version, kept for its feedback (or one turn of an episode).
@@ -36,11 +44,8 @@ class SamplingVerbs:
         Requests admitted count from here to their end (tokenising included): their groups reach the queue
         later, and admitting more while the queue looks short only makes groups that go stale. An episode's
         later turns are work already admitted: held back, its earlier turns would be lost. A paused experiment
-        samples nothing: a 503 whose Retry-After makes a client's loop wait for the unpause rather than fail."""
-        if self.paused:
-            raise Unavailable(f"experiment {self.name!r} is paused by an admin: it samples and trains again once "
-                              f"unpaused (POST /v1/experiments/{self.name}/unpause)", code="experiment_paused",
-                              retry_after=PAUSED_RETRY_AFTER_S)
+        samples nothing (`refuse_while_paused`)."""
+        self.refuse_while_paused()
         backlog = self.server.max_queued_batches * self.config.algorithm.batch_groups
         in_pipeline = len(self.queue) + self.sampling_requests
         if in_pipeline >= backlog and not self.episodes.started(self.name, request.episode_id):
@@ -148,7 +153,8 @@ class SamplingVerbs:
         and pinned while they run; None: the base model), with the prompt's own logprobs when `score_prompt`. Not
         a group for training, so no admission by the learner's backlog; but the same walls as `complete`
         otherwise: the token budget holds the worst case while it runs (429 before any work), it is sampled in
-        this experiment's sampling turn, and the counters count it."""
+        this experiment's sampling turn, the counters count it, and a pause holds it."""
+        self.refuse_while_paused()
         loaded = self.version_loaded(*version) if version is not None else None
         adapter = self.adapter(version[0]) if version is not None else None
         self.last_sampling_at = time.monotonic()
