@@ -178,13 +178,13 @@ def adapter_file_route(run_dir: Path) -> web.RouteDef:
 
 async def idle_pager(handler: LearnerHandler) -> None:
     """Every IDLE_CHECK_S (or half of `learner.page_out_idle_s`, if shorter), under the verbs' lock, the trainer pages
-    out the experiments idle past `page_out_idle_s` (learner/paging.py). A lockstep front of several ranks pages
-    nothing, and has no such verb."""
+    out the experiments idle past `page_out_idle_s` and frees what page-outs left (learner/paging.py). A lockstep
+    front of several ranks pages nothing, and has no such verb."""
     page_out_idle = getattr(handler.trainer, "page_out_idle", None)
-    idle_s = getattr(getattr(handler.trainer, "config", None), "page_out_idle_s", 0)
-    if page_out_idle is None or not idle_s:
+    if page_out_idle is None:
         return
-    interval_s = min(IDLE_CHECK_S, idle_s / 2)
+    idle_s = handler.trainer.config.page_out_idle_s
+    interval_s = min(IDLE_CHECK_S, idle_s / 2) if idle_s else IDLE_CHECK_S  # 0: still frees what LRU page-outs left
     while True:
         await asyncio.sleep(interval_s)
         try:

@@ -5,6 +5,7 @@ copy equal bit for bit those of a learner that never paged, as do the push check
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -110,6 +111,20 @@ def test_a_page_in_into_another_experiments_spare_adapter_is_bit_exact(learners)
         trainer.train(_batch(trainer, "cross_y", 0.8))
     a, b = _state(paging, "cross_y"), _state(steady, "cross_y")
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_what_a_page_out_left_is_freed_by_the_idle_pagers_round(learners):
+    """A released DeepSpeed engine is in a reference cycle: its optimizer state went only at the interpreter's next
+    full collection. The idle pager's round (`page_out_idle`, every 10 s) frees it, whether or not anything was
+    idle (learner/paging.py `release_freed_memory`)."""
+    paging, _ = learners
+    paging.add_experiment("freed", LORA, AlgorithmConfig())
+    engine, optimizer = weakref.ref(paging.experiments["freed"].engine), weakref.ref(
+        paging.experiments["freed"].engine.optimizer)
+    paging.add_experiment("after_freed", LORA, AlgorithmConfig())  # holds one: "freed" is paged out
+    assert paging.status()["freed"]["resident"] is False
+    assert paging.page_out_idle() == 0  # nothing idle for 60 s
+    assert engine() is None and optimizer() is None
 
 
 def test_a_paged_out_experiment_is_removed_and_added_again(learners):
