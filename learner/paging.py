@@ -79,6 +79,9 @@ class PagedOut:
     saved_version: int | None
     previous_version: int | None
     paged_at_s: float
+    # Set when nothing moved its weights or optimizer in this life (`_page_out`): its state is this version's folder
+    # and an AdamW not yet stepped, read back from there. Else its checkpoint at its step.
+    from_version: int | None = None
 
 
 class Paging:
@@ -162,15 +165,23 @@ class Paging:
     def _page_out(self, name: str) -> None:
         started = time.perf_counter()
         exp = self.experiments[name]
+        from_version = None
         if exp.checkpointed_changes != exp.changes or exp.checkpointed_step != exp.step:
-            self._start_checkpoint(name)  # at its current step, with its optimizer: what the page-in reads
+            if exp.changes == 0 and exp.weights_version is not None and exp.weights_version == exp.version:
+                # Never trained or given a state since it was added: the version folder it was added from (its v0,
+                # or the one it resumed) holds its weights, and its AdamW has no state yet. A checkpoint would cost
+                # a third of a second for nothing: on the tenants benchmark most page-outs were of such experiments,
+                # created and not yet used.
+                from_version = exp.version
+            else:
+                self._start_checkpoint(name)  # at its current step, with its optimizer: what the page-in reads
         self._checkpoints.wait()
         saved = self._saved.pop(name, None)
         release_engine(exp.engine)
         self._keep_spare(exp.adapter, self._lora_configs[name])
         exp.engine, exp.params = None, []
         self._paged[name] = PagedOut(exp, None if saved is None else saved.version,
-                                     None if saved is None else saved.previous_version, time.monotonic())
+                                     None if saved is None else saved.previous_version, time.monotonic(), from_version)
         del self.experiments[name]  # after: `status`, which reads both without the lock, sees it in one or both
         self.page_outs += 1
         self.last_page_out_s = time.perf_counter() - started
@@ -182,19 +193,16 @@ class Paging:
         paged = self._paged[name]
         exp = paged.exp
         self._checkpoints.wait()
-        found = checkpoint.read_latest(self.config.run_dir, name, self.rank, self.world_size)
-        if found is None or found.state.step != exp.step or found.optimizer is None:
-            raise ApiError(f"experiment {name!r} was paged out at step {exp.step}, but its checkpoint there is gone "
-                           f"(newest: {None if found is None else found.state.step}); delete and restore it",
-                           code="page_in_failed", status=500)
+        weights, optimizer = self._paged_state(name, paged)
         exp.adapter, named = self._adapter_for(self._lora_configs[name])
         try:
             params = [p for _, p in named]
             self._activate(exp.adapter, params)
             saved = self._read_saved(name, [n.replace(f".{exp.adapter}.", ".") for n, _ in named], paged)
-            resume.load_weights(self.model, exp.adapter, found.weights, name, found.state.version)
+            resume.load_weights(self.model, exp.adapter, weights, name, exp.version)
             engine = make_engine(self.model, params, exp.algorithm, self.config.zero_stage, self.dtype)
-            checkpoint.load_optimizer_state(engine.optimizer, found.optimizer, self.world_size)
+            if optimizer is not None:
+                checkpoint.load_optimizer_state(engine.optimizer, optimizer, self.world_size)
         except BaseException:
             self._delete_peft_adapter(exp.adapter)
             raise
@@ -206,6 +214,23 @@ class Paging:
         log.info("%s: paged in at step %d after %.0f s out (%.2f s)", name, exp.step,
                  time.monotonic() - paged.paged_at_s, self.last_page_in_s)
         return exp
+
+    def _paged_state(self, name: str, paged: PagedOut) -> tuple[dict[str, torch.Tensor], Any]:
+        """A paged-out experiment's weights and optimizer state (None: not stepped yet), from where `_page_out`
+        left them."""
+        exp = paged.exp
+        if paged.from_version is not None:
+            folder = adapter_io.version_dir(self.config.run_dir, name, paged.from_version)
+            if (folder / adapter_io.WEIGHTS_FILE).is_file():
+                return adapter_io.read_version(folder).tensors, None
+            where = f"its version {paged.from_version}, which it was paged out as, is gone"
+        else:
+            found = checkpoint.read_latest(self.config.run_dir, name, self.rank, self.world_size)
+            if found is not None and found.state.step == exp.step and found.optimizer is not None:
+                return found.weights, found.optimizer
+            where = f"its checkpoint there is gone (newest: {None if found is None else found.state.step})"
+        raise ApiError(f"experiment {name!r} was paged out at step {exp.step}, but {where}; delete and restore it",
+                       code="page_in_failed", status=500)
 
     def _keep_spare(self, adapter: str, lora: LoraConfig) -> None:
         """A paged-out experiment's peft adapter, kept for the next page-in of the same LoRA shape (SPARE_ADAPTERS

@@ -113,6 +113,25 @@ def test_a_page_in_into_another_experiments_spare_adapter_is_bit_exact(learners)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+def test_an_experiment_never_trained_pages_out_without_a_checkpoint_and_back_exactly(learners):
+    """Created and not yet used (most page-outs on the tenants benchmark): its state is its v0 folder and an AdamW
+    with no state yet, so its page-out writes no checkpoint, and its page-in reads them back."""
+    from learner import checkpoint
+
+    paging, steady = learners
+    for trainer in learners:
+        trainer.add_experiment("fresh", LORA, AlgorithmConfig(learning_rate=1e-2))
+    paging.add_experiment("after_fresh", LORA, AlgorithmConfig())  # holds one: "fresh" is paged out
+    assert paging._paged["fresh"].from_version == 0
+    assert checkpoint.read_latest(paging.config.run_dir, "fresh", 0, 1) is None  # none written
+    a, b = _state(paging, "fresh"), _state(steady, "fresh")  # paged in from v0
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    for trainer in learners:
+        trainer.train(_batch(trainer, "fresh", 1.0))
+    a, b = _state(paging, "fresh"), _state(steady, "fresh")
+    assert any(k.endswith("exp_avg_sq") for k in a) and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 def test_what_a_page_out_left_is_freed_by_the_idle_pagers_round(learners):
     """A released DeepSpeed engine is in a reference cycle: its optimizer state went only at the interpreter's next
     full collection. The idle pager's round (`page_out_idle`, every 10 s) frees it, whether or not anything was
