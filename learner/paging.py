@@ -8,15 +8,17 @@ BENCHMARKS.md's tenants table). A tenant that has not trained for a week cost as
 verb reached for `learner.page_out_idle_s` (the idle pager, learner/app.py):
 
   * its state is written as a checkpoint at its current step (learner/checkpoint.py: the weights, AdamW's moments
-    and ZeRO's fp32 partition, exactly), the same files a restart resumes from, and waited for;
+    and ZeRO's fp32 partition, exactly), the same files a restart resumes from, and waited for; one never trained
+    since it was added writes none: the version folder it was added from and an AdamW with no state are its state;
   * its engine and its saved versions' copies are dropped, and its peft adapter too, or kept as a spare for the next
     page-in (SPARE_ADAPTERS at most); a small record stays (step, version, journal position, which versions the
     push check held).
 
-Its next verb pages it back in: a new adapter and engine, the checkpoint's weights and optimizer state loaded into
-them (bit-exact: tests/test_learner_paging.py compares the weights and the AdamW moments with a learner that
-never paged), and the push check's versions read back from their version folders. Measured on the 2-core box
-with SmolLM2 at r=16: BENCHMARKS.md's tenants table (`page_in_s`).
+Its next verb pages it back in: an adapter (a spare, else a new one) and a new engine, the checkpoint's weights and
+optimizer state loaded into them (bit-exact: tests/test_learner_paging.py compares the weights and the AdamW moments
+with a learner that never paged), and the push check's versions read back from their version folders. Measured on
+the 2-core box with SmolLM2 at r=16: BENCHMARKS.md's tenants table (`page_in_s`), and docs/benchmarks/findings.md
+"Many tenants" for what each of these costs.
 
 There is no middle tier in CPU memory: on a CPU host the learner's memory is CPU memory, and on a GPU host the
 checkpoint's write is the same one a restart needs anyway.

@@ -263,7 +263,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
     def remove_experiment(self, name: str) -> None:
         """Forget the adapter, its engine and optimizer; its files stay on disk (archived next, on a delete)."""
         self.wait_for_checkpoints()  # its files are whole before anything moves them
-        if self._paged.pop(name, None) is not None:  # its state is its checkpoint's files already
+        if self._paged.pop(name, None) is not None:  # its state is on disk already (learner/paging.py)
             self._lora_configs.pop(name, None)
             log.info("experiment %s removed while paged out", name)
             return
