@@ -105,6 +105,7 @@ class Paging:
     _add_peft_adapter: Callable[[str, Any], None]
     _activate: Callable[[str, list[torch.nn.Parameter]], None]
     _delete_peft_adapter: Callable[[str], None]
+    _adapter_parameters: Callable[[str], list[tuple[str, torch.nn.Parameter]]]
 
     _spares: dict[str, list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]]  # by LoraConfig (_keep_spare)
     _spare_names = 0
@@ -241,7 +242,7 @@ class Paging:
         if sum(len(spares) for spares in self._spares.values()) >= SPARE_ADAPTERS:
             self._delete_peft_adapter(adapter)
             return
-        named = [(n, p) for n, p in self.model.named_parameters() if f".{adapter}." in n]
+        named = self._adapter_parameters(adapter)
         self._spares.setdefault(lora.model_dump_json(), []).append((adapter, named))
 
     def _adapter_for(self, lora: LoraConfig) -> tuple[str, list[tuple[str, torch.nn.Parameter]]]:
@@ -252,7 +253,7 @@ class Paging:
         self._spare_names += 1
         adapter = f"paged_{self._spare_names}"  # not "exp_<name>": another experiment may hold it next
         self._add_peft_adapter(adapter, self._peft_config(lora))
-        return adapter, [(n, p) for n, p in self.model.named_parameters() if f".{adapter}." in n]
+        return adapter, self._adapter_parameters(adapter)
 
     def _read_saved(self, name: str, keys: list[str], paged: PagedOut) -> SavedWeights | None:
         """The push check's copies of the versions it held, read from their folders: each parameter's tensor by its

@@ -141,7 +141,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         # resumed version's new number): a start read after the write would be another version's.
         self._all_ranks_here()
         try:
-            params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+            params = [p for _, p in self._adapter_parameters(adapter)]
             self._activate(adapter, params)
             if start.weights is not None:
                 resume.load_weights(self.model, adapter, start.weights, name, start.loaded_version)
@@ -314,6 +314,10 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
         else:
             self.model.add_adapter(adapter, peft_config)
         self._switch.adapters_changed()
+
+    def _adapter_parameters(self, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """`adapter`'s parameters in the shared model, by name, in the model's order (a walk over every parameter)."""
+        return [(n, p) for n, p in self.model.named_parameters() if f".{adapter}." in n]
 
     def _activate(self, adapter: str, params: list[torch.nn.Parameter]) -> None:
         """Route forwards through `adapter` and make only its weights (`params`) trainable (learner/activation.py)."""
