@@ -448,7 +448,7 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
                             anchor: bool = True) -> dict:
     """The figure on a server started for it, then stopped; then the anchor (`vllm serve`)."""
     from .host import default_sampler_dtype
-    from .server import start, stop
+    from .server import clear_run_dir, start, stop
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-tenants-"))
     work = Path(tempfile.mkdtemp(prefix="bench-tenants-anchor-"))
@@ -478,8 +478,8 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
     levels_out = result["levels"]
     checks, values = checks_of(levels_out, side)
     ok = code == 0 and not keep and not any(lv["error_count"] for lv in levels_out)
-    if ok:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if not keep:  # a failed run keeps its logs (256 experiments' adapters and checkpoints are ~30 GiB)
+        clear_run_dir(run_dir, failed=not ok)
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     # The summary first: scripts/bench prints a figure's first 400 characters.
