@@ -30,6 +30,7 @@ class AdapterUnderTraining:
     checkpointed_step: int = -1
     checkpoint_started_s: float = field(default_factory=time.monotonic)  # the newest checkpoint's start
     used_at_s: float = field(default_factory=time.monotonic)  # its latest verb's start (paging.py's idle rule)
+    busy_at_use_s: float = 0.0  # the learner's verb_seconds at that start (paging.py's idle rule)
     # The saved version whose weights the adapter holds exactly (None once a step has moved them, until
     # the next save): completions it sampled are compared with the learner's own logprobs in `train`.
     weights_version: int | None = None

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,11 +53,17 @@ class LearnerHandler:
         self.run_dir = Path(run_dir)
         self.keep_versions = keep_versions  # LearnerOptions.keep_versions (0: keep every version)
         self.lock = asyncio.Lock()
+        self.counts_busy_time = hasattr(trainer, "verb_seconds")  # a lockstep front of several ranks pages nothing
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         async with self.lock:
             check_deadline(fn.__name__)  # its turn came after its caller gave up (a pause): not run
-            return await asyncio.to_thread(fn, *args)
+            started = time.monotonic()
+            try:
+                return await asyncio.to_thread(fn, *args)
+            finally:
+                if self.counts_busy_time:  # the idle rule's clock (learner/paging.py)
+                    self.trainer.verb_seconds += time.monotonic() - started
 
     async def add_experiment(self, req: AddExperimentRequest) -> AdapterVersion:
         return await self._run(self.trainer.add_experiment, req.name, req.lora, req.algorithm, req.resync)

@@ -112,6 +112,9 @@ class Paging:
     _page_outs_released = 0  # page_outs at the newest release_freed_memory
     page_ins = 0
     page_outs = 0
+    # Seconds the learner's verbs ran, summed (learner/app.py counts them): the idle rule counts an experiment's
+    # idle time in the learner's spare time only.
+    verb_seconds = 0.0
     last_page_in_s: float | None = None
     last_page_out_s: float | None = None
 
@@ -128,7 +131,7 @@ class Paging:
                 raise NotFound(f"experiment {name!r} is not loaded in the learner")
             exp = self._page_in(name)
         self.experiments[name] = exp  # to the end: most recently used
-        exp.used_at_s = time.monotonic()
+        exp.used_at_s, exp.busy_at_use_s = time.monotonic(), self.verb_seconds
         self._paged.pop(name, None)  # after: `status`, which reads both without the lock, sees it in one or both
         self._page_out_beyond_limit(keep=name)
         return exp
@@ -147,23 +150,32 @@ class Paging:
                 self._page_out(name)
 
     def page_out_idle(self) -> int:
-        """Page out the experiments no verb reached for `learner.page_out_idle_s` (not one holding Tinker gradients),
-        then hand the memory freed by every page-out since the last call back to the system; how many went. The
-        learner's idle pager calls it under the lock (learner/app.py). Without it the least recently used went only
-        past `resident_experiments`, so a tenant idle for a week held its ~100 MiB while fewer than that many others
-        trained since."""
+        """Page out the experiments no verb reached for `learner.page_out_idle_s` of the learner's spare time (not one
+        holding Tinker gradients), then hand the memory freed by every page-out since the last call back to the
+        system; how many went. The learner's idle pager calls it under the lock (learner/app.py). Without it the
+        least recently used went only past `resident_experiments`, so a tenant idle for a week held its ~100 MiB
+        while fewer than that many others trained since.
+
+        Spare time, not wall time: while the learner runs other experiments' verbs back to back, an experiment
+        whose next step waits in the front end's queue for its turn is not idle. Counted in wall time, 32 active
+        tenants on 2 cores (each waiting a minute or more for its turn) were paged out between their own steps,
+        and their page-ins (1.7 s each) made the queue longer still (the tenants benchmark)."""
         idle_s = self.config.page_out_idle_s
         if self.resident_limit is None:
             return 0
         now = time.monotonic()
         idle = [name for name, exp in self.experiments.items()
-                if idle_s and now - exp.used_at_s >= idle_s and exp.pending_backwards == 0]
+                if idle_s and self.spare_seconds_since_use(exp, now) >= idle_s and exp.pending_backwards == 0]
         for name in idle:
             self._page_out(name)
         if self.page_outs != self._page_outs_released:
             release_freed_memory()
             self._page_outs_released = self.page_outs
         return len(idle)
+
+    def spare_seconds_since_use(self, exp: AdapterUnderTraining, now: float) -> float:
+        """The seconds since `exp`'s latest verb began in which the learner ran no verb."""
+        return (now - exp.used_at_s) - (self.verb_seconds - exp.busy_at_use_s)
 
     def _page_out(self, name: str) -> None:
         started = time.perf_counter()

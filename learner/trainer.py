@@ -155,7 +155,7 @@ class MultiAdapterTrainer(TinkerSteps, PreviousVersionScoring, Checkpointing, Pa
             raise
         exp = AdapterUnderTraining(name, adapter, algorithm, params, engine, start.step, start.version,
                                    journal_seq=start.journal_seq, groups_trained=start.groups_trained,
-                                   weights_version=start.version)
+                                   weights_version=start.version, busy_at_use_s=self.verb_seconds)
         if found.resumed is not None:
             exp.checkpointed_step = start.step
             if found.resumed.optimizer is not None:

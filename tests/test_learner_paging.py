@@ -169,3 +169,22 @@ def test_an_experiment_holding_tinker_gradients_stays_in_memory(learners):
     paging.forward_backward(ForwardBackwardRequest(name="grads", loss_fn="cross_entropy", data=[datum]))
     paging.add_experiment("beside", LORA, AlgorithmConfig())  # one over the limit: "grads" cannot go
     assert paging.status()["grads"]["resident"] is True and len(paging.experiments) == 2
+
+
+def test_the_idle_rule_counts_the_learners_spare_time_only(learners):
+    """`page_out_idle`: an experiment whose latest verb began two minutes ago, while the learner ran other verbs for
+    100 s of them (its step waiting its turn in the front end's queue), is not idle; with 90 s of them spare it is
+    (page_out_idle_s 60). The learner's HTTP handler sums its verbs' seconds (tests/test_learner_http.py runs the
+    pager on a real process)."""
+    _, steady = learners
+    assert steady.config.page_out_idle_s == 60
+    steady.add_experiment("waiting", LORA, AlgorithmConfig())
+    exp = steady.experiments["waiting"]
+    steady.verb_seconds += 500.0  # what the handler would have counted since the learner started
+    exp.used_at_s -= 120.0
+    exp.busy_at_use_s = steady.verb_seconds - 100.0
+    steady.page_out_idle()
+    assert steady.status()["waiting"]["resident"] is True
+    exp.busy_at_use_s = steady.verb_seconds - 30.0
+    steady.page_out_idle()
+    assert steady.status()["waiting"]["resident"] is False

@@ -268,8 +268,9 @@ class LearnerOptions(StrictModel):
     # 60 s: a page-out and the page-in after it cost the learner ~3 s (BENCHMARKS.md's tenants table), so a tenant
     # whose steps come a minute apart or more loses at most a few percent of its learner time to them.
     page_out_idle_s: float = Field(60.0, ge=0, le=365 * 86400, description=(
-        "An experiment no verb reached for this many seconds is paged out (learner/paging.py), even under "
-        "`resident_experiments`: the learner's memory follows the experiments in use, not those registered. "
+        "An experiment no verb reached for this many seconds of the learner's spare time (while it ran no verb) "
+        "is paged out (learner/paging.py), even under `resident_experiments`: the learner's memory follows the "
+        "experiments in use, not those registered, and one that waits its turn behind others' steps stays in. "
         "0 = only past `resident_experiments`."))
 
 
