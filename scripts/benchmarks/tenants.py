@@ -478,9 +478,8 @@ async def own_server_figure(model_dir: Path, sampler_settings: dict | None = Non
     levels_out = result["levels"]
     checks, values = checks_of(levels_out, side)
     ok = code == 0 and not keep and not any(lv["error_count"] for lv in levels_out)
-    if not keep:  # a failed run keeps its logs (256 experiments' adapters and checkpoints are ~30 GiB)
+    if not keep:  # a failed run keeps its logs (256 experiments' adapters and checkpoints are ~20 GiB)
         clear_run_dir(run_dir, failed=not ok)
-    if not keep:
         shutil.rmtree(work, ignore_errors=True)
     # The summary first: scripts/bench prints a figure's first 400 characters.
     return {"met": all(v is True for v in checks.values()), "checks": checks, "values": values,
