@@ -197,7 +197,12 @@ async def test_two_ranks_train_exactly_like_one_and_recover_together(tiny_model_
                     metrics = await _train_both(clients, batches[name], step)
                 assert metrics.clipped_fraction > 0 and (metrics.kl is not None) == (algorithm.beta > 0)
                 await _assert_same_adapters(clients, name, 1, before=v0[0].path)
-                # Checkpointed every step, with each rank's optimizer shard.
+                # Checkpointed every step, with each rank's optimizer shard. A thread writes it beside the next
+                # verb and renames its folder into place once whole: waited for.
+                deadline = time.monotonic() + 60
+                while not (checkpoints / name / "step00000002" / "state.json").is_file():
+                    assert time.monotonic() < deadline, f"{name}: no checkpoint at step 2 after 60 s"
+                    await asyncio.sleep(0.1)
                 state = yaml.safe_load((checkpoints / name / "step00000002" / "state.json").read_text())
                 assert (state["ranks"], state["step"]) == (2, 2)
                 assert {"optimizer.pt", "optimizer.rank1.pt", "rng.pt", "rng.rank1.pt"} <= {

@@ -229,17 +229,25 @@ async def test_a_policy_trained_into_special_tokens_streams_without_stalling_the
                 async with session.get(f"{server.url}/v1/health") as answer:
                     return (await answer.json())["event_loop_lag_max_s"]
 
-        await wait_for(lambda: _below(lag, 0.1), timeout_s=70)  # the window (the last minute) holds no stall yet
-        async with openai_client(server.url, key) as oai:
-            stream = await oai.chat.completions.create(model=name, messages=MESSAGES, n=32, max_tokens=440,
-                                                       temperature=0.0, stream=True)
-            ids = defaultdict(list)
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    ids[choice.index] += choice.model_extra["token_ids"]
-        assert len(ids) == 32 and sum(len(v) for v in ids.values()) > 32 * 400
-        assert sum(i == special for v in ids.values() for i in v) > 0.95 * sum(len(v) for v in ids.values())
-        assert await lag() < 0.1
+        # Twice at most: the lag also counts time the loop waited for a core, and on a loaded 2-core box (the other
+        # test worker's server) one such wait went over 0.1 s once. The stall this test is about comes back on
+        # every stream; a wait for a core does not.
+        lags = []
+        for _ in range(2):
+            await wait_for(lambda: _below(lag, 0.1), timeout_s=70)  # the window (the last minute) holds no stall
+            async with openai_client(server.url, key) as oai:
+                stream = await oai.chat.completions.create(model=name, messages=MESSAGES, n=32, max_tokens=440,
+                                                           temperature=0.0, stream=True)
+                ids = defaultdict(list)
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        ids[choice.index] += choice.model_extra["token_ids"]
+            assert len(ids) == 32 and sum(len(v) for v in ids.values()) > 32 * 400
+            assert sum(i == special for v in ids.values() for i in v) > 0.95 * sum(len(v) for v in ids.values())
+            lags.append(await lag())
+            if lags[-1] < 0.1:
+                break
+        assert lags[-1] < 0.1, lags
     finally:
         async with aiohttp.ClientSession(headers=headers()) as session:
             async with session.delete(f"{server.url}/v1/experiments/{name}") as deleted:
