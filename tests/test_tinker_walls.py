@@ -148,18 +148,32 @@ def test_a_large_body_does_not_hold_the_event_loop(server):
     values = list(range(1_000_000, 1_850_000))  # 850k 7-digit ids: ~7.6 MB of JSON, under the 8 MiB body limit
     body = _sample_body(target_prompt_logprobs={"data": values, "dtype": "int64", "shape": [len(values)]})
     assert len(json.dumps(body)) < 8 * 1024 * 1024
-    slowest = []
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the sender's exception, if any, fails the test
-        sent = pool.submit(_call, server, "POST", "/api/v1/asample", ADMIN_KEY, body)
-        while not sent.done():
-            slowest.append(_call(server, "GET", "/v1/health", ADMIN_KEY)[2])
-        status, _, seconds = sent.result()
-    assert status == 200, status  # decoded and validated (a future), not refused unread (413)
-    # A liveness bound: on the loop, this body held it ~0.3 s, off it /v1/health took under 0.07 s (measured on
-    # this box); the mechanism itself is test_a_large_body_is_decoded_off_the_loop's.
-    assert len(slowest) >= 2 and max(slowest) < 0.5, (slowest, seconds)
-    _, health, _ = _call(server, "GET", "/v1/health", ADMIN_KEY)  # the largest lag of the last minute
-    assert 0 <= health["event_loop_lag_max_s"] < 0.25, health
+
+    def lag() -> float:  # the largest of the last minute, as the server's own monitor measured it
+        return _call(server, "GET", "/v1/health", ADMIN_KEY)[1]["event_loop_lag_max_s"]
+
+    # Twice at most, each from a window without a stall: the lag also counts time the loop waited for a core, and on
+    # a loaded 2-core box (the other test worker's server) one such wait reached 0.27 s once. The stall this test is
+    # about comes back with every body; a wait for a core does not.
+    lags = []
+    for _ in range(2):
+        deadline = time.monotonic() + 70
+        while lag() >= 0.25 and time.monotonic() < deadline:
+            time.sleep(1)
+        slowest = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the sender's exception, if any, fails the test
+            sent = pool.submit(_call, server, "POST", "/api/v1/asample", ADMIN_KEY, body)
+            while not sent.done():
+                slowest.append(_call(server, "GET", "/v1/health", ADMIN_KEY)[2])
+            status, _, seconds = sent.result()
+        assert status == 200, status  # decoded and validated (a future), not refused unread (413)
+        # A liveness bound: on the loop, this body held it ~0.3 s, off it /v1/health took under 0.07 s (measured
+        # on this box); the mechanism itself is test_a_large_body_is_decoded_off_the_loop's.
+        assert len(slowest) >= 2 and max(slowest) < 0.5, (slowest, seconds)
+        lags.append(lag())
+        if 0 <= lags[-1] < 0.25:
+            break
+    assert 0 <= lags[-1] < 0.25, lags
 
 
 async def test_a_large_body_is_decoded_off_the_loop(monkeypatch):
