@@ -22,7 +22,9 @@ So the engine gets `max_num_seqs + reserved_seqs` slots, and this admission hand
   a step for 1 sequence, 306 ms for 64, merged; 88 and 365 ms through LoRA), and each of the neighbour's tokens
   waits for a whole step. So the heavy experiment's batch shrinks while someone else samples, and a neighbour's
   8-token group no longer takes 5x its time alone. vllm_engine.py sends a larger n as requests of at most
-  `beside_others`, so that a large group is not one unsplittable block.
+  `beside_others`, so that a large group is not one unsplittable block;
+- within one experiment, requests go in arrival order, except that a score's one-token parts (`background`) wait
+  behind the experiment's completions that arrive meanwhile (`_enqueue`).
 
 Every sequence of a request takes a seat (vLLM fans `n` out into n requests). A request larger than the shared
 seats takes them all once the engine is empty. The front end's per-experiment priority (GenerateRequest.priority)
@@ -43,6 +45,7 @@ class _Waiter:
     tenant: str
     seats: int
     arrival: int
+    background: bool = False
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -69,10 +72,11 @@ class FairAdmission:
         return sum(len(queue) for queue in self._queues.values())
 
     @contextlib.asynccontextmanager
-    async def seats(self, tenant: str, count: int) -> AsyncIterator[None]:
-        """Hold `count` seats for `tenant`'s request while it runs in the engine."""
-        waiter = _Waiter(tenant, max(1, min(count, self.shared)), next(self._arrivals))
-        self._queues.setdefault(tenant, deque()).append(waiter)
+    async def seats(self, tenant: str, count: int, background: bool = False) -> AsyncIterator[None]:
+        """Hold `count` seats for `tenant`'s request while it runs in the engine. A `background` request waits
+        behind the tenant's other requests that arrive while it waits (see `_enqueue`)."""
+        waiter = _Waiter(tenant, max(1, min(count, self.shared)), next(self._arrivals), background)
+        self._enqueue(waiter)
         self._admit()
         if not waiter.admitted.done():
             try:
@@ -87,6 +91,21 @@ class FairAdmission:
             yield
         finally:
             self._release(waiter)
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        """Into its tenant's queue: last, or, if it is not `background`, before the tenant's background waiters.
+        A score at temperature is one one-seat request per completion token (vllm_engine.py `_score_tempered`):
+        a push check queues dozens of them, and beside another experiment (at most `beside_others` seats held) the
+        experiment's next completion waited behind all of them, about a second, at every push of the hostile-tenant
+        benchmark. Each still goes before every later background one, so none is passed forever by its own
+        tenant's completions but by those that come while it waits."""
+        queue = self._queues.setdefault(waiter.tenant, deque())
+        if not waiter.background:
+            for index, queued in enumerate(queue):
+                if queued.background:
+                    queue.insert(index, waiter)
+                    return
+        queue.append(waiter)
 
     def _dequeue(self, waiter: _Waiter) -> bool:
         """Take `waiter` out of its queue; False if it was not there (seated, or dropped by `_admit`)."""

@@ -135,8 +135,9 @@ class VllmEngine(MergedServing, Engine):
     # --- requests ----------------------------------------------------------------------------
 
     async def _run(self, prompt_ids: list[int], params: Any, adapter: AdapterRef | None,
-                   served_as: ServedAs, priority: int = 0) -> Any:
-        """One request to the end, inside `_serving`; its adapter cannot be removed while it runs."""
+                   served_as: ServedAs, priority: int = 0, background: bool = False) -> Any:
+        """One request to the end, inside `_serving`; its adapter cannot be removed while it runs. `background`:
+        a part of a score, seated behind its experiment's completions (fair_admission.py `_enqueue`)."""
         from vllm import TokensPrompt
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -154,7 +155,7 @@ class VllmEngine(MergedServing, Engine):
         try:
             # Seated fairly among the experiments (sampler/fair_admission.py), then in vLLM. Cancelling this
             # coroutine (client gone, caller timeout) closes the generator, which aborts the request inside vLLM.
-            async with self._admission.seats(adapter.name if adapter is not None else "", params.n):
+            async with self._admission.seats(adapter.name if adapter is not None else "", params.n, background):
                 async for out in self._llm.generate(
                     TokensPrompt(prompt_token_ids=prompt_ids),
                     params,
@@ -319,9 +320,10 @@ class VllmEngine(MergedServing, Engine):
 
         full = prompt + completion
         async with self._serving(adapter) as served_as:
-            await self._run(full, params(None), adapter, served_as)  # warms the prefix cache
+            await self._run(full, params(None), adapter, served_as, background=True)  # warms the prefix cache
             outs = await asyncio.gather(*(
-                self._run(full[: len(prompt) + i], params(tok), adapter, served_as) for i, tok in enumerate(completion)
+                self._run(full[: len(prompt) + i], params(tok), adapter, served_as, background=True)
+                for i, tok in enumerate(completion)
             ))
         return [float(out.outputs[0].logprobs[0][tok].logprob) for out, tok in zip(outs, completion)]
 

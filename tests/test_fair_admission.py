@@ -150,6 +150,43 @@ async def test_beside_another_experiment_one_holds_at_most_its_share_and_alone_t
     assert admission.taken == 0 and not admission.held
 
 
+async def test_a_completion_goes_before_its_own_experiments_queued_score_parts():
+    """Beside another experiment (at most `beside_others` held), an experiment's push check queues a score's
+    one-seat parts; its next completion is seated as soon as its held seats allow, before the parts still waiting,
+    and the parts keep their own order."""
+    admission = FairAdmission(shared=16, reserved=4, beside_others=4, contended=lambda tenant: True)
+    order: list[str] = []
+    gates: dict[str, asyncio.Event] = {}
+
+    async def one(name: str, count: int, background: bool) -> None:
+        gates[name] = asyncio.Event()
+        async with admission.seats("light", count, background):
+            order.append(name)
+            await gates[name].wait()
+
+    parts = [asyncio.create_task(one(f"part{i}", 1, True)) for i in range(12)]
+    await _settle()
+    assert order == ["part0", "part1", "part2", "part3"]  # its share beside the other
+    completion = asyncio.create_task(one("completion", 4, False))
+    later_part = asyncio.create_task(one("part12", 1, True))
+    await _settle()
+    for name in order[:4]:  # the four running parts end: the completion's 4 seats are its share
+        gates[name].set()
+    await _settle()
+    assert order[4:] == ["completion"], order
+    gates["completion"].set()
+    await _settle()
+    assert order[5:9] == ["part4", "part5", "part6", "part7"], order  # then the parts, in their order
+    for gate in list(gates.values()):
+        gate.set()
+    for _ in range(4):
+        await _settle()
+        for gate in list(gates.values()):
+            gate.set()
+    await asyncio.gather(*parts, completion, later_part)
+    assert order[-1] == "part12" and admission.taken == 0 and not admission.held
+
+
 # --- on a real sampler ---------------------------------------------------------------------------------------------
 
 def test_a_light_experiment_is_served_while_another_fills_the_batch(sampler_vllm: Sampler,
@@ -191,9 +228,9 @@ def test_a_light_experiment_is_served_while_another_fills_the_batch(sampler_vllm
 
 
 def test_a_group_larger_than_the_share_is_sent_in_parts_with_the_same_samples(sampler_vllm: Sampler) -> None:
-    """n = 20 over `max_seqs_beside_others` (16 here) goes as parts of 16 and 4 (vllm_engine.py `_run_split`). vLLM
-    seeds a request's sequence i with seed + i, and each part starts at its own offset: sequences 2 and 17 are those
-    of single requests seeded 7 + 2 and 7 + 17, as they are in one request of 20."""
+    """n = 20 over `max_seqs_beside_others` (the default, 4) goes as five parts of 4 (vllm_engine.py `_run_split`).
+    vLLM seeds a request's sequence i with seed + i, and each part starts at its own offset: sequences 2 and 17 are
+    those of single requests seeded 7 + 2 and 7 + 17, as they are in one request of 20."""
     group = sampler_vllm.generate(n=20, max_tokens=6, seed=7)["completions"]
     assert len(group) == 20
     for i in (2, 17):

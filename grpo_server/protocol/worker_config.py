@@ -170,12 +170,13 @@ class SamplerOptions(StrictModel):
         "vLLM: sequences the engine runs beyond max_num_seqs, only for an experiment that holds at most this many "
         "with its request, so a light tenant's group starts at once however full a heavy tenant keeps the batch "
         "(vLLM does not preempt a running sequence for a waiting one; sampler/fair_admission.py)."))
-    max_seqs_beside_others: int = Field(16, ge=1, le=65536, description=(
+    max_seqs_beside_others: int = Field(4, ge=1, le=65536, description=(
         "vLLM: most sequences one experiment runs while another samples here (a request of it waiting or running, "
         "or done within lone_after_s); alone, an experiment gets max_num_seqs. A larger n is sent as requests of at "
         "most this many (the same samples for a seed). On CPU an engine step's time grows with its batch, and every "
         "experiment's tokens wait for it: smaller makes a light neighbour faster and a heavy experiment slower "
-        "beside it (sampler/fair_admission.py)."))
+        "beside it (sampler/fair_admission.py). At 16 a light tenant's completions took 2.5-3x as long beside a "
+        "flooding one as alone; at 4, under 2x in most runs (docs/benchmarks/findings.md \"The hostile tenant\")."))
     lora_rounding: Literal["stochastic", "nearest"] = Field("stochastic", description=(
         "vLLM on CPU, bf16, cpu_lora_ops grouped: how a LoRA update is added to a layer's bf16 output. stochastic = "
         "rounded up or down in proportion, the exact sum in expectation; nearest = round to nearest, which drops "
