@@ -97,8 +97,8 @@ class FairAdmission:
         A score at temperature is one one-seat request per completion token (vllm_engine.py `_score_tempered`):
         a push check queues dozens of them, and beside another experiment (at most `beside_others` seats held) the
         experiment's next completion waited behind all of them, about a second, at every push of the hostile-tenant
-        benchmark. Each still goes before every later background one, so none is passed forever by its own
-        tenant's completions but by those that come while it waits."""
+        benchmark. Background waiters keep their order among themselves, and only their own experiment's requests
+        pass them: an experiment that never pauses its completions delays its own scores, nobody else's."""
         queue = self._queues.setdefault(waiter.tenant, deque())
         if not waiter.background:
             for index, queued in enumerate(queue):
