@@ -444,19 +444,34 @@ async def test_a_stream_of_special_tokens_never_holds_the_event_loop(tokenizer):
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
-    lag = LoopLag(interval_s=0.005)
-    watcher = asyncio.create_task(lag.watch_forever())
+
+    async def streamed_with_lag() -> LoopLag:
+        lag = LoopLag(interval_s=0.005)
+        watcher = asyncio.create_task(lag.watch_forever())
+        try:
+            host, port = runner.addresses[0][:2]
+            async with openai_client(f"http://{host}:{port}", "any") as oai:
+                stream = await oai.chat.completions.create(model="held", messages=MESSAGES, n=choices, stream=True)
+                got, token_ids = defaultdict(str), defaultdict(list)
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        got[choice.index] += choice.delta.content or ""
+                        token_ids[choice.index] += choice.model_extra["token_ids"]
+        finally:
+            watcher.cancel()
+        assert got == {i: text for i in range(choices)} and token_ids == {i: ids for i in range(choices)}
+        return lag
+
+    # Twice at most, as the server-side test above: the lag also counts time this process waited for a core (336 ms
+    # once, with the other test worker starting a server). The stall this test is about comes back on every stream.
     try:
-        host, port = runner.addresses[0][:2]
-        async with openai_client(f"http://{host}:{port}", "any") as oai:
-            stream = await oai.chat.completions.create(model="held", messages=MESSAGES, n=choices, stream=True)
-            got, token_ids = defaultdict(str), defaultdict(list)
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    got[choice.index] += choice.delta.content or ""
-                    token_ids[choice.index] += choice.model_extra["token_ids"]
+        stalls = []
+        for _ in range(2):
+            lag = await streamed_with_lag()
+            assert lag.count > 10
+            stalls.append(round(lag.max_s, 3))
+            if lag.max_s < 0.1:
+                break
     finally:
-        watcher.cancel()
         await runner.cleanup()
-    assert got == {i: text for i in range(choices)} and token_ids == {i: ids for i in range(choices)}
-    assert lag.count > 10 and lag.max_s < 0.1, f"the event loop stalled {lag.max_s * 1e3:.0f} ms"
+    assert stalls[-1] < 0.1, f"the event loop stalled (s): {stalls}"
