@@ -176,7 +176,8 @@ class SamplerOptions(StrictModel):
         "most this many (the same samples for a seed). On CPU an engine step's time grows with its batch, and every "
         "experiment's tokens wait for it: smaller makes a light neighbour faster and a heavy experiment slower "
         "beside it (sampler/fair_admission.py). At 16 a light tenant's completions took 2.5-3x as long beside a "
-        "flooding one as alone; at 4, under 2x in most runs (docs/benchmarks/findings.md \"The hostile tenant\")."))
+        "flooding one as alone; at 4, 1.6-1.9x in five runs of seven (docs/benchmarks/findings.md \"The hostile "
+        "tenant\")."))
     lora_rounding: Literal["stochastic", "nearest"] = Field("stochastic", description=(
         "vLLM on CPU, bf16, cpu_lora_ops grouped: how a LoRA update is added to a layer's bf16 output. stochastic = "
         "rounded up or down in proportion, the exact sum in expectation; nearest = round to nearest, which drops "
